@@ -1,0 +1,46 @@
+"""The `kvrelay` console command.
+
+Each subcommand lives in the module that owns the feature and exposes two functions:
+`add_arguments(parser)` and `run(args) -> int` (the exit status). Keeping them there, rather than here,
+lets `kvrelay generate` stay next to the engine it drives and keeps this file a plain table.
+Modules are imported lazily so `kvrelay config check` does not pay for torch or Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (name, module, one-line help). A command is listed here only once it works end to end.
+COMMANDS: list[tuple[str, str, str]] = [
+    ("config", "kvrelay.cluster.config_cmd", "check a topology YAML and print the resolved topology"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvrelay",
+        description="kvrelay: disaggregated prefill/decode serving for gpt-oss.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, module_name, help_text in COMMANDS:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module_name)
+        importlib.import_module(module_name).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    module = importlib.import_module(args._module)
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
