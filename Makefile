@@ -1,0 +1,44 @@
+# kvrelay developer entry points. `make demo` and `make test` are the README's two commands: each creates
+# .venv on first use and installs what it needs (CPU build of torch; packages from PyPI only).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# A plain `torch` requirement pulls a multi-GB CUDA build; pin the CPU build explicitly for CPU machines.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+# openai-harmony loads the o200k vocabulary from here instead of downloading it.
+TOKENIZER_DIR ?= $(abspath ../shared/tokenizer)
+ifneq ($(wildcard $(TOKENIZER_DIR)/o200k_base.tiktoken),)
+export TIKTOKEN_ENCODINGS_BASE ?= $(TOKENIZER_DIR)
+endif
+# Loopback only: Ray binds 127.0.0.1 with this set; UCX (NIXL) uses the loopback device.
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
+export UCX_NET_DEVICES ?= lo
+export RAY_USAGE_STATS_ENABLED ?= 0
+export PYTHONUNBUFFERED := 1
+
+.PHONY: venv test test-gpu demo wheel-check protos clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+test: $(VENV)/.installed
+	$(PY) -m pytest tests/cpu tests/e2e -m "not gpu" -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# On the H200 machine (see README "GPU tests").
+test-gpu:
+	python3 -m pytest tests/gpu -m gpu -q -p no:cacheprovider $(PYTEST_ARGS)
+
+demo: $(VENV)/.installed
+	$(PY) -m kvrelay.cluster.demo configs/cpu-tiny.yaml
+
+protos: $(VENV)/.installed
+	$(PY) -c "from kvrelay.protos import generate; generate()"
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache

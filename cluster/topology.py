@@ -1,0 +1,338 @@
+"""Topology YAML -> frozen, typed dataclasses.
+
+Every error names the file, the key path and the problem (`TopologyError`), because a serving config is
+usually edited by hand on a machine far from the person who wrote the code. Validation happens once,
+here, so nothing downstream re-checks a topology.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+Quant = Literal["fp8-block128", "bf16"]
+Device = Literal["cpu", "cuda"]
+Policy = Literal["least-loaded", "round-robin"]
+Backend = Literal["nixl"]
+
+DEFAULT_CONFIG = "cpu-tiny.yaml"
+
+
+class TopologyError(ValueError):
+    """A topology file is invalid; the message is `FILE: key.path: problem`."""
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    name: str  # a preset (gpt-oss-20b, gpt-oss-120b, tiny ...) or a checkpoint directory
+    dummy: bool = False  # random full-size weights from `seed`, no checkpoint on disk
+    quant: Quant = "bf16"
+    max_context: int = 8192
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class PrefillSection:
+    workers: int = 1
+    tp: int = 1
+    max_prompt_tokens: int = 8192
+
+
+@dataclass(frozen=True)
+class DecodeSection:
+    workers: int = 1
+    ep: int = 1
+    tp: int = 1
+    max_batch: int = 64
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+    kv_memory_fraction: float = 0.5
+    page_size: int = 16
+
+
+@dataclass(frozen=True)
+class RouterSection:
+    host: str = "127.0.0.1"
+    grpc_port: int = 50051
+    http_port: int = 8000
+    policy: Policy = "least-loaded"
+
+
+@dataclass(frozen=True)
+class KVTransferSection:
+    backend: Backend = "nixl"
+    ucx_tls: str = "tcp,cma,self"
+    lease_seconds: float = 30.0
+
+
+@dataclass(frozen=True)
+class RaySection:
+    address: str | None = None  # None: start a local Ray instance; "auto" or host:port: join
+    namespace: str = "kvrelay"
+
+
+@dataclass(frozen=True)
+class Topology:
+    model: ModelSection
+    prefill: PrefillSection = field(default_factory=PrefillSection)
+    decode: DecodeSection = field(default_factory=DecodeSection)
+    router: RouterSection = field(default_factory=RouterSection)
+    kv_transfer: KVTransferSection = field(default_factory=KVTransferSection)
+    ray: RaySection = field(default_factory=RaySection)
+    device: Device = "cpu"
+    gpus: int = 0  # GPUs this topology provides (per cluster); 0 on CPU
+    colocate: bool = False  # prefill and decode pools share the same GPUs
+    source: str = "<memory>"  # the file it came from, for messages
+
+    @property
+    def prefill_gpus(self) -> int:
+        return 0 if self.device == "cpu" else self.prefill.workers * self.prefill.tp
+
+    @property
+    def decode_gpus(self) -> int:
+        # "EPn TPn" is n ranks: experts and attention heads are partitioned over the same ranks.
+        return 0 if self.device == "cpu" else self.decode.workers * self.decode.tp
+
+    @property
+    def gpus_needed(self) -> int:
+        if self.colocate:
+            return max(self.prefill_gpus, self.decode_gpus)
+        return self.prefill_gpus + self.decode_gpus
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("source")
+        return d
+
+
+# ---------------------------------------------------------------- parsing
+
+
+def _type_name(tp: Any) -> str:
+    if tp is bool:
+        return "a boolean"
+    if tp is int:
+        return "an integer"
+    if tp is float:
+        return "a number"
+    if tp is str:
+        return "a string"
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        return "a list of " + _type_name(typing.get_args(tp)[0]).removeprefix("a ").removeprefix("an ") + "s"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
+    return str(tp)
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check `value` against the annotation `tp`; returns the value in the dataclass's type."""
+    origin = typing.get_origin(tp)
+    bad = TopologyError(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    if origin in (typing.Union, types.UnionType):
+        for arm in typing.get_args(tp):
+            if arm is type(None) and value is None:
+                return None
+            if arm is not type(None):
+                try:
+                    return _coerce(value, arm, where)
+                except TopologyError:
+                    pass
+        raise bad
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise TopologyError(f"{where}: {value!r} is not {_type_name(tp)}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise bad
+        return tuple(_coerce(v, typing.get_args(tp)[0], f"{where}[{i}]") for i, v in enumerate(value))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise bad
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise bad
+        return value
+    raise TypeError(f"unsupported annotation {tp!r}")
+
+
+def _build(cls: type, raw: Any, where: str) -> Any:
+    if not isinstance(raw, dict):
+        raise TopologyError(f"{where}: expected a mapping, got {type(raw).__name__} {raw!r}")
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in fields(cls) if f.name != "source"]
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        path = f"{where}.{key}" if where else str(key)
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+            hint = f" (did you mean '{close[0]}'?)" if close else f" (valid keys: {', '.join(known)})"
+            raise TopologyError(f"{path}: unknown key{hint}")
+        sub = hints[key]
+        if dataclasses.is_dataclass(sub):
+            kwargs[key] = _build(sub, value, path)
+        else:
+            kwargs[key] = _coerce(value, sub, path)
+    for f in fields(cls):
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if required and f.name not in kwargs:
+            raise TopologyError(f"{where + '.' if where else ''}{f.name}: required key is missing")
+    return cls(**kwargs)
+
+
+def _model_dims(model: ModelSection, base_dir: Path) -> tuple[str, int, int, int]:
+    """(resolved name or path, query heads, kv heads, experts) without importing torch."""
+    from kvrelay.engine.config import PRESETS, load_model_config
+
+    if model.name in PRESETS:
+        cfg = PRESETS[model.name]
+    else:
+        path = Path(os.path.expanduser(model.name))
+        if not path.is_absolute() and not path.exists():
+            path = base_dir / path
+        if not path.exists():
+            raise TopologyError(
+                f"model.name: {model.name!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
+                f"nor an existing checkpoint directory")
+        try:
+            cfg = load_model_config(str(path))
+        except Exception as e:  # the loader's message says what is wrong with the checkpoint
+            raise TopologyError(f"model.name: cannot read the model config in {path}: {e}") from e
+        return str(path), cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_experts
+    return model.name, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_experts
+
+
+def _check(t: Topology, base_dir: Path) -> Topology:
+    def pos(path: str, v: int | float) -> None:
+        if v <= 0:
+            raise TopologyError(f"{path}: must be > 0, got {v}")
+
+    for path, v in [("model.max_context", t.model.max_context), ("prefill.workers", t.prefill.workers),
+                    ("prefill.tp", t.prefill.tp), ("prefill.max_prompt_tokens", t.prefill.max_prompt_tokens),
+                    ("decode.workers", t.decode.workers), ("decode.ep", t.decode.ep), ("decode.tp", t.decode.tp),
+                    ("decode.max_batch", t.decode.max_batch), ("decode.page_size", t.decode.page_size),
+                    ("kv_transfer.lease_seconds", t.kv_transfer.lease_seconds)]:
+        pos(path, v)
+    if not 0.0 < t.decode.kv_memory_fraction <= 0.95:
+        raise TopologyError(f"decode.kv_memory_fraction: must be in (0, 0.95], got {t.decode.kv_memory_fraction}")
+    for i, b in enumerate(t.decode.cuda_graph_batch_sizes):
+        pos(f"decode.cuda_graph_batch_sizes[{i}]", b)
+    if list(t.decode.cuda_graph_batch_sizes) != sorted(set(t.decode.cuda_graph_batch_sizes)):
+        raise TopologyError("decode.cuda_graph_batch_sizes: must be strictly increasing")
+    if t.prefill.max_prompt_tokens > t.model.max_context:
+        raise TopologyError(f"prefill.max_prompt_tokens: {t.prefill.max_prompt_tokens} exceeds "
+                            f"model.max_context {t.model.max_context}")
+    for path, port in [("router.grpc_port", t.router.grpc_port), ("router.http_port", t.router.http_port)]:
+        if not 0 <= port <= 65535:
+            raise TopologyError(f"{path}: {port} is not a TCP port (0-65535; 0 picks a free one)")
+    if t.router.grpc_port == t.router.http_port != 0:
+        raise TopologyError(f"router.http_port: {t.router.http_port} is also router.grpc_port")
+
+    name, n_q, n_kv, n_exp = _model_dims(t.model, base_dir)
+    for pool in ("prefill", "decode"):
+        tp = getattr(t, pool).tp
+        if n_q % tp or n_kv % tp:
+            ok = [d for d in range(1, n_kv + 1) if n_kv % d == 0 and n_q % d == 0]
+            raise TopologyError(f"{pool}.tp: {tp} does not divide {n_q} query heads and {n_kv} KV heads "
+                                f"(use one of {', '.join(map(str, ok))})")
+    if n_exp % t.decode.ep:
+        raise TopologyError(f"decode.ep: {t.decode.ep} does not divide the model's {n_exp} experts")
+    if t.decode.ep not in (1, t.decode.tp):
+        raise TopologyError(f"decode.ep: {t.decode.ep} must be 1 or equal decode.tp ({t.decode.tp}): "
+                            "EPn TPn partitions experts over the same n ranks as the attention heads")
+    if t.device == "cpu":
+        if t.gpus:
+            raise TopologyError(f"gpus: device is cpu but gpus is {t.gpus} (use 0 or device: cuda)")
+    else:
+        if t.gpus_needed > t.gpus:
+            how = "max" if t.colocate else "sum"
+            raise TopologyError(
+                f"gpus: the pools ask for {t.gpus_needed} GPUs ({how} of prefill {t.prefill.workers}x tp "
+                f"{t.prefill.tp} = {t.prefill_gpus} and decode {t.decode.workers}x tp {t.decode.tp} = "
+                f"{t.decode_gpus}) but the topology provides {t.gpus}")
+    return dataclasses.replace(t, model=dataclasses.replace(t.model, name=name))
+
+
+def parse_topology(text: str, source: str = "<memory>", base_dir: Path | None = None) -> Topology:
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise TopologyError(f"{source}: not valid YAML: {e}") from e
+    if raw is None:
+        raw = {}
+    try:
+        t = _build(Topology, raw, "")
+        t = _check(t, base_dir or Path.cwd())
+    except TopologyError as e:
+        raise TopologyError(f"{source}: {e}") from None
+    return dataclasses.replace(t, source=source)
+
+
+def resolve_config_path(path: str | os.PathLike[str] | None) -> Path:
+    """A file path, or the name of a shipped config (e.g. `cpu-tiny.yaml`), or None for the default."""
+    if path is None:
+        path = DEFAULT_CONFIG
+    p = Path(path)
+    if p.exists():
+        return p
+    shipped = resources.files("kvrelay.configs").joinpath(p.name)
+    if shipped.is_file():
+        return Path(str(shipped))
+    raise TopologyError(f"{path}: no such file (shipped configs: {', '.join(shipped_configs())})")
+
+
+def shipped_configs() -> list[str]:
+    return sorted(p.name for p in resources.files("kvrelay.configs").iterdir() if p.name.endswith(".yaml")
+                  and p.name != "cluster.yaml")
+
+
+def load_topology(path: str | os.PathLike[str] | None = None) -> Topology:
+    p = resolve_config_path(path)
+    return parse_topology(p.read_text(), source=str(path or p), base_dir=p.parent)
+
+
+def describe(t: Topology) -> str:
+    """Human summary printed by `kvrelay config check`."""
+    lines = [
+        f"topology {t.source}",
+        f"  model      {t.model.name} (quant {t.model.quant}{', dummy weights' if t.model.dummy else ''}, "
+        f"max_context {t.model.max_context})",
+        f"  device     {t.device}",
+        f"  prefill    {t.prefill.workers} worker(s) x TP{t.prefill.tp}, max_prompt_tokens "
+        f"{t.prefill.max_prompt_tokens}",
+        f"  decode     {t.decode.workers} worker(s) x EP{t.decode.ep} TP{t.decode.tp}, max_batch "
+        f"{t.decode.max_batch}, graphs {list(t.decode.cuda_graph_batch_sizes)}",
+        f"  router     gRPC {t.router.host}:{t.router.grpc_port}, HTTP {t.router.host}:{t.router.http_port}, "
+        f"policy {t.router.policy}",
+        f"  kv         {t.kv_transfer.backend} (UCX_TLS={t.kv_transfer.ucx_tls}), lease "
+        f"{t.kv_transfer.lease_seconds:g} s",
+        f"  ray        {t.ray.address or 'local'} namespace {t.ray.namespace}",
+        f"  GPUs       {t.gpus_needed} needed of {t.gpus} provided"
+        + (" (prefill and decode colocated)" if t.colocate else ""),
+    ]
+    return "\n".join(lines)
+
+
+def to_json(t: Topology) -> str:
+    return json.dumps({"source": t.source, "gpus_needed": t.gpus_needed, **t.to_dict()}, indent=2)

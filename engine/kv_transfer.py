@@ -1,0 +1,384 @@
+"""KV-cache handoff between a prefill pool and a decode pool over NIXL.
+
+The prefill side (`KVExporter`) registers its paged KV pool with a NIXL agent once, and for each finished
+prompt pins the sequence's pages under a lease and hands out a `KVHandle`: everything the decode side
+needs to READ those pages without asking the prefill worker anything else (agent name + metadata, the
+remote address of every page of every layer, a hash of the memory layout). The decode side (`KVImporter`)
+checks the layout hash before touching the network, then pulls exactly the needed pages into pages it
+allocated itself. Pulling (READ) rather than pushing (WRITE) lets decode admit a request only once it has
+the pages, so prefill never waits on decode's memory.
+
+Pool layout (FlashInfer NHD, shared with engine/kv_cache.py): one tensor per layer,
+`[num_pages, 2, page_size, kv_heads, head_dim]`, so one page of one layer is one contiguous block of
+`2 * page_size * kv_heads * head_dim * itemsize` bytes, and a transfer is a list of such blocks.
+Layers come in two page groups, "full" and "sliding"; a sliding-window layer only ever attends to the last
+`sliding_window` positions, so only the pages covering those are sent.
+
+Lease timing, so a READ can never observe a page that was already given to another request: the handle
+carries `expires_at` (after which the importer refuses to start) and `reclaim_at = expires_at + grace`
+(when the exporter actually frees the pages). An importer that started before `expires_at` must finish
+before `reclaim_at` or it gives up and reports the lease as expired. Both sides use wall-clock time,
+which is shared on one node and NTP-close across nodes; the grace covers the skew.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+import torch
+
+GROUPS = ("full", "sliding")
+
+
+class KVTransferError(RuntimeError):
+    """A KV transfer failed (NIXL reported an error, or it did not complete in time)."""
+
+
+class KVLayoutMismatch(KVTransferError):
+    """The two pools do not lay out KV identically, so copying bytes would produce garbage."""
+
+
+class KVLeaseExpired(KVTransferError):
+    """The prefill side's lease on the pages ran out (or was released) before the pull finished."""
+
+
+def configure_ucx(ucx_tls: str | None = None, net_devices: str | None = None) -> None:
+    """Set UCX's transports/devices for this process. UCX reads them once, when the first agent starts,
+    so this must run before any `nixl_agent` is created; explicit environment settings win."""
+    if ucx_tls:
+        os.environ.setdefault("UCX_TLS", ucx_tls)
+    if net_devices:
+        os.environ.setdefault("UCX_NET_DEVICES", net_devices)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What must be equal on both sides for a byte copy of pages to be a valid KV copy."""
+
+    model: str
+    dtype: str  # torch dtype name, e.g. "bfloat16"
+    page_size: int
+    layer_types: tuple[str, ...]  # "full" | "sliding" for every layer, in model order
+    kv_heads: int  # the model's total KV heads
+    head_dim: int
+    sliding_window: int
+    tp_size: int = 1  # KV heads are sharded over TP ranks; each rank holds kv_heads // tp_size heads
+    tp_rank: int = 0
+
+    def __post_init__(self) -> None:
+        bad = [t for t in self.layer_types if t not in GROUPS]
+        if bad:
+            raise ValueError(f"layer_types must be 'full' or 'sliding', got {bad}")
+        if self.kv_heads % self.tp_size:
+            raise ValueError(f"{self.kv_heads} KV heads cannot be sharded over TP {self.tp_size}")
+
+    @property
+    def local_kv_heads(self) -> int:
+        return self.kv_heads // self.tp_size
+
+    def group_layers(self, group: str) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == group)
+
+    @property
+    def layout_hash(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:32]
+
+    def diff(self, other: KVLayout) -> str:
+        parts = [f"{f.name}: {getattr(self, f.name)!r} vs {getattr(other, f.name)!r}"
+                 for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+        return "; ".join(parts) or "identical fields (hash scheme differs)"
+
+
+def live_blocks(group: str, num_tokens: int, page_size: int, sliding_window: int) -> range:
+    """Logical page indices the next decode step can attend to. Sliding layers keep the pages covering
+    the last `sliding_window` positions (a superset of what the window needs); full layers keep all."""
+    last = (num_tokens - 1) // page_size + 1 if num_tokens > 0 else 0
+    if group == "sliding":
+        first_pos = max(0, num_tokens - sliding_window)
+        return range(first_pos // page_size, last)
+    return range(0, last)
+
+
+@dataclass(frozen=True)
+class PageGroupDescriptor:
+    """The exporter's pages of one layer group for one sequence."""
+
+    group: str
+    layer_ids: tuple[int, ...]
+    base_addrs: tuple[int, ...]  # start of each layer's pool tensor in the exporter's memory
+    page_bytes: int
+    device_id: int
+    first_block: int  # logical page index of page_ids[0] (sliding groups drop the dead prefix)
+    page_ids: tuple[int, ...]  # exporter's physical pages, in logical order
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.layer_ids) * len(self.page_ids) * self.page_bytes
+
+
+@dataclass(frozen=True)
+class KVHandle:
+    """Everything the decode side needs to READ one sequence's KV (picklable, no live objects)."""
+
+    request_id: str
+    lease_id: int
+    agent_name: str
+    agent_metadata: bytes
+    mem_type: str  # "DRAM" | "VRAM"
+    layout: KVLayout
+    layout_hash: str
+    num_tokens: int  # positions whose K/V are in the pages
+    groups: tuple[PageGroupDescriptor, ...]
+    expires_at: float  # wall clock: importer must not start after this
+    reclaim_at: float  # wall clock: exporter frees the pages at this point unless released earlier
+
+    @property
+    def nbytes(self) -> int:
+        return sum(g.nbytes for g in self.groups)
+
+    def pages_needed(self) -> dict[str, int]:
+        return {g.group: len(g.page_ids) for g in self.groups}
+
+    def first_blocks(self) -> dict[str, int]:
+        return {g.group: g.first_block for g in self.groups}
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    nbytes: int
+    seconds: float
+    descriptors: int
+
+
+def _check_pools(layout: KVLayout, pools: Mapping[str, Sequence[torch.Tensor]]) -> None:
+    dtype = getattr(torch, layout.dtype)
+    want = (2, layout.page_size, layout.local_kv_heads, layout.head_dim)
+    for group in GROUPS:
+        layers = layout.group_layers(group)
+        tensors = pools.get(group, ())
+        if len(tensors) != len(layers):
+            raise ValueError(f"group {group!r}: layout has {len(layers)} layers, pool has {len(tensors)}")
+        for t in tensors:
+            if tuple(t.shape[1:]) != want or t.dtype != dtype or not t.is_contiguous():
+                raise ValueError(f"group {group!r}: pool tensor {tuple(t.shape)} {t.dtype} does not match "
+                                 f"[pages, *{want}] {dtype} contiguous")
+
+
+def _new_agent(prefix: str):
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    # The listener thread stays off: metadata travels inside the KVHandle, so NIXL needs no socket of
+    # its own (fewer ports, and nothing can bind a non-loopback address behind our back).
+    name = f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return name, nixl_agent(name, nixl_agent_config(enable_listen_thread=False, backends=["UCX"]))
+
+
+def _mem_type(t: torch.Tensor) -> tuple[str, int]:
+    return ("VRAM", t.device.index or 0) if t.is_cuda else ("DRAM", 0)
+
+
+def _register(agent, pools: Mapping[str, Sequence[torch.Tensor]]):
+    tensors = [t for g in GROUPS for t in pools.get(g, ())]
+    return agent.register_memory(tensors) if tensors else None
+
+
+@dataclass
+class _Lease:
+    handle: KVHandle
+    on_release: Callable[[], None] | None
+
+
+class KVExporter:
+    """Prefill side: owns a NIXL agent over the pool and the leases on pinned sequences."""
+
+    def __init__(self, layout: KVLayout, pools: Mapping[str, Sequence[torch.Tensor]], *,
+                 lease_seconds: float = 30.0, grace_seconds: float = 5.0, name_prefix: str = "prefill"):
+        _check_pools(layout, pools)
+        self.layout = layout
+        self._pools = {g: list(pools.get(g, ())) for g in GROUPS}
+        self.lease_seconds = lease_seconds
+        self.grace_seconds = grace_seconds
+        self.agent_name, self._agent = _new_agent(name_prefix)
+        self._reg = _register(self._agent, self._pools)
+        self._metadata = self._agent.get_agent_metadata()
+        self._leases: dict[int, _Lease] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self.expired_count = 0
+
+    def pin(self, request_id: str, page_tables: Mapping[str, Sequence[int]], num_tokens: int, *,
+            first_blocks: Mapping[str, int] | None = None,
+            on_release: Callable[[], None] | None = None) -> KVHandle:
+        """Lease the sequence's pages and describe them. `page_tables[group]` lists physical pages in
+        logical order starting at logical page `first_blocks[group]` (0 by default); pages outside the
+        live range are kept pinned with the sequence but not described. `on_release` runs exactly once,
+        when the lease is released or reclaimed (it frees the pages in the caller's allocator)."""
+        now = time.time()
+        groups = []
+        for group in GROUPS:
+            tensors = self._pools[group]
+            if not tensors:
+                continue
+            table = list(page_tables.get(group, ()))
+            start = (first_blocks or {}).get(group, 0)
+            live = live_blocks(group, num_tokens, self.layout.page_size, self.layout.sliding_window)
+            if live.start < start or live.stop > start + len(table):
+                raise ValueError(f"group {group!r}: page table covers logical pages [{start}, "
+                                 f"{start + len(table)}) but {num_tokens} tokens need [{live.start}, {live.stop})")
+            mem, dev = _mem_type(tensors[0])
+            groups.append(PageGroupDescriptor(
+                group=group, layer_ids=self.layout.group_layers(group),
+                base_addrs=tuple(t.data_ptr() for t in tensors), page_bytes=tensors[0][0].nbytes,
+                device_id=dev, first_block=live.start,
+                page_ids=tuple(table[live.start - start: live.stop - start])))
+        mem_type = _mem_type(next(t for g in GROUPS for t in self._pools[g]))[0]
+        with self._lock:
+            lease_id = next(self._ids)
+            handle = KVHandle(
+                request_id=request_id, lease_id=lease_id, agent_name=self.agent_name,
+                agent_metadata=self._metadata, mem_type=mem_type, layout=self.layout,
+                layout_hash=self.layout.layout_hash, num_tokens=num_tokens, groups=tuple(groups),
+                expires_at=now + self.lease_seconds, reclaim_at=now + self.lease_seconds + self.grace_seconds)
+            self._leases[lease_id] = _Lease(handle, on_release)
+        return handle
+
+    def release(self, lease_id: int) -> bool:
+        """Unpin. True if the lease was still valid, False if it had expired or was unknown (then
+        a pull that already happened may have raced the expiry and must not be trusted)."""
+        with self._lock:
+            lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return False
+        if lease.on_release:
+            lease.on_release()
+        return time.time() < lease.handle.expires_at
+
+    def reap(self, now: float | None = None) -> list[str]:
+        """Free leases past their reclaim time; returns their request ids. Called periodically."""
+        now = time.time() if now is None else now
+        with self._lock:
+            dead = [lid for lid, lease in self._leases.items() if now >= lease.handle.reclaim_at]
+            gone = [self._leases.pop(lid) for lid in dead]
+            self.expired_count += len(gone)
+        for lease in gone:
+            if lease.on_release:
+                lease.on_release()
+        return [lease.handle.request_id for lease in gone]
+
+    def active_leases(self) -> int:
+        with self._lock:
+            return len(self._leases)
+
+    def close(self) -> None:
+        """Release every lease and drop the NIXL registration."""
+        with self._lock:
+            ids = list(self._leases)
+        for lid in ids:
+            self.release(lid)
+        if self._reg is not None:
+            self._agent.deregister_memory(self._reg)
+            self._reg = None
+
+
+class KVImporter:
+    """Decode side: pulls leased pages from exporters into the local pool with NIXL READ."""
+
+    def __init__(self, layout: KVLayout, pools: Mapping[str, Sequence[torch.Tensor]], *,
+                 name_prefix: str = "decode", poll_interval: float = 0.0002):
+        _check_pools(layout, pools)
+        self.layout = layout
+        self._pools = {g: list(pools.get(g, ())) for g in GROUPS}
+        self.agent_name, self._agent = _new_agent(name_prefix)
+        self._reg = _register(self._agent, self._pools)
+        self._remotes: dict[str, str] = {}  # exporter agent name -> name NIXL returned on add
+        self._poll = poll_interval
+        self._lock = threading.Lock()  # one NIXL request at a time keeps the agent's state simple
+
+    def check(self, handle: KVHandle) -> None:
+        """Raise the documented error if this handle cannot be pulled (layout first, then the lease)."""
+        if handle.layout_hash != self.layout.layout_hash:
+            raise KVLayoutMismatch(
+                f"request {handle.request_id}: KV layout hash {handle.layout_hash} from {handle.agent_name} "
+                f"!= local {self.layout.layout_hash} ({handle.layout.diff(self.layout)}); prefill and decode "
+                f"must serve the same model, dtype, page size and head sharding")
+        now = time.time()
+        if now >= handle.expires_at:
+            raise KVLeaseExpired(f"request {handle.request_id}: lease {handle.lease_id} on "
+                                 f"{handle.agent_name} expired {now - handle.expires_at:.3f} s ago; "
+                                 f"re-run prefill")
+
+    def pull(self, handle: KVHandle, dst_pages: Mapping[str, Sequence[int]]) -> TransferStats:
+        """READ the handle's pages into `dst_pages[group]` (same count and logical order). Raises
+        KVLayoutMismatch, KVLeaseExpired or KVTransferError; on return the bytes are in place."""
+        self.check(handle)
+        local_rows, remote_rows = [], []
+        for g in handle.groups:
+            dst = list(dst_pages.get(g.group, ()))
+            if len(dst) != len(g.page_ids):
+                raise ValueError(f"group {g.group!r}: {len(g.page_ids)} pages to pull, {len(dst)} given")
+            local = self._pools[g.group]
+            for li, base in enumerate(g.base_addrs):
+                t = local[li]
+                _, dev = _mem_type(t)
+                for src, d in zip(g.page_ids, dst):
+                    remote_rows.append((base + src * g.page_bytes, g.page_bytes, g.device_id))
+                    local_rows.append((t.data_ptr() + d * g.page_bytes, g.page_bytes, dev))
+        if not remote_rows:
+            return TransferStats(0, 0.0, 0)
+        mem = "VRAM" if next(t for g in GROUPS for t in self._pools[g]).is_cuda else "DRAM"
+        t0 = time.perf_counter()
+        with self._lock:
+            remote_name = self._remote(handle)
+            local_descs = self._agent.get_xfer_descs(np.array(local_rows, dtype=np.uint64), mem)
+            remote_descs = self._agent.get_xfer_descs(np.array(remote_rows, dtype=np.uint64),
+                                                      handle.mem_type)
+            xfer = self._agent.initialize_xfer("READ", local_descs, remote_descs, remote_name)
+            try:
+                state = self._agent.transfer(xfer)
+                while state == "PROC":
+                    if time.time() >= handle.reclaim_at:
+                        raise KVLeaseExpired(
+                            f"request {handle.request_id}: pull from {handle.agent_name} did not finish "
+                            f"before the lease's pages were reclaimed")
+                    time.sleep(self._poll)
+                    state = self._agent.check_xfer_state(xfer)
+                if state != "DONE":
+                    raise KVTransferError(f"request {handle.request_id}: NIXL READ from "
+                                          f"{handle.agent_name} failed (state {state})")
+            finally:
+                try:
+                    self._agent.release_xfer_handle(xfer)
+                except Exception:  # an abandoned in-flight READ may refuse release; the agent reaps it
+                    pass
+        return TransferStats(nbytes=sum(r[1] for r in local_rows), seconds=time.perf_counter() - t0,
+                             descriptors=len(local_rows))
+
+    def _remote(self, handle: KVHandle) -> str:
+        name = self._remotes.get(handle.agent_name)
+        if name is None:
+            got = self._agent.add_remote_agent(handle.agent_metadata)
+            name = got.decode() if isinstance(got, bytes) else got
+            self._remotes[handle.agent_name] = name
+        return name
+
+    def forget(self, agent_name: str) -> None:
+        """Drop a remote agent (its worker died or restarted) so a stale connection is not reused."""
+        with self._lock:
+            if self._remotes.pop(agent_name, None) is not None:
+                self._agent.remove_remote_agent(agent_name)
+
+    def close(self) -> None:
+        if self._reg is not None:
+            self._agent.deregister_memory(self._reg)
+            self._reg = None
+

@@ -1,0 +1,118 @@
+"""Tensor-parallel coordinates, the weight-source protocol, and the (optionally FP8) linear layers.
+
+Every layer loads its weights only through `WeightGetter.get(name, slices)`, with the slices computed
+from its `Shard`, so tensor/expert parallelism is a matter of passing another `Shard` rather than
+rewriting the model. With the default `Shard()` (rank 0 of 1) the collectives are no-ops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+QUANTS = ("bf16", "fp8-block128")
+
+
+class WeightGetter(Protocol):
+    """What `engine.weights.WeightSource` provides: canonical (original-format) names, dequantised."""
+
+    def get(
+        self,
+        name: str,
+        slices: tuple[slice, ...] = (),
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor: ...
+
+
+class TensorDictWeights:
+    """A `WeightGetter` over an in-memory dict of canonical-name tensors (tests, converted models)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self._tensors = tensors
+
+    def get(self, name, slices=(), dtype=None, device=None):
+        try:
+            t = self._tensors[name]
+        except KeyError:
+            raise KeyError(f"weight {name!r} not found") from None
+        t = t[tuple(slices)] if slices else t
+        return t.to(device=device, dtype=dtype or t.dtype, copy=False).contiguous()
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This process's place in a tensor-parallel group (ranks of torch.distributed's default group)."""
+
+    rank: int = 0
+    world: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world:
+            raise ValueError(f"rank {self.rank} outside world {self.world}")
+
+    def span(self, n: int, what: str) -> tuple[int, int]:
+        """The contiguous [start, stop) of n items this rank owns; n must split evenly."""
+        if n % self.world:
+            raise ValueError(f"{what}={n} does not split over {self.world} ranks")
+        per = n // self.world
+        return self.rank * per, (self.rank + 1) * per
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            torch.distributed.all_reduce(x)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate each rank's x along the last dim, in rank order."""
+        if self.world == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        torch.distributed.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+
+
+def _check_quant(quant: str) -> None:
+    if quant not in QUANTS:
+        raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
+
+
+class Linear:
+    """y = x W^T + b with W [out, in]. For fp8-block128 the bf16 weight is quantised once at load
+    (128x128 block scales) and the product runs through the reference FP8 GEMM (1x128 activation
+    scales), i.e. exactly what the served FP8 kernels compute."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quant: str = "bf16"):
+        _check_quant(quant)
+        self.quant = quant
+        self.out_features, self.in_features = weight.shape
+        self.bias = bias
+        if quant == "bf16":
+            self.weight = weight
+        else:
+            from kvrelay.kernels.fp8 import quantize_weight_block128
+
+            self.weight, self.weight_scale = quantize_weight_block128(weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant == "bf16":
+            return F.linear(x, self.weight, self.bias)
+        from kvrelay.kernels.fp8 import fp8_block_linear_ref
+
+        return fp8_block_linear_ref(x, self.weight, self.weight_scale, self.bias).to(x.dtype)
+
+
+class ExpertLinears:
+    """A stack of per-expert linears, weights [E_local, out, in], biases [E_local, out]."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, quant: str = "bf16"):
+        self.experts = [Linear(weight[e], bias[e], quant) for e in range(weight.shape[0])]
+
+    def __call__(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return self.experts[e](x)
+
+    def __len__(self) -> int:
+        return len(self.experts)

@@ -1,0 +1,127 @@
+"""Typed requests and stream events shared by the gRPC and HTTP front-ends.
+
+Both front-ends translate their wire format into these frozen dataclasses, so validation, harmony
+rendering and streaming live in one place (`service.RouterCore`) and cannot drift between protocols.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Union
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+CHANNELS = ("analysis", "commentary", "final")
+REASONING_EFFORTS = ("low", "medium", "high")
+
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """What the caller asked for; None means "server default". Resolved by `validation`."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = False
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str = ""
+    channel: str = ""
+    recipient: str = ""
+    name: str = ""
+    tool_call_id: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    name: str
+    description: str = ""
+    parameters_json: str = ""  # JSON Schema text; "" = no parameters
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    messages: tuple[ChatMessage, ...]
+    tools: tuple[ToolSpec, ...] = ()
+    reasoning_effort: str = "medium"
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    conversation_start_date: str = ""  # "" = today (UTC)
+    knowledge_cutoff: str = ""  # "" = harmony's default
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    request_id: str = ""
+
+
+# ---- events streamed out of the router core -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ContentDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallStart:
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class ToolCallArgumentsDelta:
+    index: int
+    text: str
+
+
+Delta = Union[ReasoningDelta, ContentDelta, ToolCallStart, ToolCallArgumentsDelta]
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class TokenStep:
+    """One engine token and what it produced. `finish_reason`/`usage` are set on the last step only.
+
+    `token_id` is None only for a closing step that carries no token (the engine ended the stream
+    without a finish reason, and the parser flushed what it still held).
+    """
+
+    token_id: int | None
+    logprob: float | None
+    deltas: tuple[Delta, ...] = ()
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+

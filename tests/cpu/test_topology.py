@@ -1,0 +1,163 @@
+"""Topology YAML: every shipped config is valid, every validation rule fails with its exact message."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kvrelay.cluster.topology import (
+    Topology,
+    TopologyError,
+    load_topology,
+    parse_topology,
+    shipped_configs,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+FIXTURE = REPO / "tests" / "data" / "gpt-oss-tiny-original"
+
+BASE = """
+model: {name: gpt-oss-20b, quant: fp8-block128, max_context: 8192}
+prefill: {workers: 1, tp: 1, max_prompt_tokens: 8192}
+decode: {workers: 1, ep: 1, tp: 1}
+device: cuda
+gpus: 2
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "topo.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def expect_error(tmp_path: Path, text: str, message: str) -> None:
+    p = write(tmp_path, text)
+    with pytest.raises(TopologyError) as info:
+        load_topology(p)
+    assert str(info.value) == f"{p}: {message}"
+
+
+def test_shipped_configs_are_valid() -> None:
+    names = shipped_configs()
+    assert {"cpu-tiny.yaml", "h200-1gpu-20b.yaml", "h200-1gpu-120b.yaml", "h200-8gpu-120b.yaml"} <= set(names)
+    for name in names:
+        t = load_topology(REPO / "configs" / name)
+        assert isinstance(t, Topology)
+    eight = load_topology(REPO / "configs" / "h200-8gpu-120b.yaml")
+    assert (eight.prefill.tp, eight.decode.ep, eight.decode.tp, eight.gpus_needed) == (4, 4, 4, 8)
+    one = load_topology(REPO / "configs" / "h200-1gpu-120b.yaml")
+    assert one.colocate and one.gpus_needed == 1
+
+
+def test_default_is_cpu_tiny() -> None:
+    t = load_topology(None)
+    assert t.device == "cpu" and t.gpus_needed == 0 and t.model.dummy
+    assert t.router.host == "127.0.0.1"
+
+
+def test_frozen_and_typed(tmp_path: Path) -> None:
+    t = load_topology(write(tmp_path, BASE))
+    assert t.decode.cuda_graph_batch_sizes == (1, 2, 4, 8, 16, 32, 64, 128)
+    assert isinstance(t.kv_transfer.lease_seconds, float)
+    with pytest.raises(AttributeError):
+        t.device = "cpu"  # type: ignore[misc]
+
+
+def test_checkpoint_path_relative_to_file(tmp_path: Path) -> None:
+    (tmp_path / "ckpt").symlink_to(FIXTURE)
+    t = load_topology(write(tmp_path, "model: {name: ckpt}\ndevice: cpu\n"))
+    assert Path(t.model.name) == tmp_path / "ckpt"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("model: {name: gpt-oss-20b}\ndecode: {max_bach: 4}\n",
+         "decode.max_bach: unknown key (did you mean 'max_batch'?)"),
+        ("model: {name: gpt-oss-20b}\nprefil: {tp: 1}\n",
+         "prefil: unknown key (did you mean 'prefill'?)"),
+        ("model: {name: gpt-oss-20b}\nrouter: {zzz: 1}\n",
+         "router.zzz: unknown key (valid keys: host, grpc_port, http_port, policy)"),
+        ("model: {name: gpt-oss-20b}\ndecode: {max_batch: many}\n",
+         "decode.max_batch: expected an integer, got str 'many'"),
+        ("model: {name: gpt-oss-20b}\ndecode: {max_batch: true}\n",
+         "decode.max_batch: expected an integer, got bool True"),
+        ("model: {name: gpt-oss-20b, dummy: 'yes'}\n",
+         "model.dummy: expected a boolean, got str 'yes'"),
+        ("model: {name: gpt-oss-20b, quant: int4}\n",
+         "model.quant: 'int4' is not one of 'fp8-block128', 'bf16'"),
+        ("model: {name: gpt-oss-20b}\ndecode: {cuda_graph_batch_sizes: [1, two]}\n",
+         "decode.cuda_graph_batch_sizes[1]: expected an integer, got str 'two'"),
+        ("model: {name: gpt-oss-20b}\ndecode: {cuda_graph_batch_sizes: [4, 2]}\n",
+         "decode.cuda_graph_batch_sizes: must be strictly increasing"),
+        ("model: {name: gpt-oss-20b}\ndecode: 3\n",
+         "decode: expected a mapping, got int 3"),
+        ("prefill: {tp: 1}\n", "model: required key is missing"),
+        ("model: {dummy: true}\n", "model.name: required key is missing"),
+        ("model: {name: gpt-oss-20b}\nprefill: {tp: 3}\n",
+         "prefill.tp: 3 does not divide 64 query heads and 8 KV heads (use one of 1, 2, 4, 8)"),
+        ("model: {name: gpt-oss-20b}\ndecode: {tp: 16, ep: 16}\n",
+         "decode.tp: 16 does not divide 64 query heads and 8 KV heads (use one of 1, 2, 4, 8)"),
+        ("model: {name: gpt-oss-20b}\ndecode: {tp: 1, ep: 3}\n",
+         "decode.ep: 3 does not divide the model's 32 experts"),
+        ("model: {name: gpt-oss-20b}\ndecode: {tp: 4, ep: 2}\n",
+         "decode.ep: 2 must be 1 or equal decode.tp (4): EPn TPn partitions experts over the same n ranks "
+         "as the attention heads"),
+        ("model: {name: gpt-oss-120b}\nprefill: {tp: 4}\ndecode: {tp: 4, ep: 4}\ndevice: cuda\ngpus: 4\n",
+         "gpus: the pools ask for 8 GPUs (sum of prefill 1x tp 4 = 4 and decode 1x tp 4 = 4) but the "
+         "topology provides 4"),
+        ("model: {name: gpt-oss-20b}\nprefill: {workers: 2}\ndecode: {workers: 3}\ndevice: cuda\ngpus: 2\n"
+         "colocate: true\n",
+         "gpus: the pools ask for 3 GPUs (max of prefill 2x tp 1 = 2 and decode 3x tp 1 = 3) but the "
+         "topology provides 2"),
+        ("model: {name: gpt-oss-20b}\ndevice: cpu\ngpus: 1\n",
+         "gpus: device is cpu but gpus is 1 (use 0 or device: cuda)"),
+        ("model: {name: gpt-oss-20b}\ndevice: tpu\n",
+         "device: 'tpu' is not one of 'cpu', 'cuda'"),
+        ("model: {name: no-such-model}\n",
+         "model.name: 'no-such-model' is neither a preset (gpt-oss-120b, gpt-oss-20b, gpt-oss-tiny, tiny) nor "
+         "an existing checkpoint directory"),
+        ("model: {name: gpt-oss-20b, max_context: 0}\n", "model.max_context: must be > 0, got 0"),
+        ("model: {name: gpt-oss-20b, max_context: 1024}\nprefill: {max_prompt_tokens: 2048}\n",
+         "prefill.max_prompt_tokens: 2048 exceeds model.max_context 1024"),
+        ("model: {name: gpt-oss-20b}\ndecode: {kv_memory_fraction: 1.5}\n",
+         "decode.kv_memory_fraction: must be in (0, 0.95], got 1.5"),
+        ("model: {name: gpt-oss-20b}\nrouter: {grpc_port: 70000}\n",
+         "router.grpc_port: 70000 is not a TCP port (0-65535; 0 picks a free one)"),
+        ("model: {name: gpt-oss-20b}\nrouter: {grpc_port: 9000, http_port: 9000}\n",
+         "router.http_port: 9000 is also router.grpc_port"),
+        ("model: {name: gpt-oss-20b}\nkv_transfer: {backend: tcp}\n",
+         "kv_transfer.backend: 'tcp' is not one of 'nixl'"),
+        ("model: {name: gpt-oss-20b}\nkv_transfer: {lease_seconds: -1}\n",
+         "kv_transfer.lease_seconds: must be > 0, got -1.0"),
+        ("model: {name: gpt-oss-20b}\nray: {address: 5}\n",
+         "ray.address: expected a string or null, got int 5"),
+        ("model: [1, 2\n", None),
+    ],
+)
+def test_validation_messages(tmp_path: Path, text: str, message: str | None) -> None:
+    if message is None:  # YAML syntax errors carry the parser's own position text
+        p = write(tmp_path, text)
+        with pytest.raises(TopologyError, match=rf"^{p}: not valid YAML: "):
+            load_topology(p)
+        return
+    expect_error(tmp_path, text, message)
+
+
+def test_bad_checkpoint_dir(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    p = write(tmp_path, "model: {name: empty}\n")
+    with pytest.raises(TopologyError, match=r"model.name: cannot read the model config in .*empty: no config.json"):
+        load_topology(p)
+
+
+def test_parse_from_text_names_source() -> None:
+    with pytest.raises(TopologyError, match=r"^inline.yaml: decode.tp: 5 does not divide"):
+        parse_topology("model: {name: gpt-oss-120b}\ndecode: {tp: 5}\n", source="inline.yaml")
+    t = parse_topology(BASE, source="inline.yaml")
+    d = json.loads(json.dumps(t.to_dict()))
+    assert d["model"]["name"] == "gpt-oss-20b" and d["gpus"] == 2
