@@ -15,6 +15,7 @@ import sys
 # (name, module, one-line help). A command is listed here only once it works end to end.
 COMMANDS: list[tuple[str, str, str]] = [
     ("config", "kvrelay.cluster.config_cmd", "check a topology YAML and print the resolved topology"),
+    ("convert", "kvrelay.engine.convert", "convert a gpt-oss checkpoint to kvrelay's fp8-block128 or bf16 layout"),
 ]
 
 

@@ -39,6 +39,19 @@ import torch
 GROUPS = ("full", "sliding")
 
 
+def layout_of(cache) -> tuple[KVLayout, dict[str, list[torch.Tensor]]]:
+    """The KVLayout and per-layer pool views of an engine `KVCache` (engine/kv_cache.py), whose group
+    pool is one tensor [layers_in_group, pages, 2, page_size, kv_heads, head_dim]."""
+    cfg = cache.cfg
+    tp_size = cfg.num_key_value_heads // cache.kv_heads
+    layout = KVLayout(
+        model=cfg.name, dtype=str(cache.dtype).removeprefix("torch."), page_size=cache.page_size,
+        layer_types=tuple(cache.layer_group(i) for i in range(cfg.num_hidden_layers)),
+        kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, sliding_window=cfg.sliding_window,
+        tp_size=tp_size, tp_rank=getattr(cache, "tp_rank", 0))
+    return layout, {g: list(cache.pools[g].unbind(0)) for g in GROUPS}
+
+
 class KVTransferError(RuntimeError):
     """A KV transfer failed (NIXL reported an error, or it did not complete in time)."""
 
@@ -100,12 +113,12 @@ class KVLayout:
 
 
 def live_blocks(group: str, num_tokens: int, page_size: int, sliding_window: int) -> range:
-    """Logical page indices the next decode step can attend to. Sliding layers keep the pages covering
-    the last `sliding_window` positions (a superset of what the window needs); full layers keep all."""
-    last = (num_tokens - 1) // page_size + 1 if num_tokens > 0 else 0
+    """Logical page indices the next decode step can attend to. The query at position `num_tokens` of a
+    sliding layer sees keys down to `num_tokens - sliding_window + 1` (engine/kv_cache.py keeps exactly
+    those pages, and both sides must agree on the count); full layers keep every page."""
+    last = -(-num_tokens // page_size)
     if group == "sliding":
-        first_pos = max(0, num_tokens - sliding_window)
-        return range(first_pos // page_size, last)
+        return range(max(0, num_tokens - sliding_window + 1) // page_size, last)
     return range(0, last)
 
 

@@ -16,7 +16,7 @@ FP8_MAX = 448.0
 # Floor on amax: an all-zero block still gets a finite, positive scale (its values stay 0), and no
 # division by zero or overflow to inf happens for denormal-sized blocks.
 _AMAX_FLOOR = 1e-12
-# Converting one expert at a time bounds the float32 scratch to a single [N, K] matrix.
+# Stacks above this many elements are quantised expert by expert, bounding the float32 scratch to one [N, K].
 _STACK_CHUNK_ELEMENTS = 1 << 26
 
 
@@ -64,7 +64,10 @@ def quantize_weight_block128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 def quantize_experts_block128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stacked expert weights [E, N, K] -> (fp8 [E, N, K], scale [E, ceil(N/128), ceil(K/128)]), one expert at a time."""
+    """Stacked expert weights [E, N, K] -> (fp8 [E, N, K], scale [E, ceil(N/128), ceil(K/128)]).
+
+    One expert at a time, so the float32 scratch is a single [N, K] matrix.
+    """
     if w.dim() != 3:
         raise ValueError(f"quantize_experts_block128 needs [E, N, K], got {list(w.shape)}")
     e, n, k = w.shape

@@ -45,6 +45,7 @@ class ChatMessage:
     name: str = ""
     tool_call_id: str = ""
     tool_calls: tuple[ToolCall, ...] = ()
+    reasoning: str = ""  # assistant only: earlier chain of thought, rendered as an analysis message
 
 
 @dataclass(frozen=True)

@@ -111,9 +111,28 @@ def test_live_blocks():
     assert list(live_blocks("full", 1, 4, 8)) == [0]
     assert list(live_blocks("full", 9, 4, 8)) == [0, 1, 2]
     assert list(live_blocks("sliding", 8, 4, 8)) == [0, 1]
-    assert list(live_blocks("sliding", 9, 4, 8)) == [0, 1, 2]  # positions 1..8 still touch page 0
-    assert list(live_blocks("sliding", 13, 4, 8)) == [1, 2, 3]
+    assert list(live_blocks("sliding", 9, 4, 8)) == [0, 1, 2]  # next query (pos 9) sees keys 2..9
+    assert list(live_blocks("sliding", 11, 4, 8)) == [1, 2]  # pos 11 sees keys 4..11
+    assert list(live_blocks("sliding", 12, 4, 8)) == [1, 2]
     assert list(live_blocks("sliding", 16, 4, 8)) == [2, 3]
+
+
+def test_live_blocks_agree_with_engine_cache():
+    from kvrelay.engine.config import PRESETS
+    from kvrelay.engine.kv_cache import KVCache
+    from kvrelay.engine.kv_transfer import layout_of
+    cfg = PRESETS["tiny"]
+    cache = KVCache(cfg, num_pages=64, page_size=4)
+    for n in [1, 3, 4, 5, cfg.sliding_window - 1, cfg.sliding_window, cfg.sliding_window + 1, 40, 41]:
+        kv = cache.import_sequence(("s", n), n)
+        for g in ("full", "sliding"):
+            live = live_blocks(g, n, 4, cfg.sliding_window)
+            assert (kv.first_page[g], len(kv.pages[g])) == (live.start, len(live)), (g, n)
+        cache.free(("s", n))
+    layout, pools = layout_of(cache)
+    assert layout.layer_types == tuple("sliding" if i % 2 == 0 else "full" for i in range(cfg.num_hidden_layers))
+    assert pools["full"][0].shape == (64, 2, 4, cfg.num_key_value_heads, cfg.head_dim)
+    assert pools["sliding"][1].data_ptr() == cache.pools["sliding"][1].data_ptr()
 
 
 def test_layout_hash_covers_every_field():

@@ -1,0 +1,169 @@
+"""Continuous batching over a Runner: requests join and leave at every decode step.
+
+Admission is by page budget, never by current usage. A request reserves, up front, the most pages it can
+ever hold (prompt + max_tokens, with the sliding group capped at one window), and the sum of reservations
+never exceeds the pool. So a step can never run out of pages half-way, no running request is ever
+preempted, and "free pages" as seen by the router is simply capacity minus reservations.
+
+This class is plain bookkeeping plus `step()`; it takes no locks and starts no threads, so it is tested
+directly. The decode actor (worker.py) serialises calls to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvrelay.engine.kv_cache import GROUPS
+from kvrelay.engine.runner import Runner
+from kvrelay.engine.sampling import SamplingParams, TokenOutput, finish_reason
+
+
+class AdmissionRefused(RuntimeError):
+    """The decode worker cannot take the request. `retryable`: it may fit later (pages or batch slots
+    are busy) as opposed to never (it is bigger than the whole pool)."""
+
+    def __init__(self, reason: str, retryable: bool):
+        super().__init__(reason)
+        self.reason = reason
+        self.retryable = retryable
+
+    def __reduce__(self):  # keep both fields when Ray ships the exception to the caller
+        return AdmissionRefused, (self.reason, self.retryable)
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    running: int  # joined the batch
+    reserved: int  # holding a reservation (running or about to join)
+    pages_in_use: dict[str, int]  # actually allocated in the pool
+    pages_reserved: dict[str, int]  # committed to reservations
+    pages_total: dict[str, int]
+
+    @property
+    def free_budget(self) -> int:
+        """Pages a new request could still reserve (the scarcer group decides)."""
+        return min(self.pages_total[g] - self.pages_reserved[g] for g in GROUPS)
+
+
+@dataclass
+class _Running:
+    request_id: str
+    params: SamplingParams
+    last_token: int
+    generated: int  # tokens already produced for this request (incl. the prefill's first token)
+    emit: Callable[[TokenOutput], None]
+    aborted: bool = False
+
+
+@dataclass
+class Scheduler:
+    runner: Runner
+    max_batch: int
+    _budget: dict[str, dict[str, int]] = field(default_factory=dict)  # request -> pages per group
+    _running: dict[str, _Running] = field(default_factory=dict)  # insertion order = join order
+
+    @property
+    def capacity(self) -> dict[str, int]:
+        return {g: self.runner.kv.allocators[g].num_pages for g in GROUPS}
+
+    def pages_for(self, total_tokens: int) -> dict[str, int]:
+        """Most pages a sequence growing to `total_tokens` positions ever holds at once, per group."""
+        ps = self.runner.page_size
+        full = -(-total_tokens // ps)
+        # A sliding layer holds positions [n - window + 1, n] around the token being written: `window`
+        # positions that can straddle one extra page boundary.
+        window = (self.runner.cfg.sliding_window - 1) // ps + 2
+        return {"full": full, "sliding": min(full, window)}
+
+    def reserve(self, request_id: str, prompt_tokens: int, max_tokens: int) -> dict[str, int]:
+        """Commit the request's worst-case pages or raise AdmissionRefused with the reason."""
+        if request_id in self._budget:
+            raise ValueError(f"request {request_id!r} already holds a reservation")
+        total = min(prompt_tokens + max_tokens, self.runner.max_context)
+        need = self.pages_for(total)
+        cap = self.capacity
+        for g in GROUPS:
+            if need[g] > cap[g]:
+                raise AdmissionRefused(
+                    f"request {request_id}: {total} tokens need {need[g]} {g} KV pages but this decode "
+                    f"worker's pool has only {cap[g]}", retryable=False)
+        if len(self._budget) >= self.max_batch:
+            raise AdmissionRefused(f"request {request_id}: decode batch is full ({self.max_batch} "
+                                   f"requests admitted)", retryable=True)
+        used = self._reserved()
+        for g in GROUPS:
+            if used[g] + need[g] > cap[g]:
+                raise AdmissionRefused(
+                    f"request {request_id}: out of KV pages, needs {need[g]} {g} pages and "
+                    f"{cap[g] - used[g]} of {cap[g]} are free", retryable=True)
+        self._budget[request_id] = need
+        return need
+
+    def release(self, request_id: str) -> None:
+        """Drop a reservation and whatever the request holds (idempotent)."""
+        self._budget.pop(request_id, None)
+        self._running.pop(request_id, None)
+        if self.runner.has_sequence(request_id):
+            self.runner.free(request_id)
+
+    def join(self, request_id: str, params: SamplingParams, last_token: int, generated: int,
+             emit: Callable[[TokenOutput], None]) -> None:
+        """Add an imported sequence (KV already in its pages) to the batch from the next step on."""
+        if request_id not in self._budget:
+            raise ValueError(f"request {request_id!r} joins without a reservation")
+        if not self.runner.has_sequence(request_id):
+            raise ValueError(f"request {request_id!r} joins without imported KV")
+        self._running[request_id] = _Running(request_id, params, last_token, generated, emit)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request at the next step boundary (its pages are freed there)."""
+        r = self._running.get(request_id)
+        if r is None:
+            had = request_id in self._budget
+            self.release(request_id)
+            return had
+        r.aborted = True
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self._running)
+
+    def has_reservation(self, request_id: str) -> bool:
+        return request_id in self._budget
+
+    def running_ids(self) -> list[str]:
+        return list(self._running)
+
+    def step(self) -> int:
+        """One decode step over every running request; emits one token each, retires the finished.
+        Returns how many requests ran."""
+        for r in [r for r in self._running.values() if r.aborted]:
+            self.release(r.request_id)
+        batch = list(self._running.values())
+        if not batch:
+            return 0
+        ids = [r.request_id for r in batch]
+        logits = self.runner.decode(ids, [r.last_token for r in batch])
+        sampled = self.runner.sample(logits, [r.params for r in batch], [r.generated for r in batch])
+        for r, (token, logprob) in zip(batch, sampled):
+            r.generated += 1
+            r.last_token = token
+            reason = finish_reason(token, r.generated, r.params)
+            # The next step would write position `length`; a full context ends the request here.
+            if reason is None and self.runner.length(r.request_id) + 1 >= self.runner.max_context:
+                reason = "length"
+            r.emit(TokenOutput(token, logprob, reason))
+            if reason is not None:
+                self.release(r.request_id)
+        return len(batch)
+
+    def _reserved(self) -> dict[str, int]:
+        return {g: sum(b[g] for b in self._budget.values()) for g in GROUPS}
+
+    def stats(self) -> SchedulerStats:
+        cap = self.capacity
+        free = self.runner.free_pages()
+        return SchedulerStats(running=len(self._running), reserved=len(self._budget),
+                              pages_in_use={g: cap[g] - free[g] for g in GROUPS},
+                              pages_reserved=self._reserved(), pages_total=cap)

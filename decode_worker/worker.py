@@ -1,0 +1,240 @@
+"""Decode worker: a page pool, a continuous-batching step loop, and one token stream per request.
+
+Runs as an async Ray actor (cluster/serve.py wraps it with `ray.remote`). The event loop only
+coordinates: admission, the NIXL pull (in a thread, it blocks), and the token streams. A dedicated step
+thread owns the forward passes, so a long step never stalls a new request's pull or a status call. The
+two meet under one engine lock; the step thread hands tokens to the streams through
+`loop.call_soon_threadsafe`, and each stream coalesces whatever accumulated since it last yielded, so a
+slow consumer costs one Ray message per batch of tokens rather than per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from kvrelay.decode_worker.scheduler import AdmissionRefused, Scheduler
+from kvrelay.engine.kv_transfer import KVHandle, KVImporter, KVLeaseExpired, configure_ucx, layout_of
+from kvrelay.engine.sampling import SamplingParams, TokenOutput
+
+__all__ = ["DecodeWorker", "DecodeChunk", "DecodeStatus", "PullMetrics", "AdmissionRefused"]
+
+
+@dataclass(frozen=True)
+class PullMetrics:
+    kv_bytes: int
+    kv_transfer_s: float  # the NIXL READ
+    admit_s: float  # from the call's arrival to joining the batch (allocation + pull + release)
+
+
+@dataclass(frozen=True)
+class DecodeStatus:
+    rank: int
+    pid: int
+    node: str  # host name / Ray node id prefix
+    healthy: bool
+    pages_in_use: dict[str, int]  # allocated in the pool now
+    pages_reserved: dict[str, int]  # committed to admitted requests (their worst case)
+    pages_total: dict[str, int]
+    free_budget: int  # pages a new request could still reserve
+    admitted: int
+    running: int
+    steps: int
+    completed: int
+    agent: str
+    last_step_error: str | None
+    role: str = "decode"
+
+
+@dataclass(frozen=True)
+class DecodeChunk:
+    tokens: tuple[TokenOutput, ...]
+    pull: PullMetrics | None = None  # on the first chunk only
+
+
+def _pool_tokens(topology) -> int:
+    """KV positions per group: a share of free memory, but never more than a full batch of full
+    contexts (more could never be used and would only slow start-up)."""
+    cap = topology.decode.max_batch * topology.model.max_context
+    if topology.device == "cuda":
+        import torch
+
+        from kvrelay.engine.config import load_model_config
+
+        cfg = load_model_config(topology.model.name)
+        per_token = 2 * cfg.num_key_value_heads // topology.decode.tp * cfg.head_dim * 2 * cfg.num_hidden_layers
+        free, _ = torch.cuda.mem_get_info()
+        cap = min(cap, int(free * topology.decode.kv_memory_fraction) // per_token)
+    return cap
+
+
+def load_runner(topology, kv_tokens: int):
+    """The engine Runner this topology asks for, with a pool of `kv_tokens` positions per group.
+    (prefill_worker/worker.py has the same few lines: the two workers never import each other.)"""
+    import torch
+
+    from kvrelay.engine.runner import Runner
+
+    page_size = topology.decode.page_size
+    return Runner.load(topology.model.name, dummy=topology.model.dummy, seed=topology.model.seed,
+                       device="cuda" if topology.device == "cuda" else "cpu", dtype=torch.bfloat16,
+                       quant=topology.model.quant, page_size=page_size,
+                       num_pages=-(-kv_tokens // page_size))
+
+
+def node_name() -> str:
+    try:
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()[:12]
+    except Exception:  # outside Ray (unit tests)
+        node = "local"
+    return f"{socket.gethostname()}/{node}"
+
+
+class DecodeWorker:
+    def __init__(self, topology, rank: int = 0):
+        configure_ucx(topology.kv_transfer.ucx_tls, "lo" if topology.device == "cpu" else None)
+        self.rank = rank
+        self.runner = load_runner(topology, kv_tokens=_pool_tokens(topology))
+        layout, pools = layout_of(self.runner.kv)
+        self.importer = KVImporter(layout, pools, name_prefix=f"decode{rank}")
+        self.scheduler = Scheduler(self.runner, max_batch=topology.decode.max_batch)
+        self._lock = threading.Lock()  # the Runner and Scheduler are not thread-safe
+        self._wake = threading.Condition(self._lock)
+        self._stop = False
+        self._step_error: BaseException | None = None
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._step_loop, name="decode-steps", daemon=True)
+        self._thread.start()
+        self.steps = 0
+        self.completed = 0
+
+    # ---- admission ---------------------------------------------------------------------------
+    async def reserve(self, request_id: str, prompt_tokens: int, max_tokens: int) -> dict[str, int]:
+        """Commit pages for the request's worst case; raises AdmissionRefused (with `retryable`)."""
+        with self._lock:
+            return self.scheduler.reserve(request_id, prompt_tokens, max_tokens)
+
+    async def unreserve(self, request_id: str) -> None:
+        with self._lock:
+            self.scheduler.release(request_id)
+
+    # ---- the stream --------------------------------------------------------------------------
+    async def generate(self, request_id: str, handle: KVHandle, first_token: int, generated: int,
+                       params: SamplingParams, prefill) -> AsyncIterator[DecodeChunk]:
+        """Pull the handle's KV, release the prefill lease, decode until a stop condition, streaming
+        chunks of tokens. `generated` counts the tokens the request already has (first_token included).
+        `prefill` is the exporting worker's actor handle (only `.release` is called on it)."""
+        self._loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        queue: asyncio.Queue = asyncio.Queue()
+        joined = False
+        try:
+            with self._lock:
+                if not self.scheduler.has_reservation(request_id):
+                    self.scheduler.reserve(request_id, handle.num_tokens, params.max_tokens - generated + 1)
+                self.importer.check(handle)
+                kv = self.runner.import_sequence(request_id, handle.num_tokens)
+            if kv.first_page != handle.first_blocks():
+                raise RuntimeError(f"request {request_id}: page windows differ (prefill "
+                                   f"{handle.first_blocks()}, decode {kv.first_page})")
+            stats = await asyncio.to_thread(self.importer.pull, handle, kv.pages)
+            # The pull is only trustworthy if the lease was still valid when released: an expired lease
+            # may have had its pages reused by another prompt during the READ.
+            if not await prefill.release.remote(handle.lease_id):
+                raise KVLeaseExpired(f"request {request_id}: lease {handle.lease_id} expired before the "
+                                     f"pull was confirmed; re-run prefill")
+            self._streams[request_id] = queue
+            with self._lock:
+                self.scheduler.join(request_id, params, first_token, generated,
+                                    lambda out: self._emit(request_id, out))
+                joined = True
+                self._wake.notify()
+            pull = PullMetrics(stats.nbytes, stats.seconds, time.perf_counter() - t0)
+            while True:
+                item = await queue.get()
+                tokens = [item]
+                while not queue.empty():
+                    tokens.append(queue.get_nowait())
+                if any(isinstance(t, BaseException) for t in tokens):
+                    raise next(t for t in tokens if isinstance(t, BaseException))
+                yield DecodeChunk(tuple(tokens), pull)
+                pull = None
+                if tokens[-1].finish_reason is not None:
+                    self.completed += 1
+                    return
+        finally:
+            # Normal end: the scheduler already freed the pages. Errors, aborts and a consumer that went
+            # away (the generator is closed) land here too and must give every page back.
+            self._streams.pop(request_id, None)
+            with self._lock:
+                if joined:
+                    self.scheduler.abort(request_id)
+                    self._wake.notify()
+                else:
+                    self.scheduler.release(request_id)
+
+    def _emit(self, request_id: str, out) -> None:
+        """Called on the step thread; hands the item to the request's stream on the event loop."""
+        queue = self._streams.get(request_id)
+        if queue is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(queue.put_nowait, out)
+
+    async def abort(self, request_id: str) -> bool:
+        with self._lock:
+            found = self.scheduler.abort(request_id)
+            self._wake.notify()
+        return found
+
+    # ---- the step loop -----------------------------------------------------------------------
+    def _step_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stop and not self.scheduler.has_work():
+                    self._wake.wait()
+                if self._stop:
+                    return
+                running = self.scheduler.running_ids()
+                try:
+                    self.scheduler.step()
+                    self.steps += 1
+                except BaseException as e:  # a failed forward ends the requests in it, not the worker
+                    self._step_error = e
+                    for rid in running:
+                        self._emit(rid, RuntimeError(f"decode step failed on worker {self.rank}: {e!r}"))
+                        self.scheduler.release(rid)
+            # Let admissions and aborts in between steps.
+            time.sleep(0)
+
+    # ---- introspection -----------------------------------------------------------------------
+    async def health(self) -> bool:
+        return self._thread.is_alive() and not self._stop
+
+    async def load(self) -> tuple[int, int]:
+        """(pages a new request could still reserve, requests admitted): what the router ranks by."""
+        with self._lock:
+            s = self.scheduler.stats()
+        return s.free_budget, s.reserved
+
+    async def status(self) -> DecodeStatus:
+        with self._lock:
+            s = self.scheduler.stats()
+        return DecodeStatus(
+            rank=self.rank, pid=os.getpid(), node=node_name(), healthy=await self.health(),
+            pages_in_use=s.pages_in_use, pages_reserved=s.pages_reserved, pages_total=s.pages_total,
+            free_budget=s.free_budget, admitted=s.reserved, running=s.running, steps=self.steps,
+            completed=self.completed, agent=self.importer.agent_name,
+            last_step_error=repr(self._step_error) if self._step_error else None)
+
+    async def shutdown(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._wake.notify()
+        self.importer.close()

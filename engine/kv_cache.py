@@ -1,0 +1,284 @@
+"""Paged KV cache: CPU bookkeeping (page allocator, per-sequence page tables) apart from the device pool.
+
+Layers fall in two page groups, "full" (odd layers) and "sliding" (even layers). All layers of a group
+share page ids, so one page table per group describes a sequence. Logical page j of a sequence always
+covers positions [j*page_size, (j+1)*page_size); the sliding group releases the pages that lie wholly
+before the window, so it holds only the last ~`sliding_window` positions, and its page table starts at
+logical page `first_page`. Both sides of a KV transfer derive `first_page` from the length alone, which
+is what lets a sequence be exported and imported as a list of page ids.
+
+The pool of a group is one tensor [layers_in_group, num_pages, 2, page_size, kv_heads, head_dim]; a
+layer's view [num_pages, 2, page_size, kv_heads, head_dim] is FlashInfer's NHD paged layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Hashable
+
+import torch
+
+from kvrelay.engine.config import ModelConfig
+from kvrelay.engine.layers.attention import head_range
+from kvrelay.engine.layers.linear import Shard
+from kvrelay.kernels.reference import PagedKV
+
+FULL = "full"
+SLIDING = "sliding"
+GROUPS = (FULL, SLIDING)
+
+
+class OutOfPages(RuntimeError):
+    """Raised when a request needs more pages than are free; nothing is allocated in that case."""
+
+
+class PageAllocator:
+    """Free-list of page ids [0, num_pages). Lowest ids go out first, which keeps tests readable."""
+
+    def __init__(self, num_pages: int):
+        if num_pages <= 0:
+            raise ValueError(f"num_pages must be positive, got {num_pages}")
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, -1, -1))
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPages(f"need {n} pages, {len(self._free)} free of {self.num_pages}")
+        pages = [self._free.pop() for _ in range(n)]
+        self._used.update(pages)
+        return pages
+
+    def release(self, pages: list[int]) -> None:
+        for p in pages:
+            if p not in self._used:
+                raise ValueError(f"page {p} released but not allocated")
+            self._used.remove(p)
+            self._free.append(p)
+
+
+@dataclass
+class SequencePages:
+    """One sequence's page tables (mutable bookkeeping, owned by KVCache)."""
+
+    length: int = 0
+    pages: dict[str, list[int]] = field(default_factory=lambda: {g: [] for g in GROUPS})
+    first_page: dict[str, int] = field(default_factory=lambda: {g: 0 for g in GROUPS})
+
+
+@dataclass(frozen=True)
+class SequenceKV:
+    """What a KV transfer needs to know about a sequence: its length and, per group, the logical index
+    of its first held page and the page ids in position order."""
+
+    length: int
+    pages: dict[str, tuple[int, ...]]
+    first_page: dict[str, int]
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Everything one forward needs about where its tokens go and what they attend to.
+
+    Tokens are laid out ragged, sequence after sequence (qo_indptr); `logit_rows` are the rows of each
+    sequence's last new token."""
+
+    qo_indptr: torch.Tensor
+    positions: torch.Tensor
+    logit_rows: torch.Tensor
+    kv: dict[str, PagedKV]
+    write_pages: dict[str, torch.Tensor]
+    write_offsets: dict[str, torch.Tensor]
+
+
+class KVCache:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        num_pages: int | dict[str, int],
+        page_size: int = 16,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.bfloat16,
+        shard: Shard = Shard(),
+    ):
+        self.cfg = cfg
+        self.page_size = page_size
+        self.window = cfg.sliding_window
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.kv_heads = head_range(cfg, shard).num_kv
+        counts = num_pages if isinstance(num_pages, dict) else {g: num_pages for g in GROUPS}
+        self.group_layers = {FULL: cfg.full_layers, SLIDING: cfg.sliding_layers}
+        self._layer_slot = {
+            layer: (g, i) for g, layers in self.group_layers.items() for i, layer in enumerate(layers)
+        }
+        self.allocators = {g: PageAllocator(counts[g]) for g in GROUPS}
+        # The device pools: these tensors are what a NIXL agent registers.
+        self.pools = {
+            g: torch.zeros(
+                (len(self.group_layers[g]), counts[g], 2, page_size, self.kv_heads, cfg.head_dim),
+                dtype=dtype, device=self.device,
+            )
+            for g in GROUPS
+        }
+        self.seqs: dict[Hashable, SequencePages] = {}
+
+    # ---- layout --------------------------------------------------------------------------------
+    def layer_pool(self, layer: int) -> torch.Tensor:
+        g, i = self._layer_slot[layer]
+        return self.pools[g][i]
+
+    def layer_group(self, layer: int) -> str:
+        return self._layer_slot[layer][0]
+
+    def layout_hash(self) -> str:
+        """Identifies the byte layout of a page, so two processes can check they agree before a transfer."""
+        key = (self.cfg.name, self.cfg.num_hidden_layers, self.cfg.head_dim, self.kv_heads, self.page_size,
+               str(self.dtype), self.window, tuple(self.cfg.layer_types))
+        return hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+
+    # ---- capacity ------------------------------------------------------------------------------
+    def _first_needed_page(self, group: str, length: int) -> int:
+        """Logical index of the first page a sequence of `length` positions still needs: the next query
+        (at position `length`) sees keys down to length - window + 1."""
+        if group == FULL:
+            return 0
+        return max(0, length - self.window + 1) // self.page_size
+
+    def _pages_spanned(self, length: int) -> int:
+        return -(-length // self.page_size)
+
+    def pages_needed(self, n_tokens: int, *, length: int = 0) -> dict[str, int]:
+        """Peak pages per group that appending n_tokens to a sequence of `length` allocates. A sliding
+        group holds the whole chunk during the forward (its queries need all of it) and trims after."""
+        # A sequence already holds every page its current length spans from its first page on, and the
+        # first page only moves after the forward, so the increment is the same for both groups.
+        n = self._pages_spanned(length + n_tokens) - self._pages_spanned(length)
+        return {g: n for g in GROUPS}
+
+    def free_pages(self) -> dict[str, int]:
+        return {g: a.num_free for g, a in self.allocators.items()}
+
+    def can_allocate(self, n_tokens: int, *, length: int = 0) -> bool:
+        free = self.free_pages()
+        return all(n <= free[g] for g, n in self.pages_needed(n_tokens, length=length).items())
+
+    def _missing(self, seq: SequencePages, group: str, new_length: int) -> int:
+        return max(0, self._pages_spanned(new_length) - seq.first_page[group] - len(seq.pages[group]))
+
+    # ---- sequence lifecycle --------------------------------------------------------------------
+    def length(self, seq_id: Hashable) -> int:
+        return self.seqs[seq_id].length
+
+    def reserve(self, seq_id: Hashable, n_new: int) -> None:
+        """Make room for n_new more tokens (creating the sequence if new). All or nothing."""
+        seq = self.seqs.get(seq_id) or SequencePages()
+        need = {g: self._missing(seq, g, seq.length + n_new) for g in GROUPS}
+        for g, n in need.items():
+            if n > self.allocators[g].num_free:
+                raise OutOfPages(f"{g} group: need {n} pages, {self.allocators[g].num_free} free")
+        for g, n in need.items():
+            seq.pages[g].extend(self.allocators[g].allocate(n))
+        self.seqs[seq_id] = seq
+
+    def commit(self, seq_id: Hashable, n_new: int) -> None:
+        """Record that n_new tokens were written, then release sliding pages that fell out of the window."""
+        seq = self.seqs[seq_id]
+        seq.length += n_new
+        self._trim(seq)
+
+    def _trim(self, seq: SequencePages) -> None:
+        first = self._first_needed_page(SLIDING, seq.length)
+        drop = first - seq.first_page[SLIDING]
+        if drop > 0:
+            self.allocators[SLIDING].release(seq.pages[SLIDING][:drop])
+            del seq.pages[SLIDING][:drop]
+            seq.first_page[SLIDING] = first
+
+    def free(self, seq_id: Hashable) -> None:
+        seq = self.seqs.pop(seq_id, None)
+        if seq is not None:
+            for g in GROUPS:
+                self.allocators[g].release(seq.pages[g])
+
+    # ---- transfer ------------------------------------------------------------------------------
+    def export_sequence(self, seq_id: Hashable) -> SequenceKV:
+        seq = self.seqs[seq_id]
+        return SequenceKV(seq.length, {g: tuple(seq.pages[g]) for g in GROUPS}, dict(seq.first_page))
+
+    def import_sequence(self, seq_id: Hashable, length: int) -> SequenceKV:
+        """Create a sequence of `length` already-computed positions and allocate its pages; the caller
+        then fills those pages (e.g. a NIXL READ into `pools`) before the first decode step."""
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id!r} already exists")
+        seq = SequencePages(length=length)
+        need = {}
+        for g in GROUPS:
+            seq.first_page[g] = self._first_needed_page(g, length)
+            need[g] = self._pages_spanned(length) - seq.first_page[g]
+            if need[g] > self.allocators[g].num_free:
+                raise OutOfPages(f"{g} group: need {need[g]} pages, {self.allocators[g].num_free} free")
+        for g in GROUPS:
+            seq.pages[g] = self.allocators[g].allocate(need[g])
+        self.seqs[seq_id] = seq
+        return self.export_sequence(seq_id)
+
+    def copy_pages(self, src: "KVCache", src_kv: SequenceKV, dst_kv: SequenceKV) -> None:
+        """Copy a sequence's pages from another cache in the same process (the NIXL path does the same
+        thing across processes); used by tests and single-host handoff."""
+        if src.layout_hash() != self.layout_hash():
+            raise ValueError("KV layouts differ; refusing to copy pages")
+        for g in GROUPS:
+            if src_kv.first_page[g] != dst_kv.first_page[g] or len(src_kv.pages[g]) != len(dst_kv.pages[g]):
+                raise ValueError(f"{g} page tables do not correspond")
+            s = torch.tensor(src_kv.pages[g], dtype=torch.long, device=src.device)
+            d = torch.tensor(dst_kv.pages[g], dtype=torch.long, device=self.device)
+            self.pools[g][:, d] = src.pools[g][:, s].to(self.device)
+
+    # ---- per-forward metadata ------------------------------------------------------------------
+    def plan(self, batch: list[tuple[Hashable, int]]) -> BatchLayout:
+        """Layout for appending n_new tokens to each (already reserved) sequence, in order."""
+        ps = self.page_size
+        qo, positions, rows = [0], [], []
+        indptr = {g: [0] for g in GROUPS}
+        indices = {g: [] for g in GROUPS}
+        last_len = {g: [] for g in GROUPS}
+        w_pages = {g: [] for g in GROUPS}
+        w_offsets = {g: [] for g in GROUPS}
+        for seq_id, n_new in batch:
+            seq = self.seqs[seq_id]
+            start, end = seq.length, seq.length + n_new
+            if end > self.cfg.max_context:
+                raise ValueError(f"sequence {seq_id!r} would reach {end} > max_context={self.cfg.max_context}")
+            pos = list(range(start, end))
+            positions += pos
+            qo.append(qo[-1] + n_new)
+            rows.append(qo[-1] - 1)
+            for g in GROUPS:
+                first, pages = seq.first_page[g], seq.pages[g]
+                n_pages = self._pages_spanned(end) - first
+                if n_pages > len(pages):
+                    raise RuntimeError(f"sequence {seq_id!r} not reserved for {n_new} tokens")
+                indices[g] += pages[:n_pages]
+                indptr[g].append(len(indices[g]))
+                last_len[g].append(end - (self._pages_spanned(end) - 1) * ps)
+                w_pages[g] += [pages[p // ps - first] for p in pos]
+                w_offsets[g] += [p % ps for p in pos]
+
+        def t(x: list[int], dtype=torch.int32) -> torch.Tensor:
+            return torch.tensor(x, dtype=dtype, device=self.device)
+
+        return BatchLayout(
+            qo_indptr=t(qo),
+            positions=t(positions, torch.long),
+            logit_rows=t(rows, torch.long),
+            kv={g: PagedKV(t(indptr[g]), t(indices[g]), t(last_len[g])) for g in GROUPS},
+            write_pages={g: t(w_pages[g], torch.long) for g in GROUPS},
+            write_offsets={g: t(w_offsets[g], torch.long) for g in GROUPS},
+        )

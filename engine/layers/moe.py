@@ -1,0 +1,39 @@
+"""gpt-oss mixture of experts: router with bias, top-k then softmax over the k (bf16), experts with
+biases and the clamped SwiGLU on interleaved gate/up rows. Sharded by experts (each rank holds a
+contiguous range; the inputs are replicated and one all-reduce combines)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvrelay.engine.layers.linear import ExpertLinears, Linear, Shard, WeightGetter
+from kvrelay.kernels.reference import clamped_swiglu, route_topk
+
+
+class MoE:
+    def __init__(self, weights: WeightGetter, cfg, layer: int, *, shard: Shard, quant: str, device,
+                 dtype: torch.dtype):
+        p = f"block.{layer}.mlp."
+        self.top_k = cfg.experts_per_token
+        self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
+        # The router is tiny and decides which experts run: it stays bf16 and replicated.
+        self.router = Linear(weights.get(p + "gate.weight", dtype=dtype, device=device),
+                             weights.get(p + "gate.bias", dtype=dtype, device=device))
+        self.e0, self.e1 = shard.span(cfg.num_experts, "num_experts")
+        experts = (slice(self.e0, self.e1),)
+        get = lambda name: weights.get(p + name, slices=experts, dtype=dtype, device=device)  # noqa: E731
+        self.mlp1 = ExpertLinears(get("mlp1_weight"), get("mlp1_bias"), quant)
+        self.mlp2 = ExpertLinears(get("mlp2_weight"), get("mlp2_bias"), quant)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] (already normed) -> this rank's partial output (its experts' share)."""
+        gate, experts = route_topk(self.router(x), self.top_k)
+        out = torch.zeros_like(x)
+        local = experts - self.e0
+        mine = (local >= 0) & (local < self.e1 - self.e0)
+        for e in torch.unique(local[mine]).tolist():
+            tokens, slot = torch.where(local == e)
+            y = self.mlp2(e, clamped_swiglu(self.mlp1(e, x[tokens]), self.alpha, self.limit))
+            # The expert's output bias is inside y, so it is weighted too (as in every reference).
+            out.index_add_(0, tokens, y * gate[tokens, slot, None])
+        return out

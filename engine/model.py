@@ -1,0 +1,86 @@
+"""The gpt-oss forward, in one place.
+
+    x = embedding[ids]
+    for each layer:  x += attention(rmsnorm(x)); x += moe(rmsnorm(x))
+    logits = unembedding(rmsnorm(x))
+
+Activations are bf16; RMSNorm and the attention softmax run in fp32 (docs: gpt-oss-spec.md section 2).
+The same forward serves prefill (many tokens per sequence) and decode (one per sequence): a ragged batch
+of new tokens is appended to the paged KV cache and attends over it, as `BatchLayout` describes.
+Weights come only through `WeightGetter.get`, sliced by `Shard`, so TP/EP need no changes here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvrelay.engine.config import ModelConfig
+from kvrelay.engine.kv_cache import BatchLayout, KVCache
+from kvrelay.engine.layers.attention import Attention, AttentionFn
+from kvrelay.engine.layers.embedding import Embedding, Unembedding
+from kvrelay.engine.layers.linear import QUANTS, Shard, WeightGetter
+from kvrelay.engine.layers.moe import MoE
+from kvrelay.engine.layers.norm import RMSNorm
+from kvrelay.engine.layers.rotary import YarnRotary
+from kvrelay.kernels.reference import paged_attention
+
+
+class Block:
+    def __init__(self, weights: WeightGetter, cfg: ModelConfig, layer: int, *, shard: Shard, quant: str,
+                 device, dtype: torch.dtype):
+        self.layer = layer
+        self.shard = shard
+        eps = cfg.rms_norm_eps
+        self.attn_norm = RMSNorm(weights, f"block.{layer}.attn.norm.scale", eps, device)
+        self.attn = Attention(weights, cfg, layer, shard=shard, quant=quant, device=device, dtype=dtype)
+        self.mlp_norm = RMSNorm(weights, f"block.{layer}.mlp.norm.scale", eps, device)
+        self.mlp = MoE(weights, cfg, layer, shard=shard, quant=quant, device=device, dtype=dtype)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                 batch: BatchLayout, attention_fn: AttentionFn) -> torch.Tensor:
+        group = cache.layer_group(self.layer)
+        a = self.attn(
+            self.attn_norm(x), cos, sin, cache.layer_pool(self.layer), batch.qo_indptr, batch.kv[group],
+            batch.write_pages[group], batch.write_offsets[group], attention_fn,
+        )
+        x = x + self.shard.all_reduce(a)
+        return x + self.shard.all_reduce(self.mlp(self.mlp_norm(x)))
+
+
+class GptOss:
+    """The model: weights on `device`, no state besides them (the KV cache is passed in)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: WeightGetter,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.bfloat16,
+        quant: str = "bf16",
+        shard: Shard = Shard(),
+        attention_fn: AttentionFn = paged_attention,
+    ):
+        if quant not in QUANTS:
+            raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
+        self.cfg, self.device, self.dtype, self.quant, self.shard = cfg, torch.device(device), dtype, quant, shard
+        self.attention_fn = attention_fn
+        common = dict(shard=shard, device=device, dtype=dtype)
+        self.embedding = Embedding(weights, cfg, **common)
+        self.rotary = YarnRotary(cfg, device=device, dtype=dtype)
+        self.blocks = [Block(weights, cfg, i, quant=quant, **common) for i in range(cfg.num_hidden_layers)]
+        self.norm = RMSNorm(weights, "norm.scale", cfg.rms_norm_eps, device)
+        self.unembedding = Unembedding(weights, cfg, **common)
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, cache: KVCache, batch: BatchLayout, *,
+                all_logits: bool = False) -> torch.Tensor:
+        """Append the ragged tokens `ids` [T] to the cache and return logits [B, vocab] (fp32) for each
+        sequence's last new token, or [T, vocab] for every token when all_logits (tests, scoring)."""
+        x = self.embedding(ids)
+        cos, sin = self.rotary(batch.positions)
+        for block in self.blocks:
+            x = block(x, cos, sin, cache, batch, self.attention_fn)
+        if not all_logits:
+            x = x[batch.logit_rows]
+        return self.unembedding(self.norm(x)).float()

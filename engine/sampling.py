@@ -1,0 +1,112 @@
+"""Sampling parameters and the token sampler.
+
+Seeded sampling draws step n of a request from a generator seeded with (seed, n) rather than one
+generator advanced step by step: the draw then depends only on the request and the step, so a prefill
+worker (step 0) and a decode worker (steps 1..) in different processes reproduce a single-process run.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+
+FINISH_REASONS = (None, "stop", "length")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None  # None = random
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    def resolved(self) -> "SamplingParams":
+        """A copy with a concrete seed, so every later step of the request draws from a fixed stream."""
+        if self.seed is not None or self.greedy:
+            return self
+        return SamplingParams(self.max_tokens, self.temperature, self.top_p, self.top_k,
+                              random.getrandbits(63), self.stop_token_ids, self.logprobs)
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    token_id: int
+    logprob: float | None
+    finish_reason: str | None
+
+
+def _step_generator(seed: int, step: int, device: torch.device) -> torch.Generator:
+    # A fixed odd multiplier spreads (seed, step) pairs over the 64-bit seed space without collisions
+    # for any realistic step count.
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 0x9E3779B97F4A7C15 + step) % (1 << 63))
+    return g
+
+
+def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Probabilities [V] after temperature, top-k and top-p (nucleus: the smallest set of most likely
+    tokens whose mass reaches top_p; the token that crosses the threshold is kept)."""
+    scaled = logits / p.temperature
+    if p.top_k and p.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, p.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if p.top_p < 1:
+        sorted_p, order = torch.sort(probs, descending=True)
+        before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly before each token
+        sorted_p = sorted_p.masked_fill(before >= p.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    return probs
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list[tuple[int, float | None]]:
+    """Choose one token per row of logits [B, V] (fp32). `steps[b]` is how many tokens request b has
+    already generated. Returns (token, logprob or None); the logprob is of the model's distribution
+    (log-softmax of the raw logits), not of the temperature/top-p-filtered one."""
+    logits = logits.float()
+    greedy_ids = torch.argmax(logits, dim=-1)  # ties go to the lowest id, matching HF greedy
+    want_lp = any(p.logprobs for p in params)
+    logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
+    out: list[tuple[int, float | None]] = []
+    for b, p in enumerate(params):
+        if p.greedy:
+            token = int(greedy_ids[b])
+        else:
+            if p.seed is None:
+                raise ValueError("sample() needs resolved params (a concrete seed); call params.resolved()")
+            probs = _filtered_probs(logits[b], p)
+            gen = _step_generator(p.seed, steps[b], logits.device)
+            token = int(torch.multinomial(probs, 1, generator=gen))
+        lp = float(logprobs[b, token]) if p.logprobs else None
+        out.append((token, lp))
+    return out
+
+
+def finish_reason(token: int, n_generated: int, params: SamplingParams) -> str | None:
+    """Why a request ends after emitting `token` as its n_generated-th token (1-based), if it does."""
+    if token in params.stop_token_ids:
+        return "stop"
+    if n_generated >= params.max_tokens:
+        return "length"
+    return None

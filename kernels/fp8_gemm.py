@@ -1,0 +1,198 @@
+"""FP8 (e4m3) block-scaled GEMM with bias on Hopper: y = quant_1x128(x) @ w^T * scales + bias.
+
+Same numbers as kernels.fp8.fp8_block_linear_ref (activations 1x128, weights 128x128, fp32 accumulation
+per K block, scaled, summed, + bias, bf16). Backends:
+- "cublas": torch._scaled_mm blockwise. Layout that is right (h200-notes; the obvious block-scale layout
+  runs fast and is WRONG): A fp8 [M, K] with 1x128 scales [M, K/128] M-major; B = w.t(); its block scales
+  expanded to one per output column, [K/128, N] contiguous. cuBLAS has no bias here, so bias is one extra
+  in-place pass over the output.
+- "triton": a block-scaled Triton GEMM whose epilogue adds the bias before the bf16 store (no extra pass).
+- "deepgemm": only if `deep_gemm` is importable (it is not on our H200 image).
+`Fp8BlockLinear(backend="auto")` times the available backends once per M bucket on first use and keeps the
+faster one (never while a CUDA graph is being captured).
+K is padded to a multiple of 128 once at load time: both kernels consume whole 128-wide K blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 128
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+@triton.jit
+def _quant_act_kernel(x, q, s, K, s_xm, s_qm, s_sm, s_sk, BLOCK_K: tl.constexpr):
+    # One program per (row, 128-wide K block); columns >= K (padding) are written as zeros.
+    m = tl.program_id(0)
+    kb = tl.program_id(1)
+    offs = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    v = tl.load(x + m.to(tl.int64) * s_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(v), 0), 1e-12) / 448.0
+    qv = tl.minimum(tl.maximum(v / scale, -448.0), 448.0)
+    tl.store(q + m.to(tl.int64) * s_qm + offs, qv.to(q.dtype.element_ty))
+    tl.store(s + m * s_sm + kb * s_sk, scale)
+
+
+def quantize_act_1x128(x: torch.Tensor, k_padded: int | None = None, m_major: bool = True):
+    """x [M, K] bf16 -> (fp8 [M, Kp], scale f32 [M, Kp/128]); the scale is M-major (stride (1, M)) as
+    cuBLAS wants it unless m_major=False. Matches kernels.fp8.quantize_act_1x128 on the first K columns."""
+    m, k = x.shape
+    kp = k_padded or triton.cdiv(k, BLOCK) * BLOCK
+    q = torch.empty(m, kp, dtype=FP8, device=x.device)
+    kb = kp // BLOCK
+    s = torch.empty(kb, m, dtype=torch.float32, device=x.device).t() if m_major else \
+        torch.empty(m, kb, dtype=torch.float32, device=x.device)
+    if m:
+        _quant_act_kernel[(m, kb)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
+                                   BLOCK_K=BLOCK, num_warps=1)
+    return q, s
+
+
+@triton.jit
+def _fp8_gemm_kernel(a, b, sa, sb, bias, c, M, N, KB,
+                     s_am, s_bn, s_sam, s_sak, s_sbn, s_sbk, s_cm,
+                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     GROUP_M: tl.constexpr):
+    BLOCK_K: tl.constexpr = 128
+    pid = tl.program_id(0)
+    n_m = tl.cdiv(M, BLOCK_M)
+    n_n = tl.cdiv(N, BLOCK_N)
+    # Grouped launch order: GROUP_M row-blocks walk the N blocks together so B tiles stay in L2.
+    group = pid // (GROUP_M * n_n)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(n_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * n_n)) % size_m
+    pid_n = (pid % (GROUP_M * n_n)) // size_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    a_ptr = a + offs_m.to(tl.int64)[:, None] * s_am + offs_k[None, :]
+    b_ptr = b + offs_n.to(tl.int64)[:, None] * s_bn + offs_k[None, :]
+    sa_ptr = sa + offs_m * s_sam
+    sb_ptr = sb + (offs_n // 128) * s_sbn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for kb in range(KB):
+        at = tl.load(a_ptr, mask=m_ok[:, None], other=0.0)
+        bt = tl.load(b_ptr, mask=n_ok[:, None], other=0.0)
+        s_a = tl.load(sa_ptr + kb * s_sak, mask=m_ok, other=0.0)
+        s_b = tl.load(sb_ptr + kb * s_sbk, mask=n_ok, other=0.0)
+        # Each 128-wide K block is summed exactly in fp32 by the tensor cores, then scaled: the
+        # DeepSeek-style promotion that keeps fp8 accumulation error from growing with K.
+        acc += tl.dot(at, tl.trans(bt)) * (s_a[:, None] * s_b[None, :])
+        a_ptr += BLOCK_K
+        b_ptr += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(c + offs_m.to(tl.int64)[:, None] * s_cm + offs_n[None, :], acc.to(c.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def triton_fp8_gemm(a_fp8, sa, w_fp8, w_scale, bias=None, out=None, *, block_m=128, block_n=128,
+                    group_m=8, num_warps=8, num_stages=4):
+    """a_fp8 [M, Kp], sa [M, Kp/128] (any strides), w_fp8 [N, Kp], w_scale [ceil(N/128), Kp/128]."""
+    m, kp = a_fp8.shape
+    n = w_fp8.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=a_fp8.device)
+    if m == 0:
+        return out
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    _fp8_gemm_kernel[grid](a_fp8, w_fp8, sa, w_scale, bias if bias is not None else out, out, m, n, kp // BLOCK,
+                           a_fp8.stride(0), w_fp8.stride(0), sa.stride(0), sa.stride(1),
+                           w_scale.stride(0), w_scale.stride(1), out.stride(0),
+                           HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=group_m,
+                           num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+def cublas_column_scales(w_scale: torch.Tensor, n: int) -> torch.Tensor:
+    """[ceil(N/128), Kp/128] block scales -> [Kp/128, N] contiguous, one scale per output column."""
+    return w_scale.float().repeat_interleave(BLOCK, 0)[:n].t().contiguous()
+
+
+def cublas_fp8_gemm(a_fp8, sa_m_major, w_fp8, sb_cols, bias=None):
+    out = torch._scaled_mm(a_fp8, w_fp8.t(), scale_a=sa_m_major, scale_b=sb_cols, out_dtype=torch.bfloat16)
+    if bias is not None:
+        out.add_(bias)
+    return out
+
+
+def _deep_gemm():
+    try:
+        import deep_gemm  # noqa: F401  (never installed by us; used only where it already exists)
+        return deep_gemm
+    except Exception:
+        return None
+
+
+def _pad_k(w: torch.Tensor, kp: int) -> torch.Tensor:
+    if w.shape[-1] == kp:
+        return w.contiguous()
+    out = torch.zeros(*w.shape[:-1], kp, dtype=w.dtype, device=w.device)
+    out[..., : w.shape[-1]] = w
+    return out
+
+
+class Fp8BlockLinear:
+    """A served FP8 linear layer: weights prepared once (K padded, cuBLAS scale layout built)."""
+
+    BACKENDS = ("cublas", "triton")
+
+    def __init__(self, w_fp8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 backend: str = "auto"):
+        n, k = w_fp8.shape
+        self.n, self.k = n, k
+        self.kp = triton.cdiv(k, BLOCK) * BLOCK
+        if tuple(w_scale.shape) != (triton.cdiv(n, BLOCK), self.kp // BLOCK):
+            raise ValueError(f"w_scale {list(w_scale.shape)} does not match weight [{n}, {k}]")
+        # Zero padding columns: their fp8 zeros contribute nothing whatever their scale.
+        self.w = _pad_k(w_fp8, self.kp)
+        self.w_scale = w_scale.float().contiguous()
+        self.sb_cols = cublas_column_scales(self.w_scale, n)
+        self.bias = bias
+        if backend not in ("auto",) + self.BACKENDS:
+            raise ValueError(f"unknown backend {backend}")
+        self.backend = backend
+        self._choice: dict[int, str] = {}
+
+    def _run(self, backend: str, xq, sx):
+        if backend == "cublas":
+            return cublas_fp8_gemm(xq, sx, self.w, self.sb_cols, self.bias)
+        return triton_fp8_gemm(xq, sx, self.w, self.w_scale, self.bias)
+
+    def _pick(self, m: int, xq, sx) -> str:
+        if self.backend != "auto":
+            return self.backend
+        bucket = 1 << max(0, (m - 1).bit_length())
+        if bucket in self._choice:
+            return self._choice[bucket]
+        if torch.cuda.is_current_stream_capturing():
+            return "cublas"
+        times = {}
+        for name in self.BACKENDS:
+            try:
+                times[name] = triton.testing.do_bench(lambda: self._run(name, xq, sx), warmup=5, rep=20,
+                                                      return_mode="median")
+            except Exception:  # a backend that cannot run this shape is simply not chosen
+                continue
+        self._choice[bucket] = min(times, key=times.get)
+        return self._choice[bucket]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.k)
+        xq, sx = quantize_act_1x128(x2, self.kp)
+        y = self._run(self._pick(x2.shape[0], xq, sx), xq, sx)
+        return y.reshape(*lead, self.n)
+
+
+def fp8_block_linear(x, w_fp8, w_scale, bias=None, backend: str = "cublas"):
+    """Drop-in for kernels.fp8.fp8_block_linear_ref (prepares the weight on every call: for tests and
+    tools; the engine holds an Fp8BlockLinear per layer)."""
+    return Fp8BlockLinear(w_fp8, w_scale, bias, backend=backend)(x)

@@ -1,0 +1,295 @@
+"""Triton sink attention over the paged KV pool: the portable GPU backend (and a second opinion on
+FlashInfer), also runnable under TRITON_INTERPRET=1 on CPU tensors.
+
+Math (gpt-oss spec §2.2): p_k = exp(s_k) / (sum_k' exp(s_k') + exp(S_h)), S_h not scaled by sm_scale,
+its mass dropped. In an online softmax that is simply "start the running max at S_h with running sum 1"
+(exp(S_h - S_h) = 1) and never add a value row for it. Masks: key k visible to query q iff
+k <= q and (window is None or k > q - window), with q aligned to the end of the KV (FlashInfer's
+convention, which also makes a sliding group that dropped old pages correct: only distances matter).
+
+Pool layout per layer: [num_pages, 2, page_size, kv_heads, head_dim] (NHD), pages in CSR form
+(kv_indptr, kv_indices, kv_last_page_len), as kernels/reference.PagedKV describes.
+
+GQA: one program owns one KV head and all GROUP query heads that share it, so each K/V tile is loaded
+once for the whole group. Rows of the score tile are (token, head) pairs: row r = token r // GROUP,
+head r % GROUP.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+# The CPU interpreter (triton 3.9) computes bf16 x bf16 tl.dot wrongly (garbage of order 1e10, seen
+# 2026-11-29); under it the dots run on float32 copies, on a GPU on the native bf16 tensor cores.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _dot(a, b, F32: tl.constexpr):
+    if F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _kv_len(kv_indptr, kv_last, b, PAGE: tl.constexpr):
+    p0 = tl.load(kv_indptr + b)
+    n_pages = tl.load(kv_indptr + b + 1) - p0
+    last = tl.load(kv_last + b)
+    return p0, tl.where(n_pages > 0, (n_pages - 1) * PAGE + last, 0)
+
+
+@triton.jit
+def _load_kv_tile(pool, kv_indices, p0, kpos, kvalid, kvh, which: tl.constexpr, offs_d,
+                  s_page, s_kv, s_tok, s_head, PAGE: tl.constexpr):
+    # Gather BLOCK_N rows of K or V through the page table; rows past the end read page slot 0
+    # (masked) so no index ever leaves the table.
+    page = tl.load(kv_indices + p0 + kpos // PAGE, mask=kvalid, other=0).to(tl.int64)
+    ptr = (pool + page[:, None] * s_page + which * s_kv + (kpos % PAGE)[:, None] * s_tok
+           + kvh * s_head + offs_d[None, :])
+    return tl.load(ptr, mask=kvalid[:, None], other=0.0)
+
+
+@triton.jit
+def _sink_prefill_kernel(
+    q, out, pool, sinks, qo_indptr, kv_indptr, kv_indices, kv_last, tile_seq, tile_q0,
+    s_qt, s_qh, s_ot, s_oh, s_page, s_kv, s_tok, s_head,
+    qk_scale, WINDOW,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = tl.load(tile_seq + tile)
+    q_local0 = tl.load(tile_q0 + tile)
+    qo0 = tl.load(qo_indptr + b)
+    q_len = tl.load(qo_indptr + b + 1) - qo0
+    p0, kv_len = _kv_len(kv_indptr, kv_last, b, PAGE)
+
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_local0 + rows // GROUP
+    head = kvh * GROUP + rows % GROUP
+    row_ok = tok < q_len
+    offs_d = tl.arange(0, HEAD_DIM)
+    qv = tl.load(q + (qo0 + tok).to(tl.int64)[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :],
+                 mask=row_ok[:, None], other=0.0)
+    # Query positions are aligned to the end of the KV (queries are its last q_len entries).
+    qpos = kv_len - q_len + tok
+
+    # The sink seeds the running max; its exp(0) = 1 seeds the running sum (log2 domain throughout).
+    m_i = tl.load(sinks + head).to(tl.float32) * 1.4426950408889634
+    l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+    q_first = kv_len - q_len + q_local0
+    q_last = tl.minimum(q_first + BLOCK_Q - 1, kv_len - 1)
+    lo = 0
+    if WINDOW > 0:
+        lo = tl.maximum(q_first - WINDOW + 1, 0)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    for start in range(lo, q_last + 1, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        kvalid = kpos < kv_len
+        k = _load_kv_tile(pool, kv_indices, p0, kpos, kvalid, kvh, 0, offs_d, s_page, s_kv, s_tok, s_head, PAGE)
+        s = _dot(qv, tl.trans(k), F32) * qk_scale
+        vis = (kpos[None, :] <= qpos[:, None]) & kvalid[None, :]
+        if WINDOW > 0:
+            vis = vis & (kpos[None, :] > qpos[:, None] - WINDOW)
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_kv_tile(pool, kv_indices, p0, kpos, kvalid, kvh, 1, offs_d, s_page, s_kv, s_tok, s_head, PAGE)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32)
+        m_i = m_new
+    o = acc / l_i[:, None]
+    tl.store(out + (qo0 + tok).to(tl.int64)[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :],
+             o.to(out.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _sink_decode_split_kernel(
+    q, pool, kv_indptr, kv_indices, kv_last, o_part, lse_part,
+    s_qb, s_qh, s_page, s_kv, s_tok, s_head,
+    qk_scale, WINDOW,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, F32: tl.constexpr,
+):
+    # One query per sequence at position kv_len - 1. Split s of NUM_SPLITS covers a contiguous chunk of
+    # the visible keys and writes its normalised partial output plus its log2-sum-exp WITHOUT the sink:
+    # the sink must enter exactly once, so the merge kernel adds it.
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    p0, kv_len = _kv_len(kv_indptr, kv_last, b, PAGE)
+    lo = 0
+    if WINDOW > 0:
+        lo = tl.maximum(kv_len - WINDOW, 0)
+    n_vis = kv_len - lo
+    chunk = tl.cdiv(tl.cdiv(n_vis, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    c0 = lo + split * chunk
+    c1 = tl.minimum(c0 + chunk, kv_len)
+
+    rows = tl.arange(0, BLOCK_H)
+    head = kvh * GROUP + rows
+    row_ok = rows < GROUP
+    offs_d = tl.arange(0, HEAD_DIM)
+    qv = tl.load(q + b.to(tl.int64) * s_qb + head[:, None] * s_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    for start in range(c0, c1, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        kvalid = kpos < c1
+        k = _load_kv_tile(pool, kv_indices, p0, kpos, kvalid, kvh, 0, offs_d, s_page, s_kv, s_tok, s_head, PAGE)
+        v = _load_kv_tile(pool, kv_indices, p0, kpos, kvalid, kvh, 1, offs_d, s_page, s_kv, s_tok, s_head, PAGE)
+        s = _dot(qv, tl.trans(k), F32) * qk_scale
+        s = tl.where(kvalid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # An empty prefix has m_i = -inf; guard exp2(-inf - (-inf)) which would be NaN.
+        alpha = tl.where(m_new == float("-inf"), 0.0, tl.exp2(m_i - m_new))
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32)
+        m_i = m_new
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    n_heads = tl.num_programs(1) * GROUP
+    base = (b.to(tl.int64) * n_heads + head) * NUM_SPLITS + split
+    tl.store(o_part + base[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None])
+    tl.store(lse_part + base, lse, mask=row_ok)
+
+
+@triton.jit
+def _sink_decode_merge_kernel(o_part, lse_part, sinks, out, s_ob, s_oh,
+                              HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    n_heads = tl.num_programs(1)
+    base = (b.to(tl.int64) * n_heads + h) * NUM_SPLITS
+    sp = tl.arange(0, SPLITS_P2)
+    lse = tl.load(lse_part + base + sp, mask=sp < NUM_SPLITS, other=float("-inf"))
+    sink = tl.load(sinks + h).to(tl.float32) * 1.4426950408889634
+    m = tl.maximum(tl.max(lse, 0), sink)  # finite: the sink is always there
+    w = tl.exp2(lse - m)
+    denom = tl.sum(w, 0) + tl.exp2(sink - m)
+    offs_d = tl.arange(0, HEAD_DIM)
+    o = tl.load(o_part + (base + sp)[:, None] * HEAD_DIM + offs_d[None, :], mask=(sp < NUM_SPLITS)[:, None], other=0.0)
+    res = tl.sum(o * w[:, None], 0) / denom
+    tl.store(out + b.to(tl.int64) * s_ob + h * s_oh + offs_d, res.to(out.dtype.element_ty))
+
+
+def _window_arg(window: int | None) -> int:
+    return 0 if window is None or window <= 0 else int(window)
+
+
+def plan_prefill_tiles(qo_indptr: torch.Tensor, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host-side plan: one tile per BLOCK_Q queries of each sequence -> (tile_seq, tile_q0) int32 on the
+    queries' device. Done once per batch, outside any CUDA graph (it reads qo_indptr on the host)."""
+    qo = qo_indptr.tolist()
+    seq, q0 = [], []
+    for b in range(len(qo) - 1):
+        for start in range(0, qo[b + 1] - qo[b], block_q):
+            seq.append(b)
+            q0.append(start)
+    dev = qo_indptr.device
+    return (torch.tensor(seq, dtype=torch.int32, device=dev), torch.tensor(q0, dtype=torch.int32, device=dev))
+
+
+def _pool_strides(pool: torch.Tensor) -> tuple[int, int, int, int]:
+    if pool.dim() != 5 or pool.shape[1] != 2:
+        raise ValueError(f"pool must be [num_pages, 2, page_size, kv_heads, head_dim], got {list(pool.shape)}")
+    if pool.stride(-1) != 1:
+        raise ValueError("pool's head_dim must be contiguous")
+    return pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3)
+
+
+def sink_prefill(q: torch.Tensor, pool: torch.Tensor, sinks: torch.Tensor, qo_indptr: torch.Tensor,
+                 kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor, *,
+                 sm_scale: float, window: int | None, out: torch.Tensor | None = None,
+                 tiles: tuple[torch.Tensor, torch.Tensor] | None = None, block_q: int | None = None,
+                 block_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """Ragged causal (optionally windowed) attention with sinks for q [T, Hq, D] -> [T, Hq, D]."""
+    n_tok, n_heads, head_dim = q.shape
+    kv_heads, page = pool.shape[3], pool.shape[2]
+    group = n_heads // kv_heads
+    if block_q is None:
+        block_q = max(1, 128 // group)  # 128 score rows per program
+    if tiles is None:
+        tiles = plan_prefill_tiles(qo_indptr, block_q)
+    tile_seq, tile_q0 = tiles
+    if out is None:
+        out = torch.empty_like(q)
+    if tile_seq.numel() == 0:
+        return out
+    sp, skv, stok, sh = _pool_strides(pool)
+    _sink_prefill_kernel[(tile_seq.numel(), kv_heads)](
+        q, out, pool, sinks, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, tile_seq, tile_q0,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), sp, skv, stok, sh,
+        sm_scale * LOG2E, _window_arg(window),
+        GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_Q=block_q, BLOCK_N=block_n, F32=INTERPRET,
+        num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+def default_num_splits(batch: int, kv_heads: int, max_kv_len: int | None = None, num_sms: int = 132,
+                       block_n: int = 64) -> int:
+    """Splits so that batch * kv_heads * splits fills the SMs about four times over (a CUDA-graph
+    friendly function of the batch size alone unless max_kv_len caps it)."""
+    splits = max(1, math.ceil(4 * num_sms / max(1, batch * kv_heads)))
+    if max_kv_len is not None:
+        splits = min(splits, max(1, math.ceil(max_kv_len / (4 * block_n))))
+    return min(splits, 64)
+
+
+def sink_decode(q: torch.Tensor, pool: torch.Tensor, sinks: torch.Tensor, kv_indptr: torch.Tensor,
+                kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor, *, sm_scale: float,
+                window: int | None, out: torch.Tensor | None = None, num_splits: int | None = None,
+                block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+                workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Split-KV decode: q [B, Hq, D] (one new token per sequence, already in the pool) -> [B, Hq, D].
+
+    Graph-safe: reads all lengths on the device; `num_splits` and `workspace` fixed per batch size."""
+    batch, n_heads, head_dim = q.shape
+    kv_heads, page = pool.shape[3], pool.shape[2]
+    group = n_heads // kv_heads
+    if num_splits is None:
+        num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
+        num_splits = default_num_splits(batch, kv_heads, num_sms=num_sms, block_n=block_n)
+    if out is None:
+        out = torch.empty_like(q)
+    if workspace is None:
+        workspace = decode_workspace(batch, n_heads, head_dim, num_splits, q.device)
+    o_part, lse_part = workspace
+    sp, skv, stok, sh = _pool_strides(pool)
+    _sink_decode_split_kernel[(batch, kv_heads, num_splits)](
+        q, pool, kv_indptr, kv_indices, kv_last_page_len, o_part, lse_part,
+        q.stride(0), q.stride(1), sp, skv, stok, sh, sm_scale * LOG2E, _window_arg(window),
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page,
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, F32=INTERPRET, num_warps=num_warps, num_stages=num_stages)
+    _sink_decode_merge_kernel[(batch, n_heads)](
+        o_part, lse_part, sinks, out, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits), num_warps=1)
+    return out
+
+
+def decode_workspace(batch: int, n_heads: int, head_dim: int, num_splits: int,
+                     device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty(batch * n_heads * num_splits * head_dim, dtype=torch.float32, device=device),
+            torch.empty(batch * n_heads * num_splits, dtype=torch.float32, device=device))
+
+
+def paged_attention(q: torch.Tensor, pool: torch.Tensor, qo_indptr: torch.Tensor, kv, sinks: torch.Tensor,
+                    sm_scale: float, window: int | None) -> torch.Tensor:
+    """Drop-in for kernels.reference.paged_attention (same arguments, `kv` a PagedKV)."""
+    return sink_prefill(q, pool, sinks, qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len,
+                        sm_scale=sm_scale, window=window)

@@ -1,0 +1,165 @@
+"""gRPC front-end (grpc.aio): kvrelay.v1.Router over `RouterCore`.
+
+Only translation lives here. Cancellation needs no code of its own: grpc.aio cancels the handler task
+when the client goes away, the CancelledError unwinds `RouterCore.stream`, and its `finally` aborts
+the request in the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import AsyncIterator
+
+import grpc
+
+from kvrelay.router.service import RouterCore
+from kvrelay.router.types import (
+    ChatMessage,
+    ChatRequest,
+    ContentDelta,
+    GenerateRequest,
+    ReasoningDelta,
+    SamplingOptions,
+    TokenStep,
+    ToolCall,
+    ToolCallArgumentsDelta,
+    ToolCallStart,
+    ToolSpec,
+    Usage,
+)
+from kvrelay.router.validation import ValidationError
+from kvrelay.v1 import router_pb2 as pb
+from kvrelay.v1 import router_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+_EFFORTS = {
+    pb.REASONING_EFFORT_UNSPECIFIED: "medium",
+    pb.REASONING_EFFORT_LOW: "low",
+    pb.REASONING_EFFORT_MEDIUM: "medium",
+    pb.REASONING_EFFORT_HIGH: "high",
+}
+_FINISH = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "tool_calls": pb.FINISH_REASON_TOOL_CALLS,
+}
+
+
+def sampling_from_proto(s: pb.SamplingParams) -> SamplingOptions:
+    return SamplingOptions(
+        temperature=s.temperature if s.HasField("temperature") else None,
+        top_p=s.top_p if s.HasField("top_p") else None,
+        top_k=s.top_k if s.HasField("top_k") else None,
+        seed=s.seed if s.HasField("seed") else None,
+        max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
+        stop_token_ids=tuple(s.stop_token_ids),
+        logprobs=s.logprobs,
+    )
+
+
+def chat_from_proto(req: pb.ChatRequest) -> ChatRequest:
+    if req.reasoning_effort not in _EFFORTS:  # proto3 enums are open: any int can arrive
+        raise ValidationError("reasoning_effort", f"unknown value {req.reasoning_effort}; expected LOW, MEDIUM or HIGH")
+    messages = tuple(
+        ChatMessage(
+            role=m.role,
+            content=m.content,
+            channel=m.channel,
+            recipient=m.recipient,
+            name=m.name,
+            tool_call_id=m.tool_call_id,
+            tool_calls=tuple(ToolCall(c.id, c.name, c.arguments) for c in m.tool_calls),
+            reasoning=m.reasoning,
+        )
+        for m in req.messages
+    )
+    tools = tuple(ToolSpec(t.name, t.description, t.parameters_json_schema) for t in req.tools)
+    return ChatRequest(
+        messages=messages,
+        tools=tools,
+        reasoning_effort=_EFFORTS[req.reasoning_effort],
+        sampling=sampling_from_proto(req.sampling),
+        conversation_start_date=req.conversation_start_date,
+        knowledge_cutoff=req.knowledge_cutoff,
+        request_id=req.request_id,
+    )
+
+
+def usage_to_proto(u: Usage | None) -> pb.Usage | None:
+    if u is None:
+        return None
+    return pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, total_tokens=u.total_tokens)
+
+
+def chat_step_to_proto(request_id: str, step: TokenStep) -> pb.ChatResponse:
+    resp = pb.ChatResponse(request_id=request_id, finish_reason=_FINISH[step.finish_reason])
+    for d in step.deltas:
+        if isinstance(d, ReasoningDelta):
+            resp.reasoning += d.text
+        elif isinstance(d, ContentDelta):
+            resp.content += d.text
+        elif isinstance(d, ToolCallStart):
+            resp.tool_calls.append(pb.ToolCallDelta(index=d.index, id=d.id, name=d.name))
+        elif isinstance(d, ToolCallArgumentsDelta):
+            resp.tool_calls.append(pb.ToolCallDelta(index=d.index, arguments=d.text))
+    if step.token_id is not None:
+        resp.token_ids.append(step.token_id)
+        if step.logprob is not None:
+            resp.logprobs.append(step.logprob)
+    if step.usage is not None:
+        resp.usage.CopyFrom(usage_to_proto(step.usage))
+    return resp
+
+
+@contextlib.asynccontextmanager
+async def _engine_errors(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    """An engine failure mid-stream ends the RPC with INTERNAL and the cause, not a bare UNKNOWN."""
+    try:
+        yield
+    except grpc.aio.AbortError:
+        raise
+    except Exception as exc:
+        log.exception("engine failed during a stream")
+        await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {exc}")
+
+
+class RouterServicer(pb_grpc.RouterServicer):
+    def __init__(self, core: RouterCore) -> None:
+        self.core = core
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            prep = self.core.prepare_generate(
+                GenerateRequest(tuple(request.prompt_token_ids), sampling_from_proto(request.sampling), request.request_id)
+            )
+        except ValidationError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        async with _engine_errors(context), contextlib.aclosing(self.core.stream(prep)) as steps:
+            async for step in steps:
+                resp = pb.GenerateResponse(request_id=prep.request_id, finish_reason=_FINISH[step.finish_reason])
+                if step.token_id is not None:
+                    resp.token_ids.append(step.token_id)
+                    if step.logprob is not None:
+                        resp.logprobs.append(step.logprob)
+                if step.usage is not None:
+                    resp.usage.CopyFrom(usage_to_proto(step.usage))
+                yield resp
+
+    async def Chat(self, request: pb.ChatRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ChatResponse]:
+        try:
+            prep = self.core.prepare_chat(chat_from_proto(request))
+        except ValidationError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        async with _engine_errors(context), contextlib.aclosing(self.core.stream(prep)) as steps:
+            async for step in steps:
+                yield chat_step_to_proto(prep.request_id, step)
+
+    async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
+        return pb.HealthResponse(serving=True, model=self.core.model_name)
+
+    async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
+        model = pb.Model(id=self.core.model_name, max_context=self.core.max_context, owned_by="kvrelay")
+        return pb.ListModelsResponse(models=[model])

@@ -1,0 +1,308 @@
+"""OpenAI-compatible HTTP front-end (FastAPI) over `RouterCore`.
+
+Response shapes follow the conventions in harmony-spec section 10: chain of thought goes out as both
+`reasoning_content` (vLLM) and `reasoning` (gpt-oss compatibility test); harmony tool calls become
+`tool_calls` with `finish_reason: "tool_calls"`. Errors use OpenAI's `{"error": {...}}` body.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from openai_harmony import HarmonyError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvrelay.router import harmony
+from kvrelay.router.http_models import ChatCompletionRequest, CompletionRequest
+from kvrelay.router.parser import Detokenizer
+from kvrelay.router.service import Prepared, RouterCore
+from kvrelay.router.types import (
+    ContentDelta,
+    GenerateRequest,
+    ReasoningDelta,
+    TokenStep,
+    ToolCallArgumentsDelta,
+    ToolCallStart,
+    Usage,
+)
+from kvrelay.router.validation import ValidationError
+
+log = logging.getLogger(__name__)
+
+
+def error_body(message: str, *, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _usage(u: Usage | None) -> dict[str, int] | None:
+    if u is None:
+        return None
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens}
+
+
+def _sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
+
+
+def create_app(core: RouterCore) -> FastAPI:
+    app = FastAPI(title="kvrelay router", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ValidationError)
+    async def _invalid(_: Request, exc: ValidationError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), param=exc.field), status_code=400)
+
+    @app.exception_handler(RequestValidationError)
+    async def _malformed(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # Report the first problem the way our own validation would: "field.path: what is wrong".
+        err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request body"}
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        field = ".".join(loc) or "body"
+        return JSONResponse(error_body(f"{field}: {err.get('msg')}", param=field), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail), type_="not_found_error" if exc.status_code == 404 else "invalid_request_error"),
+                            status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("request failed")
+        return JSONResponse(error_body(f"internal error: {exc}", type_="server_error"), status_code=500)
+
+    def check_model(model: str | None) -> JSONResponse | None:
+        if model and model != core.model_name:
+            return JSONResponse(
+                error_body(f"The model '{model}' does not exist; this server serves '{core.model_name}'",
+                           param="model", code="model_not_found"),
+                status_code=404,
+            )
+        return None
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": core.model_name}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": core.model_name, "object": "model", "created": 0, "owned_by": "kvrelay",
+                "max_model_len": core.max_context}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest) -> Any:
+        if (bad := check_model(body.model)) is not None:
+            return bad
+        prep = core.prepare_chat(body.to_chat())
+        chat = ChatStream(core, prep, include_usage=bool(body.stream_options and body.stream_options.include_usage))
+        if body.stream:
+            return StreamingResponse(chat.sse(), media_type="text/event-stream")
+        return await chat.complete()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> Any:
+        if (bad := check_model(body.model)) is not None:
+            return bad
+        sampling = body.sampling()
+        prompt = _prompt_ids(body.prompt)
+        prep = core.prepare_generate(GenerateRequest(tuple(prompt), sampling, body.request_id or ""), prompt_field="prompt")
+        comp = CompletionStream(core, prep, return_token_ids=body.return_token_ids,
+                                include_usage=bool(body.stream_options and body.stream_options.include_usage))
+        if body.stream:
+            return StreamingResponse(comp.sse(), media_type="text/event-stream")
+        return await comp.complete()
+
+    return app
+
+
+def _prompt_ids(prompt: Any) -> list[int]:
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise ValidationError("prompt", f"batched prompts are not supported; got {len(prompt)}, send one per request")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        try:
+            return harmony.encode_text(prompt)
+        except HarmonyError as exc:
+            raise ValidationError(
+                "prompt", f"text contains a special token ({exc}); send token ids to use special tokens"
+            ) from None
+    return list(prompt)
+
+
+class _Stream(abc.ABC):
+    """Shared plumbing: run the core stream, always closed (which aborts the engine on early exit)."""
+
+    object_name = ""
+
+    def __init__(self, core: RouterCore, prep: Prepared, *, include_usage: bool) -> None:
+        self.core = core
+        self.prep = prep
+        self.include_usage = include_usage
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+
+    id_prefix = "cmpl"
+
+    async def steps(self) -> AsyncIterator[TokenStep]:
+        async with contextlib.aclosing(self.core.stream(self.prep)) as steps:
+            async for step in steps:
+                yield step
+
+    def envelope(self, choices: list[dict[str, Any]], usage: Usage | None = None, *, chunk: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.id,
+            "object": self.object_name + (".chunk" if chunk and self.object_name == "chat.completion" else ""),
+            "created": self.created,
+            "model": self.core.model_name,
+            "choices": choices,
+        }
+        if usage is not None or not chunk:
+            out["usage"] = _usage(usage)
+        return out
+
+    async def sse(self) -> AsyncIterator[bytes]:
+        try:
+            async with contextlib.aclosing(self.chunks()) as chunks:
+                async for payload in chunks:
+                    yield _sse(payload)
+        except Exception as exc:  # headers are already sent: report in-band, then end the stream
+            log.exception("stream %s failed", self.prep.request_id)
+            yield _sse(error_body(f"internal error: {exc}", type_="server_error"))
+        yield _sse("[DONE]")
+
+    @abc.abstractmethod
+    def chunks(self) -> AsyncIterator[dict[str, Any]]:
+        """The SSE payloads of a streamed response, in order."""
+
+
+class ChatStream(_Stream):
+    object_name = "chat.completion"
+    id_prefix = "chatcmpl"
+
+    def _logprob(self, step: TokenStep) -> dict[str, Any] | None:
+        if step.token_id is None or step.logprob is None:
+            return None
+        text = harmony.decode_tokens([step.token_id])
+        return {"token": text, "logprob": step.logprob, "bytes": list(text.encode()), "top_logprobs": []}
+
+    async def complete(self) -> dict[str, Any]:
+        reasoning, content, calls, logprobs = [], [], {}, []
+        finish, usage = None, None
+        async for step in self.steps():
+            for d in step.deltas:
+                if isinstance(d, ReasoningDelta):
+                    reasoning.append(d.text)
+                elif isinstance(d, ContentDelta):
+                    content.append(d.text)
+                elif isinstance(d, ToolCallStart):
+                    calls[d.index] = {"id": d.id, "type": "function", "function": {"name": d.name, "arguments": ""}}
+                elif isinstance(d, ToolCallArgumentsDelta):
+                    calls[d.index]["function"]["arguments"] += d.text
+            if (lp := self._logprob(step)) is not None:
+                logprobs.append(lp)
+            finish, usage = step.finish_reason or finish, step.usage or usage
+        text, thought = "".join(content), "".join(reasoning)
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": text if text or not calls else None,
+            "reasoning_content": thought or None,
+            "reasoning": thought or None,
+            "tool_calls": [calls[i] for i in sorted(calls)] if calls else None,
+        }
+        choice = {"index": 0, "message": message, "finish_reason": finish,
+                  "logprobs": {"content": logprobs} if self.prep.params.logprobs else None}
+        return self.envelope([choice], usage, chunk=False)
+
+    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        yield self.envelope([first], chunk=True)
+        async for step in self.steps():
+            delta: dict[str, Any] = {}
+            for d in step.deltas:
+                if isinstance(d, ReasoningDelta):
+                    delta["reasoning_content"] = delta.get("reasoning_content", "") + d.text
+                    delta["reasoning"] = delta["reasoning_content"]
+                elif isinstance(d, ContentDelta):
+                    delta["content"] = delta.get("content", "") + d.text
+                elif isinstance(d, ToolCallStart):
+                    delta.setdefault("tool_calls", []).append(
+                        {"index": d.index, "id": d.id, "type": "function", "function": {"name": d.name, "arguments": ""}})
+                elif isinstance(d, ToolCallArgumentsDelta):
+                    delta.setdefault("tool_calls", []).append({"index": d.index, "function": {"arguments": d.text}})
+            lp = self._logprob(step)
+            if delta or lp is not None:
+                yield self.envelope([{"index": 0, "delta": delta, "finish_reason": None,
+                                      "logprobs": {"content": [lp]} if lp else None}], chunk=True)
+            if step.finish_reason is not None:
+                yield self.envelope([{"index": 0, "delta": {}, "logprobs": None,
+                                      "finish_reason": step.finish_reason}], chunk=True)
+                if self.include_usage:
+                    yield self.envelope([], step.usage, chunk=True)
+
+
+class CompletionStream(_Stream):
+    object_name = "text_completion"
+
+    def __init__(self, core: RouterCore, prep: Prepared, *, return_token_ids: bool, include_usage: bool) -> None:
+        super().__init__(core, prep, include_usage=include_usage)
+        self.return_token_ids = return_token_ids
+        self.detok = Detokenizer(harmony.load_encoding())
+        self.offset = 0
+
+    def _text(self, step: TokenStep) -> str:
+        """New text for this step; a stop token that ended the stream is not part of the text."""
+        hides = step.finish_reason == "stop" and step.token_id in self.prep.params.stop_token_ids
+        text = "" if step.token_id is None or hides else self.detok.feed([step.token_id])
+        if step.finish_reason is not None:
+            text += self.detok.flush()
+        return text
+
+    def _choice(self, text: str, token_ids: list[int], logprobs: list[float], offsets: list[int],
+                finish: str | None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        if self.prep.params.logprobs:
+            choice["logprobs"] = {
+                "tokens": [harmony.decode_tokens([t]) for t in token_ids],
+                "token_logprobs": logprobs, "top_logprobs": None, "text_offset": offsets,
+            }
+        if self.return_token_ids:
+            choice["token_ids"] = token_ids
+            choice["prompt_token_ids"] = list(self.prep.prompt_ids)
+        return choice
+
+    async def complete(self) -> dict[str, Any]:
+        text, ids, lps, offsets = [], [], [], []
+        finish, usage = None, None
+        async for step in self.steps():
+            if step.token_id is not None:
+                ids.append(step.token_id)
+                offsets.append(self.offset)
+                if step.logprob is not None:
+                    lps.append(step.logprob)
+            piece = self._text(step)
+            self.offset += len(piece)
+            text.append(piece)
+            finish, usage = step.finish_reason or finish, step.usage or usage
+        return self.envelope([self._choice("".join(text), ids, lps, offsets, finish)], usage, chunk=False)
+
+    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+        async for step in self.steps():
+            ids = [step.token_id] if step.token_id is not None else []
+            lps = [step.logprob] if step.logprob is not None else []
+            offsets = [self.offset] * len(ids)
+            piece = self._text(step)
+            self.offset += len(piece)
+            yield self.envelope([self._choice(piece, ids, lps, offsets, step.finish_reason)], chunk=True)
+            if step.finish_reason is not None and self.include_usage:
+                yield self.envelope([], step.usage, chunk=True)

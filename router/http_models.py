@@ -1,0 +1,177 @@
+"""OpenAI-compatible request bodies and their translation to the router's typed requests.
+
+Field types are deliberately loose (role is a str, tool parameters any JSON) so that a bad value is
+reported by our shared validation, with the same message the gRPC front-end gives, instead of a
+generic schema error.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional, Union
+
+from pydantic import BaseModel, ConfigDict
+
+from kvrelay.router.types import ChatMessage, ChatRequest, SamplingOptions, ToolCall, ToolSpec
+from kvrelay.router.validation import ValidationError
+
+
+class _Body(BaseModel):
+    # Clients send fields we do not use (user, metadata, ...); ignoring them is what OpenAI does too.
+    model_config = ConfigDict(extra="ignore")
+
+
+class FunctionCallIn(_Body):
+    name: str
+    arguments: str = ""
+
+
+class ToolCallIn(_Body):
+    id: str = ""
+    type: str = "function"
+    function: FunctionCallIn
+
+
+class ContentPart(_Body):
+    type: str
+    text: Optional[str] = None
+
+
+class MessageIn(_Body):
+    role: str
+    content: Union[str, list[ContentPart], None] = None
+    name: Optional[str] = None
+    tool_call_id: Optional[str] = None
+    tool_calls: Optional[list[ToolCallIn]] = None
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
+
+
+class FunctionDefIn(_Body):
+    name: str
+    description: str = ""
+    parameters: Any = None
+
+
+class ToolIn(_Body):
+    type: str = "function"
+    function: FunctionDefIn
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    model: Optional[str] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    seed: Optional[int] = None
+    max_tokens: Optional[int] = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: Optional[list[int]] = None  # vLLM's extension; the engine stops on ids only
+    n: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    request_id: Optional[str] = None
+
+    def common_checks(self) -> None:
+        if self.n not in (None, 1):
+            raise ValidationError("n", f"only n=1 is supported, got {self.n}")
+        if self.stop:
+            raise ValidationError("stop", "stop strings are not supported; use stop_token_ids")
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[MessageIn]
+    tools: Optional[list[ToolIn]] = None
+    tool_choice: Union[str, dict, None] = None
+    reasoning_effort: Optional[str] = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+
+    def to_chat(self) -> ChatRequest:
+        self.common_checks()
+        if self.top_logprobs:
+            raise ValidationError("top_logprobs", "only the sampled token's logprob is available; use 0")
+        tools = tuple(_tool(i, t) for i, t in enumerate(self.tools or ()))
+        if self.tool_choice not in (None, "auto", "none"):
+            raise ValidationError("tool_choice", "only 'auto' and 'none' are supported")
+        if self.tool_choice == "none":
+            tools = ()
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        sampling = SamplingOptions(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            logprobs=self.logprobs,
+        )
+        return ChatRequest(
+            messages=tuple(_message(i, m) for i, m in enumerate(self.messages)),
+            tools=tools,
+            reasoning_effort="medium" if self.reasoning_effort is None else self.reasoning_effort,
+            sampling=sampling,
+            request_id=self.request_id or "",
+        )
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    logprobs: Optional[int] = None
+    echo: bool = False
+    return_token_ids: bool = False
+
+    def sampling(self) -> SamplingOptions:
+        self.common_checks()
+        if self.logprobs is not None and not 0 <= self.logprobs <= 1:
+            raise ValidationError("logprobs", f"at most 1 is supported (the sampled token's logprob), got {self.logprobs}")
+        if self.echo:
+            raise ValidationError("echo", "echo is not supported")
+        return SamplingOptions(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            max_tokens=16 if self.max_tokens is None else self.max_tokens,  # OpenAI's default
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            logprobs=self.logprobs is not None,
+        )
+
+
+def _text(content: Union[str, list[ContentPart], None], where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise ValidationError(f"{where}.content[{j}]", f"only text parts are supported, got type {part.type!r}")
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def _message(i: int, m: MessageIn) -> ChatMessage:
+    where = f"messages[{i}]"
+    content = _text(m.content, where)
+    if m.role != "assistant":
+        return ChatMessage(role=m.role, content=content, name=m.name or "", tool_call_id=m.tool_call_id or "")
+    calls = []
+    for j, c in enumerate(m.tool_calls or ()):
+        if c.type != "function":
+            raise ValidationError(f"{where}.tool_calls[{j}].type", f"only 'function' is supported, got {c.type!r}")
+        calls.append(ToolCall(c.id, c.function.name, c.function.arguments))
+    # Chain of thought comes back as reasoning_content (vLLM's name) or reasoning (gpt-oss's).
+    reasoning = m.reasoning_content or m.reasoning or ""
+    return ChatMessage("assistant", content, name=m.name or "", tool_calls=tuple(calls), reasoning=reasoning)
+
+
+def _tool(i: int, t: ToolIn) -> ToolSpec:
+    if t.type != "function":
+        raise ValidationError(f"tools[{i}].type", f"only 'function' tools are supported, got {t.type!r}")
+    params = "" if t.function.parameters is None else json.dumps(t.function.parameters)
+    return ToolSpec(t.function.name, t.function.description, params)
+

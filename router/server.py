@@ -1,0 +1,132 @@
+"""RouterServer: gRPC (grpc.aio) and OpenAI-compatible HTTP (uvicorn) in one asyncio process.
+
+Both front-ends share one `RouterCore`, hence one engine client and one in-flight table. Port 0 picks
+a free port; the bound ports are exposed after `start()`. `BackgroundRouter` runs a server on its own
+event-loop thread for callers that are synchronous (tests with the `openai` client, demos).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+from typing import Callable
+
+import grpc
+import uvicorn
+
+from kvrelay.router.engine_client import EngineClient
+from kvrelay.router.grpc_service import RouterServicer
+from kvrelay.router.http_api import create_app
+from kvrelay.router.parser import new_call_id
+from kvrelay.router.service import RouterCore, utc_today
+from kvrelay.v1 import router_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+class RouterServer:
+    def __init__(
+        self,
+        engine_client: EngineClient,
+        model_name: str | None = None,
+        host: str = "127.0.0.1",
+        grpc_port: int = 0,
+        http_port: int = 0,
+        *,
+        today: Callable[[], str] = utc_today,
+        call_id_factory: Callable[[], str] = new_call_id,
+        grace_s: float = 1.0,
+    ) -> None:
+        self.core = RouterCore(engine_client, model_name=model_name, today=today, call_id_factory=call_id_factory)
+        self.host = host
+        self._grpc_port_requested = grpc_port
+        self._http_port_requested = http_port
+        self._grace_s = grace_s
+        self._grpc: grpc.aio.Server | None = None
+        self._http: uvicorn.Server | None = None
+        self._http_task: asyncio.Task[None] | None = None
+        self.grpc_port = 0
+        self.http_port = 0
+
+    @property
+    def grpc_target(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+    async def start(self) -> None:
+        self._grpc = grpc.aio.server()
+        pb_grpc.add_RouterServicer_to_server(RouterServicer(self.core), self._grpc)
+        self.grpc_port = self._grpc.add_insecure_port(f"{self.host}:{self._grpc_port_requested}")
+        if self.grpc_port == 0:
+            raise OSError(f"gRPC could not bind {self.host}:{self._grpc_port_requested}")
+        await self._grpc.start()
+
+        # We bind the HTTP socket ourselves so port 0 resolves before uvicorn starts serving.
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self._http_port_requested))
+        self.http_port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            create_app(self.core), log_level="warning", lifespan="off",
+            timeout_graceful_shutdown=max(1, int(self._grace_s)),
+        )
+        self._http = uvicorn.Server(config)
+        self._http_task = asyncio.create_task(self._http.serve(sockets=[sock]))
+        while not self._http.started:
+            if self._http_task.done():  # startup failed; surface its exception
+                await self._http_task
+                raise RuntimeError("HTTP server exited during startup")
+            await asyncio.sleep(0.01)
+        log.info("router serving %s: gRPC %s, HTTP %s", self.core.model_name, self.grpc_target, self.http_url)
+
+    async def stop(self) -> None:
+        if self._http is not None and self._http_task is not None:
+            self._http.should_exit = True
+            await self._http_task
+            self._http = self._http_task = None
+        if self._grpc is not None:
+            await self._grpc.stop(self._grace_s)
+            self._grpc = None
+
+    async def wait(self) -> None:
+        """Serve until the HTTP server exits (Ctrl-C) or the gRPC server terminates."""
+        assert self._http_task is not None and self._grpc is not None
+        grpc_done = asyncio.ensure_future(self._grpc.wait_for_termination())
+        await asyncio.wait({self._http_task, grpc_done}, return_when=asyncio.FIRST_COMPLETED)
+        grpc_done.cancel()
+
+
+class BackgroundRouter:
+    """A RouterServer on a private event loop thread: `with BackgroundRouter(...) as server:`."""
+
+    def __init__(self, engine_client: EngineClient, **kwargs: object) -> None:
+        self._engine = engine_client
+        self._kwargs = kwargs
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvrelay-router", daemon=True)
+        self.server: RouterServer | None = None
+
+    def __enter__(self) -> RouterServer:
+        self._thread.start()
+
+        async def make() -> RouterServer:
+            server = RouterServer(self._engine, **self._kwargs)  # type: ignore[arg-type]
+            await server.start()
+            return server
+
+        self.server = asyncio.run_coroutine_threadsafe(make(), self._loop).result(timeout=30)
+        return self.server
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self.server is not None:
+                asyncio.run_coroutine_threadsafe(self.server.stop(), self._loop).result(timeout=30)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            self._loop.close()

@@ -1,0 +1,166 @@
+"""The protocol-independent router: validate, render, stream from the engine, parse, clean up.
+
+Front-ends call `prepare_*` (raises `ValidationError` before any byte is streamed) and then iterate
+`stream(...)`. However the stream ends -- finished, client cancelled, front-end error -- `stream`
+closes the engine iterator and, unless the engine itself reported a finish, calls `engine.abort`.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from kvrelay.engine.sampling import SamplingParams
+from kvrelay.router import harmony, validation
+from kvrelay.router.engine_client import EngineClient
+from kvrelay.router.parser import HarmonyStreamParser, new_call_id
+from kvrelay.router.types import ChatRequest, Delta, FinishReason, GenerateRequest, TokenStep, Usage
+from kvrelay.router.validation import ValidationError
+
+log = logging.getLogger(__name__)
+
+
+def utc_today() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).date().isoformat()
+
+
+def new_request_id() -> str:
+    return f"req-{uuid.uuid4().hex}"
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated request, ready for the engine."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    chat: bool
+
+
+class RouterCore:
+    def __init__(
+        self,
+        engine: EngineClient,
+        *,
+        model_name: str | None = None,
+        today: Callable[[], str] = utc_today,
+        call_id_factory: Callable[[], str] = new_call_id,
+    ) -> None:
+        self.engine = engine
+        self.model_name = model_name or engine.model_name
+        self._today = today
+        self._call_id = call_id_factory
+        self._in_flight: set[str] = set()
+
+    @property
+    def max_context(self) -> int:
+        return int(self.engine.max_context)
+
+    @property
+    def vocab_size(self) -> int:
+        # Optional on EngineClient: a model with a smaller vocabulary (the tiny test model) cannot
+        # embed harmony's special tokens, and the engine would fail on them mid-request.
+        return min(harmony.VOCAB_SIZE, int(getattr(self.engine, "vocab_size", harmony.VOCAB_SIZE)))
+
+    # ---- preparation (all validation happens here) ----------------------------------------------
+
+    def _request_id(self, requested: str) -> str:
+        if not requested:
+            return new_request_id()
+        if requested in self._in_flight:
+            raise ValidationError("request_id", f"{requested!r} is already in flight")
+        return requested
+
+    def prepare_generate(self, req: GenerateRequest, *, prompt_field: str = "prompt_token_ids") -> Prepared:
+        rid = self._request_id(req.request_id)
+        validation.check_prompt(req.prompt_token_ids, prompt_field, self.max_context, self.vocab_size)
+        resolved = validation.resolve_sampling(
+            req.sampling, prompt_len=len(req.prompt_token_ids), max_context=self.max_context,
+            vocab_size=self.vocab_size,
+        )
+        return Prepared(rid, tuple(req.prompt_token_ids), _engine_params(resolved, ()), chat=False)
+
+    def prepare_chat(self, req: ChatRequest) -> Prepared:
+        rid = self._request_id(req.request_id)
+        validation.check_chat(req)
+        prompt = harmony.render_chat(req, req.conversation_start_date or self._today())
+        if len(prompt) >= self.max_context:
+            raise ValidationError(
+                "messages",
+                f"the rendered prompt is {len(prompt)} tokens but the model context is {self.max_context} "
+                "tokens (at least one token must remain for generation)",
+            )
+        too_big = next((t for t in prompt if t >= self.vocab_size), None)
+        if too_big is not None:
+            raise ValidationError(
+                "messages",
+                f"the rendered prompt uses token id {too_big} but the model's vocabulary has {self.vocab_size} "
+                "ids; this model cannot serve harmony chat (use Generate with token ids)",
+            )
+        resolved = validation.resolve_sampling(
+            req.sampling, prompt_len=len(prompt), max_context=self.max_context, vocab_size=self.vocab_size
+        )
+        return Prepared(rid, tuple(prompt), _engine_params(resolved, harmony.CHAT_STOP_TOKEN_IDS), chat=True)
+
+    # ---- streaming ------------------------------------------------------------------------------
+
+    async def stream(self, prep: Prepared) -> AsyncIterator[TokenStep]:
+        """One TokenStep per engine token; the last carries finish_reason and usage."""
+        parser = HarmonyStreamParser(harmony.load_encoding(), id_factory=self._call_id) if prep.chat else None
+        self._in_flight.add(prep.request_id)
+        engine_done = False
+        produced = 0
+        tokens = self.engine.generate(prep.request_id, list(prep.prompt_ids), prep.params)
+        try:
+            async for out in tokens:
+                produced += 1
+                deltas: list[Delta] = parser.feed(out.token_id) if parser else []
+                engine_done = out.finish_reason is not None
+                if not engine_done and not (parser and parser.stopped):
+                    yield TokenStep(out.token_id, out.logprob, tuple(deltas))
+                    continue
+                if parser:
+                    deltas += parser.finish()
+                reason = _finish_reason(out.finish_reason, parser)
+                yield TokenStep(out.token_id, out.logprob, tuple(deltas), reason, Usage(len(prep.prompt_ids), produced))
+                return
+            # The engine ran dry without naming a reason; close the stream ourselves.
+            engine_done = True
+            tail = tuple(parser.finish()) if parser else ()
+            yield TokenStep(None, None, tail, _finish_reason(None, parser), Usage(len(prep.prompt_ids), produced))
+        finally:
+            self._in_flight.discard(prep.request_id)
+            aclose = getattr(tokens, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()
+                except Exception as exc:  # closing must not skip the abort below
+                    log.warning("closing the engine stream of %s failed: %r", prep.request_id, exc)
+            if not engine_done:
+                log.info("request %s ended early after %d tokens; aborting it in the engine", prep.request_id, produced)
+                await self.engine.abort(prep.request_id)
+
+
+def _finish_reason(engine_reason: str | None, parser: HarmonyStreamParser | None) -> FinishReason:
+    if parser is not None and parser.called_tool:
+        return "tool_calls"
+    if engine_reason == "length":
+        return "length"
+    return "stop"
+
+
+def _engine_params(resolved: validation.ResolvedSampling, extra_stops: tuple[int, ...]) -> SamplingParams:
+    stops = tuple(dict.fromkeys(extra_stops + resolved.stop_token_ids))  # de-duplicated, order kept
+    return SamplingParams(
+        max_tokens=resolved.max_tokens,
+        temperature=resolved.temperature,
+        top_p=resolved.top_p,
+        top_k=resolved.top_k,
+        seed=resolved.seed,
+        stop_token_ids=stops,
+        logprobs=resolved.logprobs,
+    )

@@ -1,0 +1,239 @@
+"""Request validation shared by the gRPC and HTTP front-ends.
+
+Every rule raises `ValidationError(field, message)`; gRPC maps it to INVALID_ARGUMENT and HTTP to a 400
+with the field in `param`. Messages name the field and the limit so a client can fix its request
+without reading our code. Nothing here talks to the engine: limits come in as arguments.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from kvrelay.router.harmony import VOCAB_SIZE
+from kvrelay.router.types import (
+    CHANNELS,
+    REASONING_EFFORTS,
+    ROLES,
+    ChatMessage,
+    ChatRequest,
+    SamplingOptions,
+    ToolSpec,
+)
+
+JSON_SCHEMA_TYPES = ("array", "boolean", "integer", "null", "number", "object", "string")
+# OpenAI's rule for function names; it also keeps names safe inside a harmony header.
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_SUBSCHEMA_SINGLE = ("items", "additionalProperties", "not", "contains")
+
+
+class ValidationError(ValueError):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@dataclass(frozen=True)
+class ResolvedSampling:
+    """Sampling with defaults filled in; field names match `kvrelay.engine.sampling.SamplingParams`."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop_token_ids: tuple[int, ...]
+    logprobs: bool
+
+
+def check_token_ids(ids: tuple[int, ...] | list[int], field: str, vocab_size: int = VOCAB_SIZE) -> None:
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            raise ValidationError(f"{field}[{i}]", f"token id {t} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_prompt(
+    ids: tuple[int, ...] | list[int], field: str, max_context: int, vocab_size: int = VOCAB_SIZE
+) -> None:
+    if not ids:
+        raise ValidationError(field, "must not be empty")
+    check_token_ids(ids, field, vocab_size)
+    if len(ids) >= max_context:
+        raise ValidationError(
+            field,
+            f"prompt is {len(ids)} tokens but the model context is {max_context} tokens "
+            "(at least one token must remain for generation)",
+        )
+
+
+def resolve_sampling(
+    s: SamplingOptions, *, prompt_len: int, max_context: int, vocab_size: int = VOCAB_SIZE
+) -> ResolvedSampling:
+    """Check the caller's sampling options against the prompt and the context; fill defaults."""
+    if s.temperature is not None and not (s.temperature >= 0 and math.isfinite(s.temperature)):
+        raise ValidationError("temperature", f"must be >= 0, got {s.temperature}")
+    if s.top_p is not None and not 0 < s.top_p <= 1:
+        raise ValidationError("top_p", f"must be in (0, 1], got {s.top_p}")
+    if s.top_k is not None and s.top_k < 0:
+        raise ValidationError("top_k", f"must be >= 0 (0 disables top-k), got {s.top_k}")
+    if s.seed is not None and s.seed < 0:
+        raise ValidationError("seed", f"must be >= 0, got {s.seed}")
+    check_token_ids(s.stop_token_ids, "stop_token_ids", vocab_size)
+    room = max_context - prompt_len
+    if s.max_tokens is None:
+        max_tokens = room
+    elif s.max_tokens <= 0:
+        raise ValidationError("max_tokens", f"must be >= 1, got {s.max_tokens}")
+    elif s.max_tokens > room:
+        raise ValidationError(
+            "max_tokens",
+            f"prompt ({prompt_len} tokens) + max_tokens ({s.max_tokens}) = {prompt_len + s.max_tokens} "
+            f"exceeds the model context of {max_context} tokens",
+        )
+    else:
+        max_tokens = s.max_tokens
+    return ResolvedSampling(
+        max_tokens=max_tokens,
+        temperature=1.0 if s.temperature is None else float(s.temperature),
+        top_p=1.0 if s.top_p is None else float(s.top_p),
+        top_k=0 if s.top_k is None else int(s.top_k),
+        seed=s.seed,
+        stop_token_ids=tuple(s.stop_token_ids),
+        logprobs=s.logprobs,
+    )
+
+
+# ---- chat ---------------------------------------------------------------------------------------
+
+
+def check_chat(request: ChatRequest) -> None:
+    """Structural checks that must pass before harmony rendering is attempted."""
+    if not request.messages:
+        raise ValidationError("messages", "must not be empty")
+    if request.reasoning_effort not in REASONING_EFFORTS:
+        raise ValidationError(
+            "reasoning_effort", f"unknown value {request.reasoning_effort!r}; expected one of low, medium, high"
+        )
+    if request.conversation_start_date:
+        try:
+            _dt.date.fromisoformat(request.conversation_start_date)
+        except ValueError:
+            raise ValidationError(
+                "conversation_start_date", f"expected YYYY-MM-DD, got {request.conversation_start_date!r}"
+            ) from None
+    names: set[str] = set()
+    for i, tool in enumerate(request.tools):
+        check_tool(tool, f"tools[{i}]")
+        if tool.name in names:
+            raise ValidationError(f"tools[{i}].name", f"duplicate tool name {tool.name!r}")
+        names.add(tool.name)
+    call_ids: set[str] = set()
+    for i, msg in enumerate(request.messages):
+        check_message(msg, f"messages[{i}]", call_ids)
+        call_ids.update(c.id for c in msg.tool_calls if c.id)
+
+
+def check_message(msg: ChatMessage, where: str, earlier_call_ids: set[str]) -> None:
+    if msg.role not in ROLES:
+        raise ValidationError(f"{where}.role", f"unknown role {msg.role!r}; expected one of {', '.join(ROLES)}")
+    if msg.role != "assistant":
+        for attr in ("channel", "recipient", "tool_calls", "reasoning"):
+            if getattr(msg, attr):
+                raise ValidationError(f"{where}.{attr}", f"only assistant messages may set {attr}")
+    if msg.role == "assistant":
+        if msg.channel and msg.channel not in CHANNELS:
+            raise ValidationError(
+                f"{where}.channel", f"unknown channel {msg.channel!r}; expected one of {', '.join(CHANNELS)}"
+            )
+        if not msg.content and not msg.tool_calls and not msg.reasoning:
+            raise ValidationError(where, "an assistant message needs content, reasoning or tool_calls")
+        for j, call in enumerate(msg.tool_calls):
+            if not _TOOL_NAME.match(call.name):
+                raise ValidationError(
+                    f"{where}.tool_calls[{j}].function.name",
+                    f"{call.name!r} is not a valid function name (1-64 of A-Z a-z 0-9 _ -)",
+                )
+    if msg.role == "tool":
+        if msg.name:
+            if not _TOOL_NAME.match(msg.name):
+                raise ValidationError(f"{where}.name", f"{msg.name!r} is not a valid function name")
+        elif not msg.tool_call_id:
+            raise ValidationError(f"{where}.tool_call_id", "a tool message needs tool_call_id (or name)")
+        elif msg.tool_call_id not in earlier_call_ids:
+            raise ValidationError(
+                f"{where}.tool_call_id", f"no earlier assistant tool call has id {msg.tool_call_id!r}"
+            )
+
+
+def check_tool(tool: ToolSpec, where: str) -> None:
+    if not _TOOL_NAME.match(tool.name):
+        raise ValidationError(
+            f"{where}.name", f"{tool.name!r} is not a valid function name (1-64 of A-Z a-z 0-9 _ -)"
+        )
+    if not tool.parameters_json.strip():
+        return
+    try:
+        schema = json.loads(tool.parameters_json)
+    except json.JSONDecodeError as exc:
+        raise ValidationError(f"{where}.parameters", f"not valid JSON: {exc.msg} at position {exc.pos}") from None
+    if not isinstance(schema, dict):
+        raise ValidationError(f"{where}.parameters", f"must be a JSON Schema object, got {_json_kind(schema)}")
+    if "type" in schema and schema["type"] != "object":
+        raise ValidationError(f"{where}.parameters.type", f"function parameters must be 'object', got {schema['type']!r}")
+    check_schema(schema, f"{where}.parameters")
+
+
+def check_schema(node: Any, where: str) -> None:
+    """Walk a JSON Schema and reject what the harmony TypeScript renderer could only guess at."""
+    if isinstance(node, bool):  # `true`/`false` are valid schemas
+        return
+    if not isinstance(node, dict):
+        raise ValidationError(where, f"a schema must be an object, got {_json_kind(node)}")
+    if "type" in node:
+        kinds = node["type"] if isinstance(node["type"], list) else [node["type"]]
+        for kind in kinds:
+            if kind not in JSON_SCHEMA_TYPES:
+                raise ValidationError(
+                    f"{where}.type",
+                    f"{kind!r} is not a JSON Schema type (expected one of {', '.join(JSON_SCHEMA_TYPES)})",
+                )
+    if "required" in node:
+        req = node["required"]
+        if not isinstance(req, list) or not all(isinstance(r, str) for r in req):
+            raise ValidationError(f"{where}.required", "must be an array of property names")
+    for key in _SUBSCHEMA_MAPS:
+        if key in node:
+            if not isinstance(node[key], dict):
+                raise ValidationError(f"{where}.{key}", f"must be an object, got {_json_kind(node[key])}")
+            for name, sub in node[key].items():
+                check_schema(sub, f"{where}.{key}.{name}")
+    for key in _SUBSCHEMA_LISTS:
+        if key in node:
+            if not isinstance(node[key], list):
+                raise ValidationError(f"{where}.{key}", f"must be an array, got {_json_kind(node[key])}")
+            for j, sub in enumerate(node[key]):
+                check_schema(sub, f"{where}.{key}[{j}]")
+    for key in _SUBSCHEMA_SINGLE:
+        if key in node:
+            check_schema(node[key], f"{where}.{key}")
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if value is None:
+        return "null"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    return "object"

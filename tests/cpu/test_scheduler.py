@@ -1,0 +1,160 @@
+"""Continuous batching on the real tiny model: outputs equal solo runs, budgets are never exceeded."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvrelay.decode_worker.scheduler import AdmissionRefused, Scheduler
+from kvrelay.engine.runner import Runner
+from kvrelay.engine.sampling import SamplingParams, TokenOutput
+
+pytestmark = pytest.mark.timeout(120)
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+
+
+def new_runner(num_pages: int = 256, page_size: int = 4) -> Runner:
+    return Runner.load("tiny", dummy=True, seed=0, page_size=page_size, num_pages=num_pages)
+
+
+@pytest.fixture(scope="module")
+def solo_runner():
+    return new_runner()
+
+
+def solo(runner: Runner, prompt: list[int], params: SamplingParams) -> list[int]:
+    """Single-sequence reference: prefill, then one decode step per token."""
+    logits = runner.prefill("solo", prompt)
+    out = []
+    try:
+        for step in range(params.max_tokens):
+            (tok, _), = runner.sample(logits, [params], [step])
+            out.append(tok)
+            if tok in params.stop_token_ids:
+                break
+            logits = runner.decode(["solo"], [tok])[0]
+    finally:
+        runner.free("solo")
+    return out
+
+
+def admit(sched: Scheduler, rid: str, prompt: list[int], params: SamplingParams, sink: dict) -> None:
+    """What the decode actor does after a pull: reserve, have KV in place, join with the first token."""
+    sched.reserve(rid, len(prompt), params.max_tokens)
+    logits = sched.runner.prefill(rid, prompt)  # stands in for import + NIXL pull
+    (tok, _), = sched.runner.sample(logits, [params], [0])
+    sink[rid] = [TokenOutput(tok, None, None)]
+    sched.join(rid, params, tok, 1, sink[rid].append)
+
+
+def prompt_of(n: int, salt: int = 0) -> list[int]:
+    return [(37 * i + 11 * salt + 5) % 1000 for i in range(n)]
+
+
+def run_to_end(sched: Scheduler, max_steps: int = 1000) -> None:
+    for _ in range(max_steps):
+        if not sched.has_work():
+            return
+        sched.step()
+        s = sched.stats()
+        for g in ("full", "sliding"):
+            assert s.pages_in_use[g] <= s.pages_reserved[g], f"{g}: usage exceeds reservations"
+    raise AssertionError("requests did not finish")
+
+
+def test_requests_joining_mid_batch_match_solo_runs(solo_runner):
+    sched = Scheduler(new_runner(), max_batch=8)
+    lengths = [1, 7, 8, 9, 30, 3]
+    sink: dict[str, list[TokenOutput]] = {}
+    for i, n in enumerate(lengths):  # join at different steps: one new request per step
+        admit(sched, f"r{i}", prompt_of(n, i), GREEDY, sink)
+        sched.step()
+    run_to_end(sched)
+    for i, n in enumerate(lengths):
+        got = [t.token_id for t in sink[f"r{i}"]]
+        assert got == solo(solo_runner, prompt_of(n, i), GREEDY), f"request r{i} (prompt {n})"
+        assert [t.finish_reason for t in sink[f"r{i}"]] == [None] * 11 + ["length"]
+    s = sched.stats()
+    assert s.pages_in_use == {"full": 0, "sliding": 0} and s.reserved == 0 and s.running == 0
+
+
+def test_stop_token_ends_request_and_frees_pages(solo_runner):
+    sched = Scheduler(new_runner(), max_batch=4)
+    ref = solo(solo_runner, prompt_of(5), GREEDY)
+    stop = ref[4]
+    params = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(stop,))
+    sink: dict[str, list[TokenOutput]] = {}
+    admit(sched, "a", prompt_of(5), params, sink)
+    run_to_end(sched)
+    got = sink["a"]
+    first_stop = ref.index(stop)
+    assert [t.token_id for t in got] == ref[:first_stop + 1]
+    assert got[-1].finish_reason == "stop"
+    assert sched.stats().pages_in_use == {"full": 0, "sliding": 0}
+
+
+def test_admission_refusals_are_explained_and_never_overcommit():
+    runner = new_runner(num_pages=20, page_size=4)
+    sched = Scheduler(runner, max_batch=3)
+    with pytest.raises(AdmissionRefused, match="pool has only 20") as e:
+        sched.reserve("huge", 60, 40)  # 100 tokens = 25 full pages > 20
+    assert not e.value.retryable
+    sched.reserve("a", 30, 10)  # 10 full pages
+    sched.reserve("b", 20, 10)  # 8 full pages
+    with pytest.raises(AdmissionRefused, match="out of KV pages, needs 3 full pages and 2 of 20") as e:
+        sched.reserve("c", 8, 4)
+    assert e.value.retryable
+    sched.reserve("d", 4, 4)  # 2 pages: fits exactly
+    with pytest.raises(AdmissionRefused, match="batch is full") as e:
+        sched.reserve("e", 1, 1)
+    assert e.value.retryable
+    assert sched.stats().pages_reserved["full"] == 20 and sched.stats().free_budget == 0
+    sched.release("b")
+    sched.reserve("c", 8, 4)
+    for rid in ("a", "c", "d"):
+        sched.release(rid)
+    assert sched.stats().pages_reserved == {"full": 0, "sliding": 0}
+
+
+def test_sliding_reservation_is_capped_at_a_window():
+    sched = Scheduler(new_runner(page_size=4), max_batch=2)
+    window = sched.runner.cfg.sliding_window  # 8 positions = 2 pages, +1 for the straddle
+    need = sched.reserve("long", 100, 50)
+    assert need == {"full": 38, "sliding": (window - 1) // 4 + 2}
+    sched.release("long")
+
+
+def test_long_request_stays_within_its_sliding_budget(solo_runner):
+    sched = Scheduler(new_runner(page_size=4), max_batch=2)
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    sink: dict[str, list[TokenOutput]] = {}
+    admit(sched, "long", prompt_of(23), params, sink)
+    run_to_end(sched)  # checks usage <= reservation after every step
+    assert [t.token_id for t in sink["long"]] == solo(solo_runner, prompt_of(23), params)
+
+
+def test_abort_frees_at_the_next_step():
+    sched = Scheduler(new_runner(), max_batch=4)
+    sink: dict[str, list[TokenOutput]] = {}
+    admit(sched, "a", prompt_of(9), GREEDY, sink)
+    admit(sched, "b", prompt_of(4), GREEDY, sink)
+    sched.step()
+    assert sched.abort("a") is True
+    sched.step()
+    assert len(sink["a"]) == 2 and len(sink["b"]) == 3
+    assert sched.running_ids() == ["b"]
+    assert sched.abort("nope") is False
+    run_to_end(sched)
+    assert sched.stats().pages_in_use == {"full": 0, "sliding": 0}
+
+
+def test_reaching_max_context_finishes_with_length(solo_runner):
+    runner = new_runner()
+    runner.cfg = runner.cfg.replace(max_context=12)  # the plan refuses positions past it
+    runner.kv.cfg = runner.cfg
+    sched = Scheduler(runner, max_batch=2)
+    params = SamplingParams(max_tokens=50, temperature=0.0)
+    sink: dict[str, list[TokenOutput]] = {}
+    admit(sched, "a", prompt_of(8), params, sink)
+    run_to_end(sched)
+    assert len(sink["a"]) == 4 and sink["a"][-1].finish_reason == "length"  # 8 prompt + 4 = 12

@@ -1,0 +1,132 @@
+"""The Triton kernels under TRITON_INTERPRET=1 on CPU tensors, against float32 torch references.
+
+The interpreter flag must be set before triton is imported, so these tests run in a subprocess-free way
+only when the whole session was started with TRITON_INTERPRET=1; otherwise each test re-runs itself in a
+child interpreter with the flag set (CI runs `pytest tests/cpu` plainly).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve()
+_spec = importlib.util.spec_from_file_location("kernel_refs", HERE.parents[1] / "gpu" / "kernel_refs.py")
+refs = importlib.util.module_from_spec(_spec)
+sys.modules["kernel_refs"] = refs  # dataclasses look their module up there
+_spec.loader.exec_module(refs)
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+pytest.importorskip("triton")
+
+
+def _rerun_interpreted(test_name: str) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                          f"{HERE}::{test_name}"], env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+
+
+def _interpreted(fn):
+    def wrapper():
+        if not INTERPRETED:
+            _rerun_interpreted(fn.__name__)
+            return
+        fn()
+    wrapper.__name__ = fn.__name__
+    return wrapper
+
+
+@_interpreted
+def test_sink_prefill_interpreted():
+    from kvrelay.kernels import triton_attention as ta
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, d, page = 8, 2, 64, 16
+    # Ragged: a 1-key sequence, a chunked prefill (5 new of 37), and a long one crossing window and pages.
+    b = refs.make_paged_batch([1, 37, 70], [1, 5, 70], kv_heads, d, page, "cpu", gen=g)
+    q = torch.randn(sum(b.q_lens), heads, d, generator=g).bfloat16()
+    sinks = (torch.randn(heads, generator=g) + 4).bfloat16()  # large sinks: dropping them must fail
+    for window in (None, 8):
+        out = torch.full_like(q, float("nan"))
+        ta.sink_prefill(q, b.pool, sinks, b.qo_indptr, b.kv_indptr, b.kv_indices, b.kv_last_page_len,
+                        sm_scale=0.125, window=window, out=out, block_q=4, block_n=16)
+        ref = refs.sink_attention_ref(q, b, sinks, 0.125, window)
+        no_sink = refs.sink_attention_ref(q, b, sinks, 0.125, window, use_sink=False)
+        assert refs.rel_err(out, ref) < 1e-2, window
+        assert refs.rel_err(out, no_sink) > 0.1, "sink not applied"
+
+
+@_interpreted
+def test_sink_decode_split_interpreted():
+    from kvrelay.kernels import triton_attention as ta
+    g = torch.Generator().manual_seed(2)
+    heads, kv_heads, d, page = 8, 2, 64, 16
+    b = refs.make_paged_batch([1, 9, 40, 129], [1, 1, 1, 1], kv_heads, d, page, "cpu", gen=g)
+    q = torch.randn(4, heads, d, generator=g).bfloat16()
+    sinks = (torch.randn(heads, generator=g) + 4).bfloat16()
+    for window, splits in ((None, 1), (None, 3), (8, 2)):
+        out = torch.full_like(q, float("nan"))
+        ta.sink_decode(q, b.pool, sinks, b.kv_indptr, b.kv_indices, b.kv_last_page_len, sm_scale=0.125,
+                       window=window, out=out, num_splits=splits, block_n=16)
+        ref = refs.sink_attention_ref(q, b, sinks, 0.125, window)
+        assert refs.rel_err(out, ref) < 1e-2, (window, splits)
+        no_sink = refs.sink_attention_ref(q, b, sinks, 0.125, window, use_sink=False)
+        assert refs.rel_err(out, no_sink) > 0.1
+
+
+@_interpreted
+def test_reference_dropin_matches_engine_reference():
+    """The Triton backend is a drop-in for kernels.reference.paged_attention (same arguments)."""
+    from kvrelay.kernels import reference as R
+    from kvrelay.kernels import triton_attention as ta
+    g = torch.Generator().manual_seed(3)
+    b = refs.make_paged_batch([20, 33], [20, 2], 1, 64, 16, "cpu", gen=g)
+    q = torch.randn(22, 4, 64, generator=g).bfloat16()
+    sinks = torch.randn(4, generator=g).bfloat16()
+    kv = R.PagedKV(b.kv_indptr, b.kv_indices, b.kv_last_page_len)
+    for window in (None, 4):
+        ours = ta.paged_attention(q, b.pool, b.qo_indptr, kv, sinks, 0.125, window)
+        theirs = R.paged_attention(q, b.pool, b.qo_indptr, kv, sinks, 0.125, window)
+        assert refs.rel_err(ours, theirs) < 1e-2
+
+
+@_interpreted
+def test_moe_routing_interpreted():
+    from kvrelay.kernels import moe
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(37, 32, generator=g).bfloat16()
+    bias = torch.randn(32, generator=g).bfloat16()
+    w, ids = moe.route_topk(logits, 4, bias=bias)
+    full = (logits.float() + bias.float()).bfloat16()
+    rv, rids = torch.topk(full, 4, dim=-1)
+    assert torch.equal(ids.long().sort(-1).values, rids.sort(-1).values)
+    rw = torch.softmax(rv.float(), -1)
+    # weights are bf16 like the reference's; compare in the order of the returned ids
+    picked = torch.gather(torch.softmax(full.float().gather(-1, ids.long()), -1), -1, torch.arange(4).expand(37, 4))
+    assert torch.allclose(w.float(), picked, atol=1e-2)
+    assert torch.allclose(w.float().sum(-1), torch.ones(37), atol=1e-2)
+    assert torch.allclose(w.float().sort(-1).values, rw.sort(-1).values, atol=1e-2)
+
+
+@_interpreted
+def test_moe_decode_gemv_interpreted():
+    from kvrelay.kernels import moe
+    g = torch.Generator().manual_seed(5)
+    t, hid, inter, e, k = 3, 256, 128, 8, 2
+    x = torch.randn(t, hid, generator=g).bfloat16()
+    w1 = (torch.randn(e, 2 * inter, hid, generator=g) * 0.05).bfloat16()
+    b1 = torch.randn(e, 2 * inter, generator=g).bfloat16()
+    w2 = (torch.randn(e, hid, inter, generator=g) * 0.05).bfloat16()
+    b2 = torch.randn(e, hid, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    wts = torch.softmax(torch.randn(t, k, generator=g), -1).bfloat16()
+    experts = moe.MoEWeights.from_bf16(w1, b1, w2, b2)
+    out = moe.moe_experts(x, ids, wts, experts, path="gemv")
+    ref = refs.moe_ref(x, ids, wts, w1, b1, w2, b2)
+    assert refs.rel_err(out, ref) < 2e-2

@@ -1,0 +1,117 @@
+"""Float32 torch references and random-input builders for the kernel tests (GPU tests and the CPU
+TRITON_INTERPRET test import this file). Written independently of kernels/reference.py on purpose:
+two references that agree are worth more than one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PagedBatch:
+    pool: torch.Tensor            # [num_pages, 2, page, kv_heads, D]
+    qo_indptr: torch.Tensor       # int32 [B+1]
+    kv_indptr: torch.Tensor       # int32 [B+1]
+    kv_indices: torch.Tensor      # int32
+    kv_last_page_len: torch.Tensor  # int32 [B]
+    kv_lens: list[int]
+    q_lens: list[int]
+
+
+def make_paged_batch(kv_lens, q_lens, kv_heads, head_dim, page, device, dtype=torch.bfloat16,
+                     gen: torch.Generator | None = None, spare_pages: int = 3) -> PagedBatch:
+    """Random K/V in a pool whose pages are handed out in a shuffled order (so a kernel that ignores
+    the page table fails), plus spare pages full of large garbage that no sequence owns."""
+    n_pages = [max(1, -(-n // page)) if n > 0 else 0 for n in kv_lens]
+    total = sum(n_pages) + spare_pages
+    pool = torch.randn(total, 2, page, kv_heads, head_dim, generator=gen, dtype=torch.float32)
+    perm = torch.randperm(total, generator=gen)
+    owned = perm[: sum(n_pages)]
+    garbage = perm[sum(n_pages):]
+    pool[garbage] = 1e4  # would dominate any softmax that reads it
+    indptr = [0]
+    for n in n_pages:
+        indptr.append(indptr[-1] + n)
+    last = [(n - (p - 1) * page) if p > 0 else 0 for n, p in zip(kv_lens, n_pages)]
+    qo = [0]
+    for n in q_lens:
+        qo.append(qo[-1] + n)
+    i32 = dict(dtype=torch.int32, device=device)
+    return PagedBatch(pool.to(device=device, dtype=dtype), torch.tensor(qo, **i32), torch.tensor(indptr, **i32),
+                      owned.to(**i32), torch.tensor(last, **i32), list(kv_lens), list(q_lens))
+
+
+def gather_kv(b: PagedBatch, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V of one sequence as [kv_len, kv_heads, D] float32."""
+    page = b.pool.shape[2]
+    p0, p1 = int(b.kv_indptr[seq]), int(b.kv_indptr[seq + 1])
+    pages = b.kv_indices[p0:p1].long()
+    kv = b.pool[pages].float()  # [n, 2, page, H, D]
+    k = kv[:, 0].reshape(-1, *kv.shape[-2:])[: b.kv_lens[seq]]
+    v = kv[:, 1].reshape(-1, *kv.shape[-2:])[: b.kv_lens[seq]]
+    return k, v
+
+
+def sink_attention_ref(q: torch.Tensor, b: PagedBatch, sinks: torch.Tensor, sm_scale: float,
+                       window: int | None, use_sink: bool = True) -> torch.Tensor:
+    """Float32 reference: softmax over [scores, sink] per row, sink column dropped. Returns float32."""
+    n_heads = q.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for s in range(len(b.q_lens)):
+        q0, nq, nk = int(b.qo_indptr[s]), b.q_lens[s], b.kv_lens[s]
+        if nq == 0:
+            continue
+        k, v = gather_kv(b, s)
+        group = n_heads // k.shape[1]
+        k = k.repeat_interleave(group, dim=1)  # [nk, Hq, D]; head h uses kv head h // group
+        v = v.repeat_interleave(group, dim=1)
+        qs = q[q0:q0 + nq].float()
+        logits = torch.einsum("qhd,khd->hqk", qs, k) * sm_scale
+        qpos = torch.arange(nk - nq, nk, device=q.device)[:, None]
+        kpos = torch.arange(nk, device=q.device)[None, :]
+        vis = kpos <= qpos
+        if window:
+            vis &= kpos > qpos - window
+        logits = logits.masked_fill(~vis, float("-inf"))
+        sink_col = sinks.float()[:, None, None].expand(n_heads, nq, 1)
+        if not use_sink:
+            sink_col = torch.full_like(sink_col, float("-inf"))
+        full = torch.cat([logits, sink_col], dim=-1)
+        p = torch.softmax(full, dim=-1)[..., :-1]
+        p = torch.nan_to_num(p)  # rows with no key and no sink
+        out[q0:q0 + nq] = torch.einsum("hqk,khd->qhd", p, v)
+    return out
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.float(), ref.float()
+    if not torch.isfinite(x).all():
+        return float("inf")
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-12))
+
+
+# ---------------------------------------------------------------------------------------------------
+# MoE
+# ---------------------------------------------------------------------------------------------------
+
+def swiglu_ref(gu: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    g = gu[..., 0::2].clamp(max=limit)
+    u = gu[..., 1::2].clamp(-limit, limit)
+    return g * torch.sigmoid(alpha * g) * (u + 1)
+
+
+def moe_ref(x, ids, weights, w1, b1, w2, b2, alpha=1.702, limit=7.0) -> torch.Tensor:
+    """Float32 expert mixture for given routing: x [T, H]; ids/weights [T, k]; w1 [E, 2I, H] (interleaved
+    gate/up rows); w2 [E, H, I]. Weights given already dequantised."""
+    xf = x.float()
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            h = w1[e].float() @ xf[t] + b1[e].float()
+            a = swiglu_ref(h, alpha, limit)
+            out[t] += float(weights[t, j]) * (w2[e].float() @ a + b2[e].float())
+    return out
