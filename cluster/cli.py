@@ -16,6 +16,7 @@ import sys
 COMMANDS: list[tuple[str, str, str]] = [
     ("config", "kvrelay.cluster.config_cmd", "check a topology YAML and print the resolved topology"),
     ("convert", "kvrelay.engine.convert", "convert a gpt-oss checkpoint to kvrelay's fp8-block128 or bf16 layout"),
+    ("generate", "kvrelay.engine.generate", "generate tokens from a prompt with the model in this process"),
 ]
 
 

@@ -22,6 +22,8 @@ from kvrelay.decode_worker.scheduler import AdmissionRefused, Scheduler
 from kvrelay.engine.kv_transfer import KVHandle, KVImporter, KVLeaseExpired, configure_ucx, layout_of
 from kvrelay.engine.sampling import SamplingParams, TokenOutput
 
+_ABORTED = object()  # put on a stream's queue by `abort`: end the stream without a finish reason
+
 __all__ = ["DecodeWorker", "DecodeChunk", "DecodeStatus", "PullMetrics", "AdmissionRefused"]
 
 
@@ -165,6 +167,8 @@ class DecodeWorker:
                     tokens.append(queue.get_nowait())
                 if any(isinstance(t, BaseException) for t in tokens):
                     raise next(t for t in tokens if isinstance(t, BaseException))
+                if _ABORTED in tokens:
+                    return
                 yield DecodeChunk(tuple(tokens), pull)
                 pull = None
                 if tokens[-1].finish_reason is not None:
@@ -191,6 +195,9 @@ class DecodeWorker:
         with self._lock:
             found = self.scheduler.abort(request_id)
             self._wake.notify()
+        queue = self._streams.get(request_id)
+        if queue is not None:
+            queue.put_nowait(_ABORTED)
         return found
 
     # ---- the step loop -----------------------------------------------------------------------

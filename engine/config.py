@@ -181,6 +181,15 @@ PRESETS: dict[str, ModelConfig] = {
         num_key_value_heads=2, sliding_window=8, initial_context_length=256, rope_theta=150000.0,
         rope_scaling_factor=32.0, rope_ntk_alpha=1.0, rope_ntk_beta=32.0, swiglu_limit=7.0,
     ),
+    # gpt-oss layers at toy width with the real 201088-token vocabulary, so harmony-rendered prompts (ids
+    # up to 200012) are valid input for CPU serving tests with dummy weights.
+    "gpt-oss-tiny": ModelConfig(
+        name="gpt-oss-tiny", num_hidden_layers=4, num_experts=8, experts_per_token=4, vocab_size=201088,
+        hidden_size=64, intermediate_size=64, head_dim=16, num_attention_heads=8,
+        num_key_value_heads=2, sliding_window=128, initial_context_length=4096, rope_theta=150000.0,
+        rope_scaling_factor=32.0, rope_ntk_alpha=1.0, rope_ntk_beta=32.0, swiglu_limit=7.0,
+        max_context=8192,
+    ),
 }
 
 

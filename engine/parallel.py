@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import socket
 import time
@@ -263,7 +264,9 @@ def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, expe
         ctx = init_parallel(rank, world, "127.0.0.1", port, device="cpu", expert_parallel=expert_parallel,
                             timeout_s=120.0)
         try:
-            results.put((rank, True, fn(ctx, *args)))
+            # Plain pickle copies tensors by value; the queue's own pickler would pass them as shared
+            # memory handles that die with this process, which may exit before the parent reads them.
+            results.put((rank, True, pickle.dumps(fn(ctx, *args))))
         finally:
             shutdown_parallel(ctx)
     except BaseException:  # noqa: BLE001 - the parent must hear about every failure, or it waits
@@ -300,7 +303,7 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 120.0,
                 continue
             if not ok:
                 raise RankFailed(f"rank {rank} of {world} failed:\n{value}")
-            out[rank] = value
+            out[rank] = pickle.loads(value)
         return [out[r] for r in range(world)]
     finally:
         for p in procs:

@@ -44,7 +44,10 @@ def quantize_act_1x128(x: torch.Tensor, k_padded: int | None = None, m_major: bo
     kp = k_padded or triton.cdiv(k, BLOCK) * BLOCK
     q = torch.empty(m, kp, dtype=FP8, device=x.device)
     kb = kp // BLOCK
-    s = torch.empty(kb, m, dtype=torch.float32, device=x.device).t() if m_major else \
+    # cuBLAS rejects (NOT_SUPPORTED) an M-major scale whose leading dimension is not 16-byte aligned
+    # (seen at M=37), so the column stride is M rounded up to a multiple of 4.
+    m4 = -(-m // 4) * 4
+    s = torch.empty(kb, m4, dtype=torch.float32, device=x.device).t()[:m] if m_major else \
         torch.empty(m, kb, dtype=torch.float32, device=x.device)
     if m:
         _quant_act_kernel[(m, kb)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1),

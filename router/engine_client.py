@@ -7,10 +7,10 @@ prefill/decode placement) is behind this protocol. The disaggregated client live
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
+import queue
 import threading
-from typing import TYPE_CHECKING, AsyncIterator, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Protocol, runtime_checkable
 
 from kvrelay.engine.sampling import SamplingParams, TokenOutput
 
@@ -41,21 +41,25 @@ class EngineClient(Protocol):
 
 
 _DONE = object()
+Sink = Callable[[object], None]
 
 
 class InProcessEngineClient:
-    """Runs `LLM.generate` (a blocking iterator) on one worker thread and streams into asyncio.
+    """Drives `LLM`'s engine loop (add_request / step / abort) on one dedicated thread.
 
-    One thread, because a single-process LLM owns one KV cache and is not safe to enter concurrently;
-    requests queue behind each other. Abort sets a flag the worker checks between tokens and then
-    closes the engine's iterator, which releases the sequence's KV pages.
+    One thread, because the LLM is not thread-safe; that thread owns it and everything else talks to
+    it through a command queue. Each `step()` serves every running request at once (continuous
+    batching), and its outputs are routed to the waiting asyncio requests by request id. An abort,
+    or a consumer that stops listening, drops the request from the LLM, which frees its KV pages.
     """
 
     def __init__(self, llm: "LLM", model_name: str | None = None) -> None:
         self._llm = llm
         self._name = model_name or llm.config.name
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrelay-llm")
-        self._aborts: dict[str, threading.Event] = {}
+        self._commands: queue.Queue[tuple] = queue.Queue()
+        self._sinks: dict[str, Sink] = {}  # engine thread only
+        self._thread = threading.Thread(target=self._run, name="kvrelay-llm", daemon=True)
+        self._thread.start()
 
     @property
     def model_name(self) -> str:
@@ -73,60 +77,96 @@ class InProcessEngineClient:
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[TokenOutput]:
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[object] = asyncio.Queue()
-        stop = self._aborts.setdefault(request_id, threading.Event())
+        inbox: asyncio.Queue[object] = asyncio.Queue()
 
-        def put(item: object) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-
-        def work() -> None:
-            if stop.is_set():  # aborted while queued behind another request
-                put(_DONE)
-                return
-            it = self._llm.generate(list(prompt_ids), params)
+        def sink(item: object) -> None:
             try:
-                for out in it:
-                    put(out)
-                    if stop.is_set() or out.finish_reason is not None:
-                        break
-            except BaseException as exc:  # surface engine failures to the awaiting request
-                put(exc)
-            finally:
-                close = getattr(it, "close", None)
-                if close is not None:
-                    close()
-                put(_DONE)
+                loop.call_soon_threadsafe(inbox.put_nowait, item)
+            except RuntimeError:  # the requester's loop is gone; nobody is listening any more
+                pass
 
-        future = loop.run_in_executor(self._pool, work)
+        self._commands.put(("add", request_id, list(prompt_ids), params, sink))
+        done = False
         try:
             while True:
-                item = await queue.get()
+                item = await inbox.get()
                 if item is _DONE:
-                    break
+                    done = True
+                    return
                 if isinstance(item, BaseException):
+                    done = True
                     raise item
                 assert isinstance(item, TokenOutput)
+                done = item.finish_reason is not None
                 yield item
-                if item.finish_reason is not None:
-                    break
+                if done:
+                    return
         finally:
-            # Whatever ended the consumer (finish, cancel, error), the worker must stop producing.
-            stop.set()
-            self._aborts.pop(request_id, None)
-            if not future.done():
-                future.add_done_callback(_log_failure)
+            if not done:  # cancelled or abandoned mid-stream: free the sequence
+                self._commands.put(("abort", request_id))
 
     async def abort(self, request_id: str) -> None:
-        event = self._aborts.get(request_id)
-        if event is not None:
-            event.set()
+        self._commands.put(("abort", request_id))
 
     def close(self) -> None:
-        for event in self._aborts.values():
-            event.set()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._commands.put(("stop",))
+        self._thread.join(timeout=30)
 
+    # ---- engine thread ----------------------------------------------------------------------------
 
-def _log_failure(future: "asyncio.Future[None]") -> None:
-    if not future.cancelled() and future.exception() is not None:
-        log.error("engine worker failed after its request ended: %r", future.exception())
+    def _run(self) -> None:
+        while True:
+            busy = self._llm.has_unfinished()
+            try:
+                # Idle: sleep until a command arrives. Busy: take what is queued and keep stepping.
+                commands = [self._commands.get(block=not busy)]
+            except queue.Empty:
+                commands = []
+            while True:
+                try:
+                    commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            for cmd in commands:
+                if cmd[0] == "stop":
+                    self._fail_all(RuntimeError("engine client closed"))
+                    return
+                self._command(cmd)
+            if self._llm.has_unfinished():
+                self._step()
+
+    def _command(self, cmd: tuple) -> None:
+        if cmd[0] == "add":
+            _, rid, prompt, params, sink = cmd
+            try:
+                self._llm.add_request(rid, prompt, params)
+            except Exception as exc:  # e.g. not enough KV pages: fail this request, not the engine
+                sink(exc)
+                return
+            self._sinks[rid] = sink
+        elif cmd[0] == "abort":
+            sink = self._sinks.pop(cmd[1], None)
+            if sink is not None:
+                self._llm.abort(cmd[1])
+                sink(_DONE)
+
+    def _step(self) -> None:
+        try:
+            outputs = self._llm.step()
+        except Exception as exc:
+            log.exception("engine step failed; failing its %d requests", len(self._sinks))
+            self._fail_all(exc)
+            return
+        for rid, out in outputs:
+            sink = self._sinks.get(rid)
+            if sink is None:
+                continue
+            sink(out)
+            if out.finish_reason is not None:
+                del self._sinks[rid]
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for rid, sink in list(self._sinks.items()):
+            self._llm.abort(rid)
+            sink(exc)
+        self._sinks.clear()

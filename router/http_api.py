@@ -11,6 +11,7 @@ import abc
 import contextlib
 import json
 import logging
+import re
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -133,17 +134,23 @@ def _prompt_ids(prompt: Any) -> list[int]:
     if isinstance(prompt, str):
         try:
             return harmony.encode_text(prompt)
-        except HarmonyError as exc:
+        except HarmonyError:
+            specials = harmony.load_encoding().special_tokens_set
+            found = next((m for m in _SPECIAL_TEXT.findall(prompt) if m in specials), "a special token")
             raise ValidationError(
-                "prompt", f"text contains a special token ({exc}); send token ids to use special tokens"
+                "prompt", f"text contains the special token {found!r}; send token ids to use special tokens"
             ) from None
     return list(prompt)
+
+
+_SPECIAL_TEXT = re.compile(r"<\|[A-Za-z0-9_]+\|>")
 
 
 class _Stream(abc.ABC):
     """Shared plumbing: run the core stream, always closed (which aborts the engine on early exit)."""
 
-    object_name = ""
+    object_name = ""  # OpenAI's "object" field of a full response
+    id_prefix = "cmpl"
 
     def __init__(self, core: RouterCore, prep: Prepared, *, include_usage: bool) -> None:
         self.core = core
@@ -151,8 +158,6 @@ class _Stream(abc.ABC):
         self.include_usage = include_usage
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
-
-    id_prefix = "cmpl"
 
     async def steps(self) -> AsyncIterator[TokenStep]:
         async with contextlib.aclosing(self.core.stream(self.prep)) as steps:

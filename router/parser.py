@@ -160,14 +160,15 @@ class HarmonyStreamParser:
         if state == StreamState.CONTENT:
             self._header.append(token)
             return self._open_message()
-        if prev == StreamState.CONTENT:  # <|end|>, <|return|> or <|call|> closed the message
+        if prev == StreamState.CONTENT and state == StreamState.EXPECT_START:
+            # <|end|>, <|return|> or <|call|> closed the message
             self._close_current(complete=True)
             if token in (RETURN, CALL):
                 self.stop_token = token
             return []
         self._header.append(token)
-        if state == StreamState.EXPECT_START and len(self._header) > 0 and prev != StreamState.EXPECT_START:
-            return self._enter_fallback("header closed without <|message|>", self._header)
+        if state != StreamState.HEADER:  # a header that ended without <|message|>: not harmony any more
+            return self._enter_fallback("header ended without <|message|>", self._header)
         if len(self._header) > self._max_header:
             return self._enter_fallback(f"no <|message|> within {self._max_header} header tokens", self._header)
         return []
@@ -178,6 +179,7 @@ class HarmonyStreamParser:
         recipient = self._parser.current_recipient
         content_type = self._parser.current_content_type
         header, self._header = self._header, []
+        self._close_current(complete=True)  # defensive: a message is always closed before the next opens
         match = _FUNCTION_RECIPIENT.match(recipient or "")
         if channel in CHANNELS and match is not None:
             self._tool_index += 1

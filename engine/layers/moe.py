@@ -34,6 +34,8 @@ class MoE:
         for e in torch.unique(local[mine]).tolist():
             tokens, slot = torch.where(local == e)
             y = self.mlp2(e, clamped_swiglu(self.mlp1(e, x[tokens]), self.alpha, self.limit))
-            # The expert's output bias is inside y, so it is weighted too (as in every reference).
-            out.index_add_(0, tokens, y * gate[tokens, slot, None])
+            # The expert's output bias is inside y, so it is weighted too (as in every reference). A token
+            # picks an expert at most once, so the rows are distinct and a plain indexed add is exact
+            # (and much faster on CPU than index_add_ in bf16).
+            out[tokens] += y * gate[tokens, slot, None]
         return out

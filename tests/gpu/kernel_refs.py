@@ -115,3 +115,11 @@ def moe_ref(x, ids, weights, w1, b1, w2, b2, alpha=1.702, limit=7.0) -> torch.Te
             a = swiglu_ref(h, alpha, limit)
             out[t] += float(weights[t, j]) * (w2[e].float() @ a + b2[e].float())
     return out
+
+
+def poison_allocator(nbytes: int) -> None:
+    """Fill a block of the CUDA caching allocator with NaN and free it, so that the next torch.empty of
+    up to that size (intermediates and outputs a kernel allocates itself) starts as NaN, not zeros."""
+    if torch.cuda.is_available():
+        x = torch.full((nbytes // 4,), float("nan"), dtype=torch.float32, device="cuda")
+        del x

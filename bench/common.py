@@ -1,0 +1,467 @@
+"""Shared benchmark plumbing: environment record, timing, cost arithmetic, FLOP/byte estimates, building
+the engine Runner the way the workers do, and saving JSON + PNG results.
+
+Units follow docs/seed-notes.md: latency in seconds, cost in US$ per 1M tokens at $3.00 per H200-hour.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import inspect
+import json
+import math
+import platform
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+USD_PER_GPU_HOUR = 3.0
+# Measured on the H200 (docs: h200-notes.md); used only to put achieved rates in context.
+CEILING_TFLOPS = {"bf16": 762.0, "fp8": 1378.0}
+COPY_BW_BYTES_S = 4.19e12
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO_ROOT / "bench" / "results"
+
+# The seed's prefill table (latency s, $ per 1M input tokens), docs/seed-notes.md, keyed by input length.
+SEED_PREFILL: dict[str, dict[str, dict[int, tuple[float, float]]]] = {
+    "gpt-oss-120b": {
+        "EP1 DP1 TP1": {8192: (0.364, 0.037), 32768: (2.421, 0.062), 65536: (7.375, 0.094), 128000: (23.902, 0.156)},
+        "EP2 DP1 TP2": {8192: (0.190, 0.039), 32768: (1.245, 0.063), 65536: (3.786, 0.096), 128000: (12.116, 0.158)},
+        "EP4 DP1 TP4": {8192: (0.165, 0.067), 32768: (0.900, 0.092), 65536: (2.449, 0.125), 128000: (7.165, 0.187)},
+        "EP8 DP1 TP8": {8192: (0.179, 0.145), 32768: (0.839, 0.171), 65536: (2.003, 0.204), 128000: (5.119, 0.267)},
+    },
+    "gpt-oss-20b": {
+        "EP1 DP1 TP1": {8192: (0.239, 0.024), 32768: (1.610, 0.041), 65536: (4.895, 0.062), 128000: (16.037, 0.104)},
+        "EP2 DP1 TP2": {8192: (0.127, 0.026), 32768: (0.833, 0.042), 65536: (2.522, 0.064), 128000: (8.143, 0.106)},
+        "EP4 DP1 TP4": {8192: (0.108, 0.044), 32768: (0.593, 0.060), 65536: (1.616, 0.082), 128000: (4.766, 0.124)},
+        "EP8 DP1 TP8": {8192: (0.116, 0.094), 32768: (0.547, 0.111), 65536: (1.310, 0.133), 128000: (3.365, 0.175)},
+    },
+}
+
+# docs/contracts.md defines "gpt-oss-tiny" (full vocabulary, tiny layers). Used only when the engine's
+# PRESETS does not have it yet, so the CPU benchmarks and their test do not depend on that landing first.
+_CONTRACT_PRESETS = {
+    "gpt-oss-tiny": dict(
+        name="gpt-oss-tiny", num_hidden_layers=4, num_experts=8, experts_per_token=4, vocab_size=201088,
+        hidden_size=64, intermediate_size=64, head_dim=16, num_attention_heads=8, num_key_value_heads=2,
+        sliding_window=128, initial_context_length=4096, rope_theta=150000.0, rope_scaling_factor=32.0,
+        rope_ntk_alpha=1.0, rope_ntk_beta=32.0, swiglu_limit=7.0, max_context=8192,
+    ),
+}
+
+
+# ---- cost arithmetic -------------------------------------------------------------------------------
+def prefill_usd_per_m_input(latency_s: float, input_len: int, gpus: int = 1,
+                            usd_per_gpu_hour: float = USD_PER_GPU_HOUR) -> float:
+    """$ per 1M input tokens = latency x GPUs x ($/3600) x 1e6 / input length (seed-notes)."""
+    return latency_s * gpus * (usd_per_gpu_hour / 3600.0) * 1e6 / input_len
+
+
+def decode_usd_per_m_output(aggregate_tokens_s: float, gpus: int = 1,
+                            usd_per_gpu_hour: float = USD_PER_GPU_HOUR) -> float:
+    """$ per 1M output tokens = (GPUs x $/3600) / (aggregate output tokens/s) x 1e6."""
+    return gpus * (usd_per_gpu_hour / 3600.0) / aggregate_tokens_s * 1e6
+
+
+def fmt_cell(latency_s: float, usd: float) -> str:
+    """The seed table's cell format: '0.364 s, $0.037'."""
+    return f"{latency_s:.3f} s, ${usd:.3f}"
+
+
+# ---- FLOP and byte estimates -------------------------------------------------------------------------
+def layer_active_params(cfg) -> int:
+    """Weights one token multiplies through in one layer: QKV, output, router, and top-k experts."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    attn = cfg.qkv_width * h + h * cfg.q_width
+    return attn + cfg.num_experts * h + cfg.experts_per_token * (2 * i * h + h * i)
+
+
+def active_params(cfg) -> int:
+    """Per-token active parameters incl. the unembedding (the embedding is a lookup, no FLOPs)."""
+    return cfg.num_hidden_layers * layer_active_params(cfg) + cfg.vocab_size * cfg.hidden_size
+
+
+def causal_pairs(n_new: int, start: int, window: int | None) -> int:
+    """Visible (query, key) pairs when n_new tokens at positions start.. attend causally (window keys
+    including the query itself on sliding layers)."""
+    total = 0
+    if window is None:
+        # sum over positions p in [start, start+n_new) of (p + 1)
+        return n_new * start + n_new * (n_new + 1) // 2
+    # Positions below the window see p+1 keys, the rest see `window`.
+    ramp_end = min(start + n_new, window)
+    if ramp_end > start:
+        total += sum(range(start + 1, ramp_end + 1))
+    total += max(0, start + n_new - max(start, window)) * window
+    return total
+
+
+def attention_flops(cfg, n_new: int, start: int = 0) -> float:
+    """QK^T and PV: 2 matmuls x 2 FLOPs per multiply-add x head_dim x query heads, per visible pair."""
+    per_pair = 4 * cfg.head_dim * cfg.num_attention_heads
+    total = 0
+    for layer in range(cfg.num_hidden_layers):
+        window = cfg.sliding_window if cfg.layer_is_sliding(layer) else None
+        total += per_pair * causal_pairs(n_new, start, window)
+    return float(total)
+
+
+def prefill_flops(cfg, length: int) -> dict[str, float]:
+    """Batch-1 prefill of `length` tokens: linear layers for every token, unembedding for the last one
+    (the Runner computes logits only for each sequence's last position), plus attention."""
+    linear = 2.0 * length * cfg.num_hidden_layers * layer_active_params(cfg)
+    unembed = 2.0 * cfg.vocab_size * cfg.hidden_size
+    attn = attention_flops(cfg, length)
+    return {"linear": linear + unembed, "attention": attn, "total": linear + unembed + attn}
+
+
+def decode_bytes_per_step(cfg, batch: int, context: int, quant: str) -> float:
+    """Rough HBM bytes one decode step must read: dense weights, the experts the batch touches (expected
+    distinct experts of `batch` x top-k uniform picks), and the KV of every sequence."""
+    wbytes = 1.0 if quant.startswith("fp8") else 2.0
+    h, i, e, k = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.experts_per_token
+    dense = cfg.qkv_width * h + h * cfg.q_width
+    touched = e * (1.0 - (1.0 - k / e) ** batch)
+    per_layer = wbytes * (dense + touched * 3 * i * h) + 2.0 * e * h  # router stays bf16
+    kv_token = 2 * cfg.num_key_value_heads * cfg.head_dim * 2  # K and V, bf16
+    kv = 0.0
+    for layer in range(cfg.num_hidden_layers):
+        seen = min(context + 1, cfg.sliding_window) if cfg.layer_is_sliding(layer) else context + 1
+        kv += batch * seen * kv_token
+    return cfg.num_hidden_layers * per_layer + 2.0 * cfg.vocab_size * h + kv
+
+
+# ---- timing ------------------------------------------------------------------------------------------
+@dataclass
+class Timing:
+    times_s: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times_s)
+
+    def summary(self) -> dict[str, float]:
+        t = self.times_s
+        return {"median_s": self.median, "min_s": min(t), "max_s": max(t), "mean_s": statistics.fmean(t),
+                "n": len(t)}
+
+
+class StopWatch:
+    """CUDA events on a GPU (stream time between the marks, host gaps included, since the events sit
+    on the stream the Runner launches on); perf_counter after a synchronize elsewhere."""
+
+    def __init__(self, device):
+        import torch
+
+        self.cuda = torch.device(device).type == "cuda"
+        self._torch = torch
+
+    def mark(self):
+        if self.cuda:
+            ev = self._torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def elapsed(self, a, b) -> float:
+        """Seconds from mark a to mark b (synchronizes on the GPU)."""
+        if self.cuda:
+            b.synchronize()
+            return a.elapsed_time(b) / 1e3
+        return b - a
+
+    def sync(self) -> None:
+        if self.cuda:
+            self._torch.cuda.synchronize()
+
+
+def time_call(fn: Callable[[], Any], device, *, warmup: int, iters: int, budget_s: float | None = None,
+              cleanup: Callable[[], Any] | None = None) -> tuple[Timing, float]:
+    """Median-friendly timing of fn(): `warmup` untimed calls, then up to `iters` timed ones, fewer when
+    `budget_s` would be exceeded (always at least one). `cleanup` runs after each call, outside the
+    timed region (e.g. freeing the sequence a prefill created). Returns (timing, first call's seconds)."""
+    sw = StopWatch(device)
+    t0 = time.perf_counter()
+    first = None
+    for _ in range(warmup):
+        s = time.perf_counter()
+        fn()
+        sw.sync()
+        first = first if first is not None else time.perf_counter() - s
+        if cleanup is not None:
+            cleanup()
+    timing = Timing()
+    for n in range(iters):
+        a = sw.mark()
+        fn()
+        b = sw.mark()
+        timing.times_s.append(sw.elapsed(a, b))
+        if cleanup is not None:
+            cleanup()
+        first = first if first is not None else timing.times_s[0]
+        spent = time.perf_counter() - t0
+        if budget_s is not None and n + 1 < iters and spent + timing.median > budget_s:
+            break
+    return timing, float(first)
+
+
+class Budget:
+    """Wall-clock budget for a whole run: points beyond it are skipped and reported, never silently."""
+
+    def __init__(self, seconds: float | None):
+        self.seconds = seconds
+        self.t0 = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def left(self) -> float:
+        return math.inf if self.seconds is None else self.seconds - self.elapsed()
+
+    def exhausted(self) -> bool:
+        return self.left() <= 0
+
+
+# ---- environment ---------------------------------------------------------------------------------------
+def git_commit(repo: Path = REPO_ROOT) -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
+def git_dirty(repo: Path = REPO_ROOT) -> bool | None:
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return bool(out.stdout.strip()) if out.returncode == 0 else None
+
+
+def _version(module: str) -> str | None:
+    try:
+        mod = __import__(module)
+    except Exception:  # noqa: BLE001 - a missing or broken optional package is just "not present"
+        return None
+    return getattr(mod, "__version__", "present")
+
+
+def env_info(device, module: str, argv: list[str] | None) -> dict[str, Any]:
+    """Where and how a result was produced. `argv` None means this process's own command line."""
+    import torch
+
+    dev = torch.device(device)
+    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" and torch.cuda.is_available() else "cpu"
+    return {
+        "gpu": gpu,
+        "device": str(dev),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": _version("triton"),
+        # Importing flashinfer on a CPU box is pointless (and slow where it is installed).
+        "flashinfer": _version("flashinfer") if dev.type == "cuda" else None,
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "git_commit": git_commit(),
+        "git_dirty": git_dirty(),
+        "command": " ".join(shlex.quote(a) for a in [sys.executable, "-m", module,
+                                                      *(sys.argv[1:] if argv is None else argv)]),
+        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+# ---- model and Runner ------------------------------------------------------------------------------------
+def resolve_config(model: str):
+    from kvrelay.engine.config import ModelConfig, load_model_config
+
+    try:
+        return load_model_config(model)
+    except FileNotFoundError:
+        if model in _CONTRACT_PRESETS:
+            return ModelConfig(**_CONTRACT_PRESETS[model])
+        raise
+
+
+def _flashinfer_prebuilt() -> bool:
+    """True when FlashInfer's modules need no JIT build (AOT tarball unpacked or a warm JIT cache): a
+    fresh build costs ~3.5 minutes, more than a --quick run may take (h200-notes)."""
+    try:
+        import flashinfer
+    except Exception:  # noqa: BLE001
+        return False
+    aot = Path(flashinfer.__file__).parent / "data" / "aot"
+    jit = Path.home() / ".cache" / "flashinfer"
+    return any(aot.glob("*/*.so")) or any(jit.glob("**/cached_ops/*/*.so"))
+
+
+def choose_attention(name: str, device) -> tuple[Callable | None, str]:
+    """The attention_fn to hand the Runner (None = leave the engine's own choice) and a label.
+
+    `auto` leaves the choice to the engine as soon as its Runner defaults to something other than the
+    CPU reference; until then it picks FlashInfer on a GPU when its modules are prebuilt, else Triton
+    (the reference materialises [heads, T, T] scores: OOM at 32k tokens)."""
+    import torch
+
+    from kvrelay.engine.runner import Runner
+    from kvrelay.kernels import reference
+
+    param = inspect.signature(Runner.__init__).parameters.get("attention_fn")
+    if name == "engine" or (name == "auto" and (param is None or param.default is not reference.paged_attention)):
+        return None, "engine default"
+    if name == "auto":
+        if torch.device(device).type != "cuda":
+            return None, "engine default (reference)"
+        name = "flashinfer" if _flashinfer_prebuilt() else "triton"
+    if param is None:
+        raise SystemExit(f"--attention {name}: this engine's Runner takes no attention_fn")
+    if name == "reference":
+        return reference.paged_attention, "reference (torch)"
+    if name == "triton":
+        from kvrelay.kernels.triton_attention import paged_attention as fn
+        return fn, "triton (kernels.triton_attention.paged_attention)"
+    if name == "flashinfer":
+        from kvrelay.kernels.attention import paged_attention as fn
+        return fn, "flashinfer (kernels.attention.paged_attention, plans per layer call)"
+    raise SystemExit(f"unknown --attention {name!r}")
+
+
+def graph_kwargs(want: str, device) -> tuple[dict[str, Any], str]:
+    """CUDA-graph switch for the Runner, if its constructor has one (any parameter named *graph*)."""
+    import torch
+
+    from kvrelay.engine.runner import Runner
+
+    params = [p for p in inspect.signature(Runner.__init__).parameters if "graph" in p]
+    if not params:
+        return {}, "not provided by the engine Runner"
+    on = want == "on" or (want == "auto" and torch.device(device).type == "cuda")
+    return {params[0]: on}, f"{params[0]}={on}"
+
+
+def build_runner(args, *, num_pages: dict[str, int], attention_fn=None, extra: dict | None = None):
+    """A Runner exactly as the workers build one (dummy or real weights, quant, page size), with the
+    benchmark's pool size. Returns (runner, seconds to build)."""
+    import torch
+
+    from kvrelay.engine.runner import Runner, open_model_weights
+
+    cfg = resolve_config(args.model)
+    kwargs: dict[str, Any] = dict(device=args.device, dtype=torch.bfloat16, quant=args.quant,
+                                  page_size=args.page_size, num_pages=num_pages)
+    if attention_fn is not None:
+        kwargs["attention_fn"] = attention_fn
+    kwargs.update(extra or {})
+    t0 = time.perf_counter()
+    runner = Runner(cfg, open_model_weights(args.model, cfg, dummy=args.dummy, seed=args.seed), **kwargs)
+    if torch.device(args.device).type == "cuda":
+        torch.cuda.synchronize()
+    return runner, time.perf_counter() - t0
+
+
+def weight_bytes(cfg, quant: str) -> float:
+    """Bytes of the weights as served: the four GEMM weights in fp8 (+ tiny scales) or bf16."""
+    from kvrelay.engine.weights import canonical_shapes, is_fp8_target
+
+    total = 0.0
+    for name, shape in canonical_shapes(cfg).items():
+        n = math.prod(shape)
+        total += n * (1.0 if quant.startswith("fp8") and is_fp8_target(name) else 2.0)
+    return total
+
+
+def kv_bytes_per_page(cfg, page_size: int, layers: int) -> int:
+    return layers * 2 * page_size * cfg.num_key_value_heads * cfg.head_dim * 2
+
+
+# ---- CLI and output ----------------------------------------------------------------------------------------
+def parse_ints(text: str) -> list[int]:
+    """'8192,32768' -> [8192, 32768] (commas or spaces)."""
+    return [int(part) for part in re.split(r"[,\s]+", text.strip()) if part]
+
+
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="gpt-oss-20b", help="preset name (gpt-oss-20b, gpt-oss-120b, "
+                   "gpt-oss-tiny, tiny) or a checkpoint directory")
+    p.add_argument("--dummy", action="store_true", help="seeded random weights of the model's shape")
+    p.add_argument("--quant", default="fp8-block128", choices=["fp8-block128", "bf16"])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--attention", default="auto", choices=["auto", "engine", "reference", "triton", "flashinfer"],
+                   help="attention_fn passed to the Runner (auto: see bench/common.choose_attention)")
+    p.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="stop measuring new points after this many seconds (skipped points are listed)")
+    p.add_argument("--quick", action="store_true", help="fewer points/iterations; < 4 minutes on one H200")
+    p.add_argument("--out", default=str(DEFAULT_OUT), help="directory for the JSON and PNG")
+    p.add_argument("--usd-per-gpu-hour", type=float, default=USD_PER_GPU_HOUR)
+
+
+def result_stem(kind: str, args) -> str:
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    model = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(args.model).name or args.model)
+    return f"{kind}-{model}-{args.quant}-{torch_device_type(args.device)}-{stamp}"
+
+
+def torch_device_type(device: str) -> str:
+    return str(device).split(":")[0]
+
+
+def save_result(out_dir: str | Path, stem: str, payload: dict, fig=None) -> dict[str, str]:
+    """Write <stem>.json (and <stem>.png when a figure is given); returns their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": str(out / f"{stem}.json")}
+    if fig is not None:
+        paths["png"] = str(out / f"{stem}.png")
+        fig.savefig(paths["png"], dpi=120, bbox_inches="tight")
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+    payload = dict(payload, files=paths)
+    Path(paths["json"]).write_text(json.dumps(payload, indent=2, default=_json_default) + "\n")
+    return paths
+
+
+def _json_default(o):
+    if hasattr(o, "__dataclass_fields__"):
+        return asdict(o)
+    if isinstance(o, Path):
+        return str(o)
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    return str(o)
+
+
+def new_figure(**kw):
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless machines (the H200 box, CI)
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(layout="constrained", **kw)
+
+
+def console():
+    """A rich console wide enough that logs captured from the GPU box keep whole table cells."""
+    from rich.console import Console
+
+    c = Console()
+    return c if c.is_terminal else Console(width=180)
+
+
+def is_oom(exc: BaseException) -> bool:
+    import torch
+
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()

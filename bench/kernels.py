@@ -1,0 +1,259 @@
+"""Kernel benchmarks on the H200: time (medians of triton.testing.do_bench, CUDA events), achieved
+TFLOP/s or TB/s, and share of the measured ceilings (h200-notes: copy 4.19 TB/s, bf16 762, fp8 1378
+TFLOP/s). Saves JSON (GPU, versions, git commit, command) and a PNG under bench/results/, prints a table.
+
+usage (device machine, repo root): python3 -m kvrelay.bench.kernels [--only attn,fp8,moe] [--out DIR]
+Targets are reported, not asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+CEIL = {"TB/s": 4.19, "bf16": 762.0, "fp8": 1378.0}
+ROWS: list[dict] = []
+
+
+def bench(fn, warmup=25, rep=100):
+    import triton
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")  # ms
+
+
+def record(group, name, ms, *, flops=None, nbytes=None, ceiling=None, target=None, note=""):
+    row = {"group": group, "name": name, "ms": round(ms, 5), "note": note}
+    if flops is not None:
+        row["TFLOP/s"] = round(flops / ms / 1e9, 1)
+        row["share"] = round(row["TFLOP/s"] / CEIL[ceiling], 3)
+    if nbytes is not None:
+        row["TB/s"] = round(nbytes / ms / 1e9, 3)
+        row["share"] = round(row["TB/s"] / CEIL["TB/s"], 3)
+    if target is not None:
+        row["target"] = target
+    ROWS.append(row)
+    print(f"{group:6s} {name:52s} {ms*1e3:10.1f} us  " +
+          (f"{row.get('TFLOP/s', row.get('TB/s'))} {'TFLOP/s' if flops else 'TB/s'} ({row['share']:.0%})"
+           if "share" in row else "") + (f"  target {target}" if target else ""), flush=True)
+
+
+def _paged(batch, kv_len, q_len, dev, page=16, hkv=8, d=64):
+    n_pages = -(-kv_len // page)
+    pool = torch.randn(batch * n_pages, 2, page, hkv, d, device=dev, dtype=torch.bfloat16)
+    i32 = dict(dtype=torch.int32, device=dev)
+    kv_indptr = torch.arange(batch + 1, **i32) * n_pages
+    kv_indices = torch.randperm(batch * n_pages, device=dev).to(torch.int32)
+    last = torch.full((batch,), kv_len - (n_pages - 1) * page, **i32)
+    qo = torch.arange(batch + 1, **i32) * q_len
+    return pool, qo, kv_indptr, kv_indices, last
+
+
+def bench_attention(dev):
+    from kvrelay.kernels import attention as fa
+    from kvrelay.kernels import triton_attention as ta
+    hq, hkv, d, page = 64, 8, 64, 16
+    sinks = torch.randn(hq, device=dev).bfloat16()
+    # prefill: one 8192-token sequence
+    T = 8192
+    pool, qo, ip, idx, last = _paged(1, T, T, dev)
+    q = torch.randn(T, hq, d, device=dev, dtype=torch.bfloat16)
+    causal_flops = 4 * hq * d * T * (T + 1) / 2
+    for window in (None, 128):
+        flops = causal_flops if window is None else 4 * hq * d * sum(min(i + 1, window) for i in range(T))
+        att = fa.FlashInferSinkAttention(hq, hkv, d, page, window, 0.125, dev)
+        att.plan_prefill(qo, ip, idx, last)
+        record("attn", f"prefill 8192 FA3 sink window={window}", bench(lambda: att.prefill(q, pool, sinks)),
+               flops=flops, ceiling="bf16", target=">=400 TFLOP/s" if window is None else None)
+        tiles = ta.plan_prefill_tiles(qo, 16)
+        for bn, nw, ns in ((64, 4, 2), (64, 8, 3), (128, 8, 2)):
+            fn = lambda: ta.sink_prefill(q, pool, sinks, qo, ip, idx, last, sm_scale=0.125, window=window,
+                                         tiles=tiles, block_q=16, block_n=bn, num_warps=nw, num_stages=ns)
+            record("attn", f"prefill 8192 triton window={window} bn{bn} w{nw} s{ns}", bench(fn), flops=flops,
+                   ceiling="bf16")
+    del pool, q
+    # decode: 64 sequences x 8192 context
+    B, L = 64, 8192
+    pool, qo, ip, idx, last = _paged(B, L, 1, dev)
+    q = torch.randn(B, hq, d, device=dev, dtype=torch.bfloat16)
+    kv_bytes = B * L * hkv * d * 2 * 2
+    att = fa.FlashInferSinkAttention(hq, hkv, d, page, None, 0.125, dev)
+    att.plan_decode(ip, idx, last)
+    record("attn", "decode 64x8192 FI TC no sink (floor)", bench(lambda: att.decode_nosink(q, pool)), nbytes=kv_bytes)
+    record("attn", "decode 64x8192 FI TC + torch correction",
+           bench(lambda: fa.apply_sink_correction_torch(*att.decode_nosink(q, pool), sinks)), nbytes=kv_bytes)
+    record("attn", "decode 64x8192 FI TC + fused Triton correction", bench(lambda: att.decode(q, pool, sinks)),
+           nbytes=kv_bytes, target=">=3.7 TB/s")
+    # the same inside a CUDA graph (how the engine runs decode): no launch gaps
+    gatt = fa.FlashInferSinkAttention(hq, hkv, d, page, None, 0.125, dev, graph_batch=B, graph_max_pages=idx.numel())
+    gatt.plan_decode(ip, idx, last)
+    import triton
+    gatt.decode(q, pool, sinks)
+    torch.cuda.synchronize()
+    record("attn", "decode 64x8192 FI TC + fused corr, CUDA graph",
+           triton.testing.do_bench_cudagraph(lambda: gatt.decode(q, pool, sinks), rep=100, return_mode="median"),
+           nbytes=kv_bytes, target=">=3.7 TB/s")
+    for splits, bn, nw, ns in ((None, 64, 4, 2), (2, 64, 4, 3), (4, 128, 4, 2), (4, 64, 4, 3), (8, 64, 4, 2)):
+        ws = ta.decode_workspace(B, hq, d, splits or ta.default_num_splits(B, hkv, num_sms=132, block_n=bn), dev)
+        fn = lambda: ta.sink_decode(q, pool, sinks, ip, idx, last, sm_scale=0.125, window=None, num_splits=splits,
+                                    block_n=bn, num_warps=nw, num_stages=ns, workspace=ws)
+        record("attn", f"decode 64x8192 triton split={splits} bn{bn} w{nw} s{ns}", bench(fn), nbytes=kv_bytes)
+
+
+def bench_fp8(dev):
+    from kvrelay.kernels import fp8_gemm as fg
+    M, K, N = 8192, 2880, 5120
+    x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+    w = (torch.randn(N, K, device=dev) * 0.02)
+    from kvrelay.kernels.fp8 import quantize_weight_block128
+    wq, ws = quantize_weight_block128(w)
+    bias = torch.randn(N, device=dev, dtype=torch.bfloat16)
+    flops = 2 * M * N * K
+    lin = fg.Fp8BlockLinear(wq, ws, bias, backend="cublas")
+    xq, sx = fg.quantize_act_1x128(x, lin.kp)
+    record("fp8", "act quant 1x128 (8192x2880)", bench(lambda: fg.quantize_act_1x128(x, lin.kp)),
+           nbytes=M * K * 3 + M * 23 * 4)
+    wb = w.bfloat16()
+    record("fp8", "bf16 matmul + bias (baseline)", bench(lambda: torch.nn.functional.linear(x, wb, bias)),
+           flops=flops, ceiling="bf16")
+    record("fp8", "cuBLAS blockwise, no bias", bench(lambda: fg.cublas_fp8_gemm(xq, sx, lin.w, lin.sb_cols)),
+           flops=flops, ceiling="fp8")
+    record("fp8", "cuBLAS blockwise + bias pass", bench(lambda: fg.cublas_fp8_gemm(xq, sx, lin.w, lin.sb_cols, bias)),
+           flops=flops, ceiling="fp8", target=">=800 TFLOP/s")
+    try:
+        fn = lambda: torch._scaled_mm(xq, lin.w.t(), scale_a=sx, scale_b=lin.sb_cols, bias=bias,
+                                      out_dtype=torch.bfloat16)
+        ok = (fn().float() - fg.cublas_fp8_gemm(xq, sx, lin.w, lin.sb_cols, bias).float()).abs().max().item()
+        record("fp8", "cuBLAS blockwise bias= argument", bench(fn), flops=flops, ceiling="fp8",
+               note=f"max diff vs bias pass {ok:.3g}")
+    except Exception as exc:  # noqa: BLE001 - recorded, not fatal
+        record("fp8", "cuBLAS blockwise bias= argument", float("nan"), note=f"unsupported: {str(exc)[:80]}")
+    for bm, bn, gm, nw, ns in ((128, 128, 8, 8, 4), (128, 128, 8, 4, 4), (128, 256, 8, 8, 3), (64, 128, 8, 4, 5),
+                               (256, 128, 8, 8, 3)):
+        try:
+            fn = lambda: fg.triton_fp8_gemm(xq, sx, lin.w, lin.w_scale, bias, block_m=bm, block_n=bn, group_m=gm,
+                                            num_warps=nw, num_stages=ns)
+            record("fp8", f"triton block-scaled + fused bias {bm}x{bn} w{nw} s{ns}", bench(fn), flops=flops,
+                   ceiling="fp8", target=">=800 TFLOP/s")
+        except Exception as exc:  # noqa: BLE001
+            record("fp8", f"triton {bm}x{bn} w{nw} s{ns}", float("nan"), note=f"failed: {str(exc)[:80]}")
+
+
+def _fp8_experts(e, h, i, dev):
+    from kvrelay.kernels.moe import MoEWeights
+    f8 = torch.float8_e4m3fn
+    w1 = (torch.randn(e, 2 * i, h, device=dev) * 64).clamp(-448, 448).to(f8)
+    w2 = (torch.randn(e, h, i, device=dev) * 64).clamp(-448, 448).to(f8)
+    s1 = torch.rand(e, 2 * i // 128, -(-h // 128), device=dev) * 1e-4 + 1e-4
+    s2 = torch.rand(e, -(-h // 128), -(-i // 128), device=dev) * 1e-4 + 1e-4
+    b1 = torch.randn(e, 2 * i, device=dev).bfloat16()
+    b2 = torch.randn(e, h, device=dev).bfloat16()
+    return MoEWeights.from_fp8(w1, s1, b1, w2, s2, b2)
+
+
+def bench_moe(dev):
+    import triton
+    from kvrelay.kernels import moe
+    E, H, I, K = 128, 2880, 2880, 4
+    ex = _fp8_experts(E, H, I, dev)
+    gate_w = torch.randn(E, H, device=dev).bfloat16() * 0.02
+    gate_b = torch.randn(E, device=dev).bfloat16()
+    x1 = torch.randn(1, H, device=dev, dtype=torch.bfloat16)
+    active = K * (ex.w1[0].numel() + ex.w2[0].numel())  # fp8 bytes of the 4 experts read
+    floor_us = active / 4.19e12 * 1e6
+    ids = torch.randperm(E, device=dev)[:K].view(1, K)
+    rw = torch.softmax(torch.randn(1, K, device=dev), -1).bfloat16()
+    for n1, n2, bk, nw in ((32, 16, 128, 4), (64, 16, 128, 4), (32, 32, 128, 4), (16, 16, 128, 2), (32, 16, 256, 4)):
+        fn = lambda: moe._moe_gemv(x1, ids, rw, ex, 1.702, 7.0, block_n1=n1, block_n2=n2, block_k=bk, num_warps=nw)
+        fn()
+        record("moe", f"120b decode experts gemv n1={n1} n2={n2} bk={bk} w{nw} (graph)",
+               triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"), nbytes=active,
+               note=f"floor {floor_us:.1f} us")
+    full = lambda: moe.moe_forward(x1, gate_w, gate_b, ex, K)
+    full()
+    record("moe", "120b decode full layer (router+route+experts, graph)",
+           triton.testing.do_bench_cudagraph(full, rep=100, return_mode="median"), nbytes=active,
+           target=f"<= {1.3 * floor_us:.1f} us (1.3x floor)", note=f"floor {floor_us:.1f} us")
+    record("moe", "120b decode full layer (eager)", bench(full), nbytes=active)
+    # batch 64 decode and 4096-token prefill through the grouped path
+    for T in (64, 4096):
+        x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+        rw, ids = moe.route_topk(torch.randn(T, E, device=dev).bfloat16(), K)
+        flops = 2 * T * K * (2 * I * H + H * I)
+        record("moe", f"fp8 experts T={T} grouped triton", bench(lambda: moe.moe_experts(x, ids, rw, ex, path="grouped")),
+               flops=flops, ceiling="fp8")
+        if T <= 64:
+            record("moe", f"fp8 experts T={T} gemv", bench(lambda: moe.moe_experts(x, ids, rw, ex, path="gemv")),
+                   flops=flops, ceiling="fp8")
+    del ex
+    exb = moe.MoEWeights.from_bf16(torch.randn(32, 2 * I, H, device=dev).bfloat16() * 0.02,
+                                   torch.randn(32, 2 * I, device=dev).bfloat16(),
+                                   torch.randn(32, H, I, device=dev).bfloat16() * 0.02,
+                                   torch.randn(32, H, device=dev).bfloat16())
+    T = 4096
+    x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+    rw, ids = moe.route_topk(torch.randn(T, 32, device=dev).bfloat16(), K)
+    flops = 2 * T * K * (2 * I * H + H * I)
+    for path in ("torch", "grouped"):
+        record("moe", f"bf16 experts (20b, E=32) T={T} {path}", bench(lambda: moe.moe_experts(x, ids, rw, exb, path=path)),
+               flops=flops, ceiling="bf16")
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in rows if "share" in r]
+    fig, ax = plt.subplots(figsize=(10, 0.32 * len(rows) + 1))
+    ax.barh([f"{r['group']}: {r['name']}"[:70] for r in rows], [r["share"] for r in rows])
+    ax.axvline(1.0, color="k", lw=0.5)
+    ax.set_xlabel("share of measured H200 ceiling (copy 4.19 TB/s, bf16 762, fp8 1378 TFLOP/s)")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="attn,fp8,moe")
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    only = args.only.split(",")
+    for name, fn in (("attn", bench_attention), ("fp8", bench_fp8), ("moe", bench_moe)):
+        if name in only:
+            try:
+                fn(dev)
+            except Exception as exc:  # noqa: BLE001 - keep the other groups' numbers
+                record(name, "GROUP FAILED", float("nan"), note=repr(exc)[:300])
+            torch.cuda.empty_cache()
+    try:
+        import flashinfer
+        fi_ver = flashinfer.__version__
+    except Exception:
+        fi_ver = None
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except Exception:
+        commit = None
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "flashinfer": fi_ver,
+            "triton": __import__("triton").__version__, "commit": commit, "command": " ".join(sys.argv),
+            "ceilings": CEIL, "rows": ROWS}
+    (out / f"kernels-{stamp}.json").write_text(json.dumps(meta, indent=1))
+    try:
+        plot(ROWS, out / f"kernels-{stamp}.png")
+    except Exception as exc:  # noqa: BLE001
+        print("plot failed:", exc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,393 @@
+"""The disaggregated EngineClient: the router's `generate` over a pool of prefill and decode actors.
+
+Transport: Ray actor calls, with the decode stream as a Ray streaming generator, rather than gRPC
+between the processes. Ray already places and starts these actors (placement groups, GPUs), so their
+handles come for free; an actor's death fails its pending calls and open streams at once with
+`RayActorError` instead of leaving us to tune socket timeouts; KVHandle and the other frozen dataclasses
+travel as they are, with no second schema to keep in sync with the proto; and no worker opens a port of
+its own (one fewer thing that could listen beyond loopback). The KV bytes never take this path: they go
+worker to worker over NIXL, and only token ids (coalesced per chunk) and small handles cross Ray.
+
+Per request: reserve pages on the decode worker with the most free budget (so a prompt is never
+prefilled for a decode side that cannot take it), prefill on the worker with the fewest queued prompt
+tokens, stream the first token at once, then stream the decode worker's chunks. If a worker dies (or
+the lease expired), the request is re-prefilled with prompt + tokens already streamed on a healthy pair
+and continues without a gap or a repeat; when no healthy pair is left it fails with `EngineUnavailable`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import asdict, dataclass, field
+
+from prometheus_client import Counter, Histogram
+
+from kvrelay.engine.kv_transfer import KVLeaseExpired
+from kvrelay.engine.sampling import SamplingParams, TokenOutput
+
+log = logging.getLogger("kvrelay.requests")
+
+_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+QUEUE_S = Histogram("kvrelay_queue_seconds", "Admission wait + prefill queue per request", buckets=_BUCKETS)
+PREFILL_S = Histogram("kvrelay_prefill_seconds", "Prefill forward + first token per request", buckets=_BUCKETS)
+KV_TRANSFER_S = Histogram("kvrelay_kv_transfer_seconds", "NIXL READ of a request's KV", buckets=_BUCKETS)
+KV_BYTES = Counter("kvrelay_kv_transfer_bytes", "KV bytes moved prefill -> decode")
+TTFT_S = Histogram("kvrelay_ttft_seconds", "Time to first token", buckets=_BUCKETS)
+TPOT_S = Histogram("kvrelay_tpot_seconds", "Mean time per output token after the first", buckets=_BUCKETS)
+REQUESTS = Counter("kvrelay_requests", "Finished requests", ["outcome"])
+RETRIES = Counter("kvrelay_request_retries", "Requests re-prefilled on another worker pair")
+
+
+class EngineUnavailable(RuntimeError):
+    """No healthy worker pair can serve the request (all died, or the cluster is draining)."""
+
+
+class _Retry(Exception):
+    """An attempt failed in a way a fresh attempt on other workers can fix."""
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    request_id: str
+    prompt_tokens: int
+    output_tokens: int
+    queue_s: float  # waiting for decode admission and for the prefill worker
+    prefill_s: float
+    kv_bytes: int
+    kv_transfer_s: float
+    ttft_s: float
+    tpot_s: float  # mean gap between output tokens after the first
+    decode_tokens_per_s: float
+    retries: int
+    prefill_worker: int
+    decode_worker: int
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+@dataclass(frozen=True)
+class ClusterTokenOutput(TokenOutput):
+    """A TokenOutput; the final one of a stream also carries the request's metrics."""
+
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class _Worker:
+    role: str
+    rank: int
+    actor: object
+    queued_tokens: int = 0  # prefill: prompt tokens this client has in flight there
+    last_pick: float = 0.0
+    dead: bool = False
+
+
+@dataclass
+class _Acc:
+    """Running totals for one request across attempts."""
+
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    kv_bytes: int = 0
+    kv_transfer_s: float = 0.0
+    retries: int = 0
+    prefill_worker: int = -1
+    decode_worker: int = -1
+    times: list[float] = field(default_factory=list)  # perf_counter of each streamed token
+
+
+class DisaggregatedEngineClient:
+    def __init__(self, prefill_actors: Sequence[object], decode_actors: Sequence[object], *,
+                 model_name: str, max_context: int, vocab_size: int | None = None, max_retries: int = 2,
+                 admission_timeout_s: float = 60.0, stall_check_s: float = 10.0):
+        self.prefill = [_Worker("prefill", i, a) for i, a in enumerate(prefill_actors)]
+        self.decode = [_Worker("decode", i, a) for i, a in enumerate(decode_actors)]
+        self._model_name = model_name
+        self._max_context = max_context
+        if vocab_size is not None:
+            self.vocab_size = vocab_size
+        self.max_retries = max_retries
+        self.admission_timeout_s = admission_timeout_s
+        self.stall_check_s = stall_check_s
+        self._active: dict[str, tuple[_Worker, str]] = {}  # request -> (decode worker, attempt id)
+        self._aborted: set[str] = set()
+        self._draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._in_flight = 0
+        self._admit_lock = asyncio.Lock()
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    @property
+    def max_context(self) -> int:
+        return self._max_context
+
+    # ---- EngineClient ------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[TokenOutput]:
+        if self._draining:
+            raise EngineUnavailable("the cluster is shutting down; not accepting new requests")
+        params = params.resolved()  # one concrete seed, so a retried request draws the same tokens
+        acc = _Acc()
+        t0 = time.perf_counter()
+        streamed: list[int] = []
+        self._in_flight += 1
+        self._idle.clear()
+        outcome = "error"
+        try:
+            for attempt in itertools.count():
+                try:
+                    # aclosing: if our consumer goes away mid-stream, the attempt's cleanup (abort on
+                    # decode, lease release on prefill) runs now, not whenever the GC finalises it.
+                    attempt_stream = self._attempt(request_id, attempt, list(prompt_ids), streamed, params, acc)
+                    async with contextlib.aclosing(attempt_stream) as outs:
+                        async for out in outs:
+                            streamed.append(out.token_id)
+                            acc.times.append(time.perf_counter())
+                            if out.finish_reason is not None:
+                                m = self._metrics(request_id, len(prompt_ids), t0, acc)
+                                outcome = "ok"
+                                yield ClusterTokenOutput(out.token_id, out.logprob, out.finish_reason, m)
+                                return
+                            yield out
+                    if request_id in self._aborted:
+                        outcome = "aborted"
+                        return
+                    raise EngineUnavailable(f"request {request_id}: decode stream ended without a finish")
+                except _Retry as e:
+                    if request_id in self._aborted:
+                        outcome = "aborted"
+                        return
+                    if attempt >= self.max_retries:
+                        raise EngineUnavailable(f"request {request_id}: gave up after {attempt + 1} "
+                                                f"attempts; last failure: {e}") from None
+                    acc.retries += 1
+                    RETRIES.inc()
+                    log.warning("request %s: %s; re-prefilling %d + %d tokens on another pair",
+                                request_id, e, len(prompt_ids), len(streamed))
+        finally:
+            REQUESTS.labels(outcome).inc()
+            self._aborted.discard(request_id)
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+
+    async def abort(self, request_id: str) -> None:
+        self._aborted.add(request_id)
+        active = self._active.get(request_id)
+        if active is not None:
+            worker, attempt_id = active
+            try:
+                await worker.actor.abort.remote(attempt_id)
+            except Exception as e:  # a dead worker has nothing left to abort
+                log.info("abort of %s on decode %d: %r", request_id, worker.rank, e)
+
+    # ---- one attempt on one (prefill, decode) pair -------------------------------------------
+    async def _attempt(self, request_id: str, attempt: int, prompt: list[int], streamed: list[int],
+                       params: SamplingParams, acc: _Acc) -> AsyncIterator[TokenOutput]:
+        import ray
+
+        attempt_id = request_id if attempt == 0 else f"{request_id}#retry{attempt}"
+        full = prompt + streamed
+        done = len(streamed)  # `streamed` grows as we yield; the attempt starts from this count
+        remaining = params.max_tokens - done
+        t_q = time.perf_counter()
+        decode = await self._reserve(attempt_id, len(full), remaining)
+        acc.queue_s += time.perf_counter() - t_q
+        acc.decode_worker = decode.rank
+        handle = None
+        prefill = None
+        finished = False
+        self._active[request_id] = (decode, attempt_id)
+        try:
+            prefill = self._pick_prefill()
+            acc.prefill_worker = prefill.rank
+            prefill.queued_tokens += len(full)
+            try:
+                res = await prefill.actor.prefill.remote(attempt_id, full, params, done)
+            except ray.exceptions.RayActorError as e:
+                prefill.dead = True
+                raise _Retry(f"prefill worker {prefill.rank} died ({type(e).__name__})") from None
+            finally:
+                prefill.queued_tokens -= len(full)
+            acc.queue_s += res.queue_s
+            acc.prefill_s += res.prefill_s
+            PREFILL_S.observe(res.prefill_s)
+            handle = res.handle
+            finished = res.first.finish_reason is not None
+            yield res.first
+            if finished or request_id in self._aborted:
+                return
+            stream = decode.actor.generate.options(num_returns="streaming").remote(
+                attempt_id, handle, res.first.token_id, done + 1, params, prefill.actor)
+            async with contextlib.aclosing(self._chunks(stream, decode)) as chunks:
+                async for chunk in chunks:
+                    if chunk.pull is not None:
+                        handle = None  # decode owns the lease now (it released it after the pull)
+                        acc.kv_bytes += chunk.pull.kv_bytes
+                        acc.kv_transfer_s += chunk.pull.kv_transfer_s
+                        KV_BYTES.inc(chunk.pull.kv_bytes)
+                        KV_TRANSFER_S.observe(chunk.pull.kv_transfer_s)
+                    for tok in chunk.tokens:
+                        finished = tok.finish_reason is not None
+                        yield tok
+                    if finished:
+                        return
+        finally:
+            self._active.pop(request_id, None)
+            # Whatever went wrong, leave no pages behind on either side.
+            if handle is not None and prefill is not None and not prefill.dead:
+                await _quietly(prefill.actor.release.remote(handle.lease_id))
+            if not finished and not decode.dead:
+                await _quietly(decode.actor.abort.remote(attempt_id))
+                await _quietly(decode.actor.unreserve.remote(attempt_id))
+            elif finished and not decode.dead:
+                await _quietly(decode.actor.unreserve.remote(attempt_id))
+
+    async def _chunks(self, stream, decode: _Worker):
+        """Chunks of a decode stream; a dead worker becomes `_Retry`, a lease that ran out too."""
+        import ray
+
+        while True:
+            nxt = asyncio.ensure_future(stream.__anext__())
+            try:
+                while True:
+                    done, _ = await asyncio.wait({nxt}, timeout=self.stall_check_s)
+                    if done:
+                        break
+                    # No token for a while: a busy worker answers a ping, a hung or gone one does not.
+                    if not await self._alive(decode):
+                        nxt.cancel()
+                        raise _Retry(f"decode worker {decode.rank} stopped answering")
+                ref = nxt.result()
+            except StopAsyncIteration:
+                return
+            except ray.exceptions.RayActorError as e:
+                decode.dead = True
+                raise _Retry(f"decode worker {decode.rank} died ({type(e).__name__})") from None
+            try:
+                chunk = await ref
+            except ray.exceptions.RayActorError as e:
+                decode.dead = True
+                raise _Retry(f"decode worker {decode.rank} died ({type(e).__name__})") from None
+            except ray.exceptions.RayTaskError as e:
+                if isinstance(e.cause, KVLeaseExpired):  # prefill again and pull fresh pages
+                    raise _Retry(str(e.cause)) from None
+                raise e.cause if isinstance(e.cause, Exception) else e from None
+            yield chunk
+
+    async def _alive(self, worker: _Worker) -> bool:
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(worker.actor.health.remote().future()), timeout=5.0)
+            return True
+        except Exception:
+            worker.dead = True
+            return False
+
+    # ---- placement ---------------------------------------------------------------------------
+    def _pick_prefill(self) -> _Worker:
+        live = [w for w in self.prefill if not w.dead]
+        if not live:
+            raise EngineUnavailable("no live prefill worker")
+        w = min(live, key=lambda w: (w.queued_tokens, w.last_pick))
+        w.last_pick = time.monotonic()
+        return w
+
+    async def _reserve(self, attempt_id: str, prompt_tokens: int, max_tokens: int) -> _Worker:
+        """Reserve pages on the decode worker with the most free budget; wait while all are full."""
+        deadline = time.monotonic() + self.admission_timeout_s
+        reasons: list[str] = []
+        while True:
+            async with self._admit_lock:  # each choice sees the reservations made before it
+                chosen = await self._try_reserve(attempt_id, prompt_tokens, max_tokens, reasons)
+            if chosen is not None:
+                return chosen
+            if time.monotonic() > deadline:
+                raise EngineUnavailable(f"request {attempt_id}: no decode worker admitted it within "
+                                        f"{self.admission_timeout_s:g} s ({'; '.join(reasons)})")
+            await asyncio.sleep(0.02)
+
+    async def _try_reserve(self, attempt_id: str, prompt_tokens: int, max_tokens: int,
+                           reasons: list[str]) -> _Worker | None:
+        import ray
+
+        from kvrelay.decode_worker.scheduler import AdmissionRefused
+
+        live = [w for w in self.decode if not w.dead]
+        if not live:
+            raise EngineUnavailable("no live decode worker")
+        loads = await asyncio.gather(*(self._load(w) for w in live))
+        ranked = sorted((ld for ld in loads if ld is not None), key=lambda x: (-x[0], x[1], x[2].rank))
+        reasons.clear()
+        for _, _, w in ranked:
+            try:
+                await w.actor.reserve.remote(attempt_id, prompt_tokens, max_tokens)
+                return w
+            except ray.exceptions.RayActorError:
+                w.dead = True
+            except ray.exceptions.RayTaskError as e:
+                cause = e.cause if isinstance(e.cause, AdmissionRefused) else None
+                if cause is None:
+                    raise
+                if not cause.retryable:
+                    raise cause from None
+                reasons.append(f"decode {w.rank}: {cause.reason}")
+        return None
+
+    async def _load(self, w: _Worker):
+        import ray
+
+        try:
+            free, admitted = await w.actor.load.remote()
+            return free, admitted, w
+        except ray.exceptions.RayActorError:
+            w.dead = True
+            return None
+
+    # ---- metrics, draining -------------------------------------------------------------------
+    def _metrics(self, request_id: str, prompt_tokens: int, t0: float, acc: _Acc) -> RequestMetrics:
+        n = len(acc.times)
+        ttft = acc.times[0] - t0
+        span = acc.times[-1] - acc.times[0]
+        tpot = span / (n - 1) if n > 1 else 0.0
+        m = RequestMetrics(
+            request_id=request_id, prompt_tokens=prompt_tokens, output_tokens=n, queue_s=acc.queue_s,
+            prefill_s=acc.prefill_s, kv_bytes=acc.kv_bytes, kv_transfer_s=acc.kv_transfer_s, ttft_s=ttft,
+            tpot_s=tpot, decode_tokens_per_s=(n - 1) / span if span > 0 else 0.0, retries=acc.retries,
+            prefill_worker=acc.prefill_worker, decode_worker=acc.decode_worker)
+        QUEUE_S.observe(m.queue_s)
+        TTFT_S.observe(ttft)
+        if n > 1:
+            TPOT_S.observe(tpot)
+        log.info("request %s metrics %s", request_id, m.to_json())
+        return m
+
+    def dead_workers(self) -> list[tuple[str, int]]:
+        return [(w.role, w.rank) for w in self.prefill + self.decode if w.dead]
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Refuse new requests and wait for the in-flight ones; True if all finished in time."""
+        self._draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+
+async def _quietly(ref) -> None:
+    """Best-effort cleanup call: the worker may be gone, and the request is ending anyway."""
+    try:
+        await ref
+    except Exception as e:
+        log.debug("cleanup call failed: %r", e)

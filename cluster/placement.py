@@ -1,0 +1,118 @@
+"""Ray start-up and placement of the worker actors.
+
+Each worker gets its own placement group: one bundle per GPU of its TP/EP group, STRICT_PACK so the
+ranks of one worker share a node (their collectives need NVLink, not the network). On the CPU preset a
+bundle is one logical CPU, and Ray itself is pinned to 127.0.0.1: nothing it starts listens anywhere
+else, and UCX is told to use the loopback device only.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from kvrelay.cluster.topology import Topology
+
+ROLES = ("prefill", "decode")
+
+
+def actor_name(role: str, rank: int) -> str:
+    return f"kvrelay-{role}-{rank}"
+
+
+def worker_env(topology: Topology) -> dict[str, str]:
+    """Environment for every worker process (UCX reads it when the first NIXL agent starts)."""
+    env = {"UCX_TLS": topology.kv_transfer.ucx_tls}
+    if topology.device == "cpu":
+        env.update(UCX_NET_DEVICES="lo", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    return env
+
+
+def init_ray(topology: Topology, *, address: str | None = None) -> bool:
+    """Start or join Ray. Returns True if this call started a private local instance."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = address if address is not None else topology.ray.address
+    local = address is None
+    kwargs: dict[str, Any] = dict(namespace=topology.ray.namespace, include_dashboard=False,
+                                  runtime_env={"env_vars": worker_env(topology)}, log_to_driver=True)
+    if topology.device == "cpu":
+        # Makes every Ray listener (GCS, raylet, object manager, workers) bind 127.0.0.1.
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
+        kwargs["_node_ip_address"] = "127.0.0.1"
+    if local:
+        if topology.device == "cpu":
+            # Logical CPUs: one per worker plus slack; the workers are mostly waiting on each other.
+            kwargs["num_cpus"] = topology.prefill.workers + topology.decode.workers + 2
+        ray.init(**kwargs)
+    else:
+        kwargs.pop("include_dashboard")
+        ray.init(address=address, **kwargs)
+    return local
+
+
+@dataclass(frozen=True)
+class WorkerSlot:
+    role: str
+    rank: int
+    placement_group: Any
+    bundle_count: int
+
+
+def bundles(topology: Topology, role: str) -> list[dict[str, float]]:
+    if topology.device == "cpu":
+        return [{"CPU": 1}]
+    tp = topology.prefill.tp if role == "prefill" else topology.decode.tp
+    return [{"GPU": 1, "CPU": 1} for _ in range(tp)]
+
+
+def check_supported(topology: Topology) -> None:
+    for role in ROLES:
+        tp = getattr(topology, role).tp
+        if tp != 1:
+            # The placement below reserves all the GPUs of such a group, but a worker actor drives one
+            # Runner on one device; multi-rank workers need one actor per rank and a process group.
+            raise NotImplementedError(f"{role}.tp={tp}: `kvrelay serve` runs TP=1 workers only so far")
+
+
+def place(topology: Topology, timeout_s: float = 120.0) -> list[WorkerSlot]:
+    """Create and wait for one placement group per worker."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    slots = []
+    for role in ROLES:
+        for rank in range(getattr(topology, role).workers):
+            b = bundles(topology, role)
+            pg = placement_group(b, strategy="STRICT_PACK", name=f"{actor_name(role, rank)}-pg")
+            slots.append(WorkerSlot(role, rank, pg, len(b)))
+    ready = ray.get([s.placement_group.ready() for s in slots], timeout=timeout_s)
+    assert len(ready) == len(slots)
+    return slots
+
+
+def actor_options(topology: Topology, slot: WorkerSlot) -> dict[str, Any]:
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    opts: dict[str, Any] = dict(
+        name=actor_name(slot.role, slot.rank), namespace=topology.ray.namespace,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            slot.placement_group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True),
+        # A dead worker stays dead: the client re-routes its requests, and a silent restart (reloading
+        # weights) would hide the failure from `kvrelay status`.
+        max_restarts=0, runtime_env={"env_vars": worker_env(topology)},
+    )
+    if topology.device == "cpu":
+        opts["num_cpus"] = 1
+    else:
+        opts.update(num_cpus=1, num_gpus=1)
+    if slot.role == "prefill":
+        # release/status/health must answer while a prompt runs (worker.py serialises prefills itself).
+        opts["max_concurrency"] = 16
+    else:
+        opts["max_concurrency"] = 1000  # async actor: one coroutine per open stream
+    return opts

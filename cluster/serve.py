@@ -1,0 +1,167 @@
+"""`kvrelay serve CONFIG`: Ray, the worker actors, and the router in front of them.
+
+`Cluster` is the reusable part (the e2e tests start one per module); `run` adds the router, signal
+handling and a clean drain: on Ctrl-C/SIGTERM new requests are refused, in-flight streams get
+`--drain-timeout` seconds to finish, then the router, the actors and Ray (if we started it) go down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("kvrelay.serve")
+
+
+@dataclass
+class Cluster:
+    topology: Any
+    prefill: list = field(default_factory=list)  # actor handles, by rank
+    decode: list = field(default_factory=list)
+    slots: list = field(default_factory=list)
+    started_ray: bool = False
+
+    @classmethod
+    def start(cls, topology, *, address: str | None = None, startup_timeout_s: float = 300.0) -> "Cluster":
+        import ray
+
+        from kvrelay.cluster import placement
+        from kvrelay.decode_worker.worker import DecodeWorker
+        from kvrelay.prefill_worker.worker import PrefillWorker
+
+        placement.check_supported(topology)
+        cluster = cls(topology)
+        cluster.started_ray = placement.init_ray(topology, address=address)
+        try:
+            cluster.slots = placement.place(topology, timeout_s=startup_timeout_s)
+            remote = {"prefill": ray.remote(PrefillWorker), "decode": ray.remote(DecodeWorker)}
+            for slot in cluster.slots:
+                actor = remote[slot.role].options(**placement.actor_options(topology, slot)).remote(
+                    topology, slot.rank)
+                getattr(cluster, slot.role).append(actor)
+            # The first call on each actor waits for its constructor (model load, pool, NIXL agent).
+            ray.get([a.health.remote() for a in cluster.prefill + cluster.decode], timeout=startup_timeout_s)
+        except BaseException:
+            cluster.shutdown()
+            raise
+        return cluster
+
+    def engine_client(self, **kwargs):
+        from kvrelay.cluster.engine_client import DisaggregatedEngineClient
+        from kvrelay.engine.config import load_model_config
+
+        cfg = load_model_config(self.topology.model.name)
+        return DisaggregatedEngineClient(
+            self.prefill, self.decode, model_name=cfg.name,
+            max_context=min(self.topology.model.max_context, cfg.max_context),
+            vocab_size=cfg.vocab_size, **kwargs)
+
+    def statuses(self, timeout_s: float = 10.0) -> list[dict]:
+        from kvrelay.cluster.status import collect
+
+        return collect(self.topology, timeout_s=timeout_s)
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if not ray.is_initialized():
+            return
+        actors = self.prefill + self.decode
+        try:
+            ray.get([a.shutdown.remote() for a in actors], timeout=10)
+        except Exception as e:  # dead or hung workers are killed below anyway
+            log.info("worker shutdown: %r", e)
+        for a in actors:
+            ray.kill(a, no_restart=True)
+        for slot in self.slots:
+            remove_placement_group(slot.placement_group)
+        self.prefill, self.decode, self.slots = [], [], []
+        if self.started_ray:
+            ray.shutdown()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", default=None,
+                        help="topology YAML or shipped config name (default: cpu-tiny.yaml)")
+    parser.add_argument("--grpc-port", type=int, default=None, help="override router.grpc_port (0 = any)")
+    parser.add_argument("--http-port", type=int, default=None, help="override router.http_port (0 = any)")
+    parser.add_argument("--address", default=None, help="join this Ray cluster (overrides ray.address)")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds in-flight requests get to finish on shutdown")
+    parser.add_argument("--log-requests", action="store_true",
+                        help="log one JSON metrics line per finished request")
+
+
+def run(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from kvrelay.cluster.topology import TopologyError, load_topology
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("kvrelay.requests").setLevel(logging.INFO if args.log_requests else logging.WARNING)
+    try:
+        topo = load_topology(args.config)
+    except TopologyError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    router = dataclasses.replace(
+        topo.router,
+        grpc_port=topo.router.grpc_port if args.grpc_port is None else args.grpc_port,
+        http_port=topo.router.http_port if args.http_port is None else args.http_port)
+    topo = dataclasses.replace(topo, router=router)
+    t0 = time.perf_counter()
+    print(f"kvrelay: starting {topo.prefill.workers} prefill + {topo.decode.workers} decode worker(s) "
+          f"for {topo.model.name} on {topo.device}", flush=True)
+    try:
+        cluster = Cluster.start(topo, address=args.address)
+    except NotImplementedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_serve(cluster, args.drain_timeout, t0))
+    finally:
+        cluster.shutdown()
+        print("kvrelay: stopped", flush=True)
+
+
+async def _serve(cluster: Cluster, drain_timeout_s: float, t0: float) -> int:
+    import ray
+
+    from kvrelay.router.server import RouterServer
+
+    topo = cluster.topology
+    client = cluster.engine_client()
+    server = RouterServer(client, client.model_name, topo.router.host, topo.router.grpc_port,
+                          topo.router.http_port)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    ready = {"model": client.model_name, "grpc": server.grpc_target, "http": server.http_url,
+             "ray": ray.get_runtime_context().gcs_address, "namespace": topo.ray.namespace,
+             "startup_s": round(time.perf_counter() - t0, 2)}
+    print(f"kvrelay: serving {client.model_name}\n  gRPC  {server.grpc_target}\n  HTTP  {server.http_url}"
+          f"  (OpenAI-compatible: {server.http_url}/v1/chat/completions)\n  Ray   {ready['ray']} "
+          f"namespace {topo.ray.namespace}  (kvrelay status --address {ready['ray']})\n"
+          f"kvrelay-ready {json.dumps(ready)}", flush=True)
+    serving = asyncio.ensure_future(server.wait())
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    print("kvrelay: shutting down, draining in-flight requests", flush=True)
+    drained = await client.drain(drain_timeout_s)
+    if not drained:
+        print(f"kvrelay: {client._in_flight} request(s) still running after {drain_timeout_s:g} s; "
+              f"stopping anyway", flush=True)
+    await server.stop()
+    serving.cancel()
+    stopping.cancel()
+    return 0 if drained else 1

@@ -1,0 +1,91 @@
+"""`kvrelay status`: every worker of a running cluster, with its role, rank, pid, node, health and KV pages.
+
+It joins the cluster's Ray namespace and asks each named worker actor directly, so it reports the
+workers themselves rather than what the router believes. The expected workers come from the topology:
+one that does not answer (or no longer exists) is listed as unhealthy instead of silently missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", default=None,
+                        help="the topology the cluster was started with (default: cpu-tiny.yaml)")
+    parser.add_argument("--address", default=None,
+                        help="Ray address printed by `kvrelay serve` (default: ray.address, else auto)")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each worker")
+
+
+def collect(topology, timeout_s: float = 10.0) -> list[dict]:
+    """One dict per expected worker; needs Ray initialised in the cluster's namespace."""
+    import ray
+
+    from kvrelay.cluster.placement import ROLES, actor_name
+
+    rows, refs = [], []
+    for role in ROLES:
+        for rank in range(getattr(topology, role).workers):
+            row = {"role": role, "rank": rank, "name": actor_name(role, rank), "healthy": False}
+            try:
+                actor = ray.get_actor(row["name"], namespace=topology.ray.namespace)
+                refs.append((row, actor.status.remote()))
+            except ValueError:
+                row["error"] = "not running (no such actor)"
+            rows.append(row)
+    for row, ref in refs:
+        try:
+            st = ray.get(ref, timeout=timeout_s)
+            row.update(dataclasses.asdict(st))
+        except ray.exceptions.GetTimeoutError:
+            row["error"] = f"no answer within {timeout_s:g} s"
+        except ray.exceptions.RayActorError as e:
+            row["error"] = f"dead ({type(e).__name__})"
+    return rows
+
+
+def _table(rows: list[dict]) -> str:
+    head = f"{'role':8} {'rank':>4} {'pid':>8} {'health':8} {'KV pages used (full/sliding of total)':38} node"
+    lines = [head]
+    for r in rows:
+        if "pid" in r:
+            used = r["pages_in_use"]
+            total = r["pages_total"]
+            pages = f"{used['full']}/{used['sliding']} of {total['full']}/{total['sliding']}"
+            extra = (f"leases {r['leases']}, queued tokens {r['queued_tokens']}" if r["role"] == "prefill"
+                     else f"running {r['running']}, admitted {r['admitted']}")
+            lines.append(f"{r['role']:8} {r['rank']:>4} {r['pid']:>8} {'ok' if r['healthy'] else 'BAD':8} "
+                         f"{pages:38} {r['node']}  ({extra})")
+        else:
+            lines.append(f"{r['role']:8} {r['rank']:>4} {'-':>8} {'DOWN':8} {'-':38} {r.get('error', '')}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    import ray
+
+    from kvrelay.cluster.placement import init_ray
+    from kvrelay.cluster.topology import TopologyError, load_topology
+
+    try:
+        topo = load_topology(args.config)
+    except TopologyError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    address = args.address or topo.ray.address or "auto"
+    try:
+        init_ray(topo, address=address)
+    except ConnectionError as e:
+        print(f"error: no running kvrelay cluster at {address}: {e}", file=sys.stderr)
+        return 1
+    try:
+        rows = collect(topo, timeout_s=args.timeout)
+    finally:
+        ray.shutdown()
+    print(json.dumps(rows, indent=2) if args.json else _table(rows))
+    return 0 if rows and all(r["healthy"] for r in rows) else 3

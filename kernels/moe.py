@@ -1,0 +1,357 @@
+"""gpt-oss MoE on the GPU: Triton routing, expert GEMMs with bias, fused clamped SwiGLU, weighted combine.
+
+Math (spec §2.3): logits = h W_g^T + b_g; top-4; softmax over those 4 in bf16; per expert
+u = W1 h + b1 with rows interleaved (even = gate, odd = up); act = min(g,7) * sigmoid(1.702 min(g,7))
+* (clamp(u,-7,7) + 1); y = W2 act + b2; out = sum_j w_j y_j.
+
+Two expert paths, chosen by the number of (token, expert) pairs:
+- "gemv" (decode, few pairs): one program per (pair, N tile) streams that expert's weight rows once and
+  never sorts tokens. GEMM1 fuses bias + SwiGLU; GEMM2 loops over a token's k experts in a fixed order,
+  fusing bias, routing weight and the combine (no atomics: replay is bit-exact). Memory-bound: its
+  floor is the bytes of the active experts.
+- "grouped" (prefill / big batches): pairs sorted by expert into BLOCK_M-padded groups (graph-safe
+  torch ops, no host sync), then a Triton grouped GEMM (tl.dot; fp8 with 1x128 x 128x128 block scales
+  or bf16) with bias (+ SwiGLU, or + routing weight) in the epilogue.
+- "torch" (bf16 weights only): torch._grouped_mm over expert-sorted rows, for comparison.
+  torch._scaled_grouped_mm takes row-wise scales only, not our 128x128 blocks, so it is not an FP8 path.
+Launch configs are for hidden = intermediate = 2880 (23 K blocks of 128 after padding to 2944).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp8_gemm import BLOCK, quantize_act_1x128
+
+
+# --------------------------------------------------------------------------------------------------
+# routing
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _route_kernel(logits, bias, w_out, id_out, T, E, s_lt, HAS_BIAS: tl.constexpr, K: tl.constexpr,
+                  E_P2: tl.constexpr, BLOCK_T: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.arange(0, E_P2)
+    ok = (t < T)[:, None] & (e < E)[None, :]
+    v = tl.load(logits + t.to(tl.int64)[:, None] * s_lt + e[None, :], mask=ok, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        v += tl.load(bias + e, mask=e < E, other=0.0).to(tl.float32)[None, :]
+    # The served router output is bf16 (the reference's linear rounds once): top-k on those values.
+    v = v.to(tl.bfloat16).to(tl.float32)
+    v = tl.where(ok, v, float("-inf"))
+    kk = tl.arange(0, K)
+    vals = tl.zeros([BLOCK_T, K], tl.float32)
+    ids = tl.zeros([BLOCK_T, K], tl.int32)
+    for j in tl.static_range(K):
+        m = tl.max(v, 1)
+        # lowest index among equal maxima: deterministic ties
+        idx = tl.min(tl.where(v == m[:, None], e[None, :], E_P2), 1)
+        vals = tl.where(kk[None, :] == j, m[:, None], vals)
+        ids = tl.where(kk[None, :] == j, idx[:, None], ids)
+        v = tl.where(e[None, :] == idx[:, None], float("-inf"), v)
+    p = tl.exp(vals - tl.max(vals, 1)[:, None])
+    w = p / tl.sum(p, 1)[:, None]
+    o = t.to(tl.int64)[:, None] * K + kk[None, :]
+    tl.store(w_out + o, w.to(w_out.dtype.element_ty), mask=(t < T)[:, None])
+    tl.store(id_out + o, ids.to(tl.int64), mask=(t < T)[:, None])
+
+
+def route_topk(router_logits: torch.Tensor, k: int, bias: torch.Tensor | None = None):
+    """Drop-in for kernels.reference.route_topk (+ optional bias added here): (weights bf16 [T, k],
+    expert ids int64 [T, k]) in descending logit order."""
+    t, e = router_logits.shape
+    w = torch.empty(t, k, dtype=torch.bfloat16, device=router_logits.device)
+    ids = torch.empty(t, k, dtype=torch.int64, device=router_logits.device)
+    if t:
+        block_t = 16
+        _route_kernel[(triton.cdiv(t, block_t),)](
+            router_logits, bias if bias is not None else router_logits, w, ids, t, e, router_logits.stride(0),
+            HAS_BIAS=bias is not None, K=k, E_P2=triton.next_power_of_2(e), BLOCK_T=block_t, num_warps=4)
+    return w, ids
+
+
+# --------------------------------------------------------------------------------------------------
+# weights
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class MoEWeights:
+    """Stacked expert weights. fp8: w* e4m3 with K padded to a multiple of 128 and block scales
+    [E, ceil(N/128), Kp/128]; bf16: scales None. Biases bf16."""
+
+    w1: torch.Tensor   # [E, 2I, Hp]
+    b1: torch.Tensor   # [E, 2I]
+    w2: torch.Tensor   # [E, H, Ip]
+    b2: torch.Tensor   # [E, H]
+    s1: torch.Tensor | None = None
+    s2: torch.Tensor | None = None
+    hidden: int = 0
+    inter: int = 0
+
+    @property
+    def fp8(self) -> bool:
+        return self.s1 is not None
+
+    @property
+    def num_experts(self) -> int:
+        return self.w1.shape[0]
+
+    @staticmethod
+    def _pad(w: torch.Tensor, kp: int) -> torch.Tensor:
+        if w.shape[-1] == kp:
+            return w.contiguous()
+        out = torch.zeros(*w.shape[:-1], kp, dtype=w.dtype, device=w.device)
+        out[..., : w.shape[-1]] = w
+        return out
+
+    @classmethod
+    def from_bf16(cls, w1, b1, w2, b2) -> "MoEWeights":
+        return cls(w1.contiguous(), b1.contiguous(), w2.contiguous(), b2.contiguous(), None, None,
+                   w1.shape[2], w2.shape[2])
+
+    @classmethod
+    def from_fp8(cls, w1, s1, b1, w2, s2, b2) -> "MoEWeights":
+        h, i = w1.shape[2], w2.shape[2]
+        hp, ip = triton.cdiv(h, BLOCK) * BLOCK, triton.cdiv(i, BLOCK) * BLOCK
+        return cls(cls._pad(w1, hp), b1.contiguous(), cls._pad(w2, ip), b2.contiguous(),
+                   s1.float().contiguous(), s2.float().contiguous(), h, i)
+
+
+# --------------------------------------------------------------------------------------------------
+# decode path: GEMV per (pair, N tile)
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _swiglu(acc, BLOCK_N: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+    # acc [..., BLOCK_N] with interleaved (gate, up) columns -> [..., BLOCK_N // 2]
+    g, u = tl.split(tl.reshape(acc, acc.shape[:-1] + [BLOCK_N // 2, 2]))
+    g = tl.minimum(g, LIMIT)
+    u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+    return g * tl.sigmoid(ALPHA * g) * (u + 1.0)
+
+
+@triton.jit
+def _gemv1_kernel(x, ids, w, s, b, act, K_TOP, Kdim, s_xt, s_we, s_wn, s_se, s_sn, s_be, s_at,
+                  FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+    pair = tl.program_id(0)
+    n0 = tl.program_id(1) * BLOCK_N
+    tok = pair // K_TOP
+    e = tl.load(ids + pair).to(tl.int64)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    w_ptr = w + e * s_we + offs_n.to(tl.int64)[:, None] * s_wn + offs_k[None, :]
+    for k0 in range(0, Kdim, BLOCK_K):
+        xv = tl.load(x + tok * s_xt + k0 + offs_k, mask=k0 + offs_k < Kdim, other=0.0).to(tl.float32)
+        wt = tl.load(w_ptr + k0, mask=(k0 + offs_k < Kdim)[None, :], other=0.0).to(tl.float32)
+        part = tl.sum(wt * xv[None, :], 1)
+        if FP8:  # one 128x128 scale per (row block, K block); BLOCK_N <= 128 keeps the tile in one row block
+            part *= tl.load(s + e * s_se + (n0 // 128) * s_sn + k0 // 128)
+        acc += part
+    acc += tl.load(b + e * s_be + offs_n).to(tl.float32)
+    a = _swiglu(acc, BLOCK_N, ALPHA, LIMIT)
+    offs_a = n0 // 2 + tl.arange(0, BLOCK_N // 2)
+    tl.store(act + pair.to(tl.int64) * s_at + offs_a, a.to(act.dtype.element_ty))
+
+
+@triton.jit
+def _gemv2_kernel(act, ids, route_w, w, s, b, out, K_TOP, Kdim, Ndim, s_at, s_we, s_wn, s_se, s_sn, s_be, s_ot,
+                  FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    tok = tl.program_id(0)
+    n0 = tl.program_id(1) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < Ndim
+    offs_k = tl.arange(0, BLOCK_K)
+    total = tl.zeros([BLOCK_N], tl.float32)
+    for j in range(K_TOP):  # fixed order: deterministic combine
+        pair = tok * K_TOP + j
+        e = tl.load(ids + pair).to(tl.int64)
+        rw = tl.load(route_w + pair).to(tl.float32)
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        w_ptr = w + e * s_we + offs_n.to(tl.int64)[:, None] * s_wn + offs_k[None, :]
+        for k0 in range(0, Kdim, BLOCK_K):
+            av = tl.load(act + pair.to(tl.int64) * s_at + k0 + offs_k, mask=k0 + offs_k < Kdim, other=0.0).to(tl.float32)
+            wt = tl.load(w_ptr + k0, mask=n_ok[:, None] & (k0 + offs_k < Kdim)[None, :], other=0.0).to(tl.float32)
+            part = tl.sum(wt * av[None, :], 1)
+            if FP8:
+                part *= tl.load(s + e * s_se + (offs_n // 128) * s_sn + k0 // 128, mask=n_ok, other=0.0)
+            acc += part
+        acc += tl.load(b + e * s_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        total += rw * acc
+    tl.store(out + tok.to(tl.int64) * s_ot + offs_n, total.to(out.dtype.element_ty), mask=n_ok)
+
+
+def _moe_gemv(x, ids, route_w, ex: MoEWeights, alpha, limit, block_n1=32, block_n2=16, block_k=128,
+              num_warps=4):
+    t, k = ids.shape
+    two_i, h = ex.w1.shape[1], ex.hidden
+    inter = two_i // 2
+    act = torch.empty(t * k, inter, dtype=torch.bfloat16, device=x.device)
+    ids32 = ids.reshape(-1)
+    s1 = ex.s1 if ex.fp8 else ex.w1
+    _gemv1_kernel[(t * k, triton.cdiv(two_i, block_n1))](
+        x, ids32, ex.w1, s1, ex.b1, act, k, h, x.stride(0), ex.w1.stride(0), ex.w1.stride(1),
+        s1.stride(0), s1.stride(1), ex.b1.stride(0), act.stride(0),
+        FP8=ex.fp8, BLOCK_N=block_n1, BLOCK_K=block_k, ALPHA=alpha, LIMIT=limit, num_warps=num_warps)
+    out = torch.empty(t, h, dtype=torch.bfloat16, device=x.device)
+    s2 = ex.s2 if ex.fp8 else ex.w2
+    _gemv2_kernel[(t, triton.cdiv(h, block_n2))](
+        act, ids32, route_w.reshape(-1), ex.w2, s2, ex.b2, out, k, inter, h, act.stride(0),
+        ex.w2.stride(0), ex.w2.stride(1), s2.stride(0), s2.stride(1), ex.b2.stride(0), out.stride(0),
+        FP8=ex.fp8, BLOCK_N=block_n2, BLOCK_K=block_k, num_warps=num_warps)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# prefill path: expert-sorted grouped GEMM
+# --------------------------------------------------------------------------------------------------
+def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int):
+    """(sorted pair ids padded per expert to block_m with the sentinel T*k, expert of each M block
+    (num_experts = empty), count per expert). Torch ops only, no host sync: capturable."""
+    flat = ids.reshape(-1)
+    n = flat.numel()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    pend = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    se = flat[order]
+    rank = torch.arange(n, device=ids.device) - (torch.cumsum(counts, 0) - counts)[se]
+    dest = (pend - padded)[se] + rank
+    # sum_e ceil(c_e / BM) <= n / BM + (number of non-empty experts)
+    max_blocks = triton.cdiv(n, block_m) + min(num_experts, n)
+    sorted_ids = torch.full((max_blocks * block_m,), n, dtype=torch.int32, device=ids.device)
+    sorted_ids[dest] = order.to(torch.int32)
+    starts = torch.arange(max_blocks, device=ids.device) * block_m
+    block_expert = torch.searchsorted(pend, starts, right=True).to(torch.int32)
+    return sorted_ids, block_expert, counts
+
+
+@triton.jit
+def _grouped_kernel(a, sa, w, sw, b, rw, out, sorted_ids, block_expert, n_pairs, E, N, KDIM, ROW_DIV,
+                    s_am, s_sam, s_sak, s_we, s_wn, s_swe, s_swn, s_be, s_om,
+                    FP8: tl.constexpr, SWIGLU: tl.constexpr, MUL_ROUTE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+    pid_m = tl.program_id(1)
+    pid_n = tl.program_id(0)
+    e = tl.load(block_expert + pid_m)
+    if e >= E:
+        return
+    e = e.to(tl.int64)
+    pairs = tl.load(sorted_ids + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    m_ok = pairs < n_pairs
+    rows = (pairs // ROW_DIV).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptr = a + rows[:, None] * s_am + offs_k[None, :]
+    w_ptr = w + e * s_we + offs_n.to(tl.int64)[:, None] * s_wn + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, KDIM, BLOCK_K):
+        at = tl.load(a_ptr + k0, mask=m_ok[:, None], other=0.0)
+        wt = tl.load(w_ptr + k0, mask=n_ok[:, None], other=0.0)
+        if FP8:
+            s_a = tl.load(sa + rows * s_sam + (k0 // 128) * s_sak, mask=m_ok, other=0.0)
+            s_w = tl.load(sw + e * s_swe + (offs_n // 128) * s_swn + k0 // 128, mask=n_ok, other=0.0)
+            acc += tl.dot(at, tl.trans(wt)) * (s_a[:, None] * s_w[None, :])
+        else:
+            acc += tl.dot(at, tl.trans(wt))
+    acc += tl.load(b + e * s_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if SWIGLU:
+        act = _swiglu(acc, BLOCK_N, ALPHA, LIMIT)
+        offs_a = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out + pairs.to(tl.int64)[:, None] * s_om + offs_a[None, :], act.to(out.dtype.element_ty),
+                 mask=m_ok[:, None] & (offs_a < N // 2)[None, :])
+    else:
+        if MUL_ROUTE:
+            acc *= tl.load(rw + pairs, mask=m_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(out + pairs.to(tl.int64)[:, None] * s_om + offs_n[None, :], acc.to(out.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _grouped_gemm(a, sa, w, sw, b, rw, out, sorted_ids, block_expert, n_pairs, row_div, n, kdim, fp8, swiglu,
+                  alpha, limit, block_m, block_n, num_warps, num_stages):
+    num_m = block_expert.numel()
+    sa_ = sa if sa is not None else a
+    sw_ = sw if sw is not None else w
+    _grouped_kernel[(triton.cdiv(n, block_n), num_m)](
+        a, sa_, w, sw_, b, rw if rw is not None else b, out, sorted_ids, block_expert, n_pairs, w.shape[0], n,
+        kdim, row_div, a.stride(0), sa_.stride(0), sa_.stride(1) if sa is not None else 0, w.stride(0),
+        w.stride(1), sw_.stride(0), sw_.stride(1), b.stride(0), out.stride(0),
+        FP8=fp8, SWIGLU=swiglu, MUL_ROUTE=rw is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=128 if fp8 else 64, ALPHA=alpha, LIMIT=limit, num_warps=num_warps, num_stages=num_stages)
+
+
+def _moe_grouped(x, ids, route_w, ex: MoEWeights, alpha, limit, block_m=64, block_n=128, num_warps=8,
+                 num_stages=3):
+    t, k = ids.shape
+    n_pairs = t * k
+    two_i, h = ex.w1.shape[1], ex.hidden
+    sorted_ids, block_expert, _ = sort_by_expert(ids, ex.num_experts, block_m)
+    if ex.fp8:
+        xa, xs = quantize_act_1x128(x, ex.w1.shape[2], m_major=False)
+    else:
+        xa, xs = x, None
+    act = torch.empty(n_pairs, two_i // 2, dtype=torch.bfloat16, device=x.device)
+    _grouped_gemm(xa, xs, ex.w1, ex.s1, ex.b1, None, act, sorted_ids, block_expert, n_pairs, k, two_i,
+                  ex.w1.shape[2], ex.fp8, True, alpha, limit, block_m, block_n, num_warps, num_stages)
+    if ex.fp8:
+        aa, as_ = quantize_act_1x128(act, ex.w2.shape[2], m_major=False)
+    else:
+        aa, as_ = act, None
+    y = torch.empty(n_pairs, h, dtype=torch.float32, device=x.device)
+    _grouped_gemm(aa, as_, ex.w2, ex.s2, ex.b2, route_w.reshape(-1), y, sorted_ids, block_expert, n_pairs, 1, h,
+                  ex.w2.shape[2], ex.fp8, False, alpha, limit, block_m, block_n, num_warps, num_stages)
+    return y.view(t, k, h).sum(1).to(torch.bfloat16)
+
+
+def _moe_torch_grouped(x, ids, route_w, ex: MoEWeights, alpha, limit):
+    """bf16 experts through torch._grouped_mm (cuBLAS grouped GEMM) + torch elementwise ops."""
+    if ex.fp8:
+        raise ValueError("torch._grouped_mm path is bf16-only (no 128x128 block scales in _scaled_grouped_mm)")
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    se = flat[order]
+    counts = torch.zeros(ex.num_experts, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    xs = x[order // k]
+    h1 = torch._grouped_mm(xs, ex.w1.transpose(1, 2), offs=offs) + ex.b1[se]
+    g = h1[:, 0::2].clamp(max=limit)
+    u = h1[:, 1::2].clamp(-limit, limit)
+    act = (g * torch.sigmoid(alpha * g) * (u + 1)).to(torch.bfloat16)
+    y = torch._grouped_mm(act, ex.w2.transpose(1, 2), offs=offs) + ex.b2[se]
+    y = y.float() * route_w.reshape(-1)[order].float()[:, None]
+    out = torch.zeros(t * k, y.shape[1], dtype=torch.float32, device=x.device)
+    out[order] = y
+    return out.view(t, k, -1).sum(1).to(torch.bfloat16)
+
+
+GEMV_MAX_PAIRS = 32
+
+
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, ex: MoEWeights, *,
+                path: str = "auto", alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """Expert mixture for given routing. x [T, H] bf16; ids [T, k]; route_w [T, k] -> [T, H] bf16."""
+    if path == "auto":
+        path = "gemv" if ids.numel() <= GEMV_MAX_PAIRS else "grouped"
+    if x.shape[0] == 0:
+        return torch.empty(0, ex.hidden, dtype=torch.bfloat16, device=x.device)
+    if path == "gemv":
+        return _moe_gemv(x, ids, route_w, ex, alpha, limit)
+    if path == "grouped":
+        return _moe_grouped(x, ids, route_w, ex, alpha, limit)
+    if path == "torch":
+        return _moe_torch_grouped(x, ids, route_w, ex, alpha, limit)
+    raise ValueError(f"unknown MoE path {path}")
+
+
+def moe_forward(h: torch.Tensor, gate_w: torch.Tensor, gate_b: torch.Tensor, ex: MoEWeights, k: int, *,
+                path: str = "auto", alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """One MoE block on normed input h [T, H] (residual not included)."""
+    logits = torch.nn.functional.linear(h, gate_w, gate_b)  # bf16 like the reference's router
+    w, ids = route_topk(logits, k)
+    return moe_experts(h, ids, w, ex, path=path, alpha=alpha, limit=limit)

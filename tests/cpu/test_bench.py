@@ -1,0 +1,155 @@
+"""The benchmarks' arithmetic (against the seed's own published numbers) and both benchmarks end to end on
+CPU with the tiny preset: they must write JSON + PNG with the fields the lead reads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvrelay.bench import common as C
+
+TINY = ["--model", "gpt-oss-tiny", "--dummy", "--device", "cpu", "--quant", "bf16"]
+
+
+def test_prefill_cost_matches_seed_example():
+    # seed-notes: 0.364 s x 1 x 3/3600 x 1e6 / 8192 = $0.037
+    usd = C.prefill_usd_per_m_input(0.364, 8192, gpus=1)
+    assert usd == pytest.approx(0.364 * 3 / 3600 * 1e6 / 8192)
+    assert round(usd, 3) == 0.037
+    assert C.fmt_cell(0.364, usd) == "0.364 s, $0.037"
+
+
+@pytest.mark.parametrize("model", sorted(C.SEED_PREFILL))
+def test_seed_prefill_table_is_consistent_with_the_formula(model):
+    # Every published cell's cost follows from its latency and GPU count (up to the 3-decimal rounding of
+    # the latency), which pins both our formula and our transcription of the table.
+    for config, cells in C.SEED_PREFILL[model].items():
+        gpus = int(config.split()[0][2:])
+        for length, (lat, usd) in cells.items():
+            assert C.prefill_usd_per_m_input(lat, length, gpus) == pytest.approx(usd, abs=1.5e-3), (config, length)
+
+
+def test_decode_cost():
+    # 1 GPU at $3/h producing 1000 tokens/s in aggregate: $3 / 3.6M tokens = $0.8333 per 1M.
+    assert C.decode_usd_per_m_output(1000.0, gpus=1) == pytest.approx(3 / 3600 / 1000 * 1e6)
+    assert C.decode_usd_per_m_output(1000.0, gpus=4) == pytest.approx(4 * 0.8333333, rel=1e-6)
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 128])
+@pytest.mark.parametrize("start,n", [(0, 1), (0, 7), (2, 5), (130, 3), (0, 300)])
+def test_causal_pairs_brute_force(window, start, n):
+    brute = sum(1 for q in range(start, start + n) for k in range(q + 1) if window is None or k > q - window)
+    assert C.causal_pairs(n, start, window) == brute
+
+
+def test_flop_and_byte_estimates_are_plausible():
+    cfg = C.resolve_config("gpt-oss-120b")
+    # ~5.1B active parameters per token (OpenAI quotes 5.1B for 120b).
+    assert 4.9e9 < C.active_params(cfg) < 5.3e9
+    f = C.prefill_flops(cfg, 8192)
+    assert f["total"] == pytest.approx(f["linear"] + f["attention"])
+    # The seed's 0.364 s at 8192 is then ~233 TFLOP/s: a sane fraction of the FP8 ceiling.
+    assert 150 < f["total"] / 0.364 / 1e12 < 400
+    assert C.weight_bytes(cfg, "fp8-block128") < 0.55 * C.weight_bytes(cfg, "bf16")
+    assert C.decode_bytes_per_step(cfg, 64, 8192, "fp8") > C.decode_bytes_per_step(cfg, 1, 8192, "fp8")
+
+
+def test_env_info_and_save(tmp_path):
+    env = C.env_info("cpu", "kvrelay.bench.prefill", ["--quick"])
+    assert env["gpu"] == "cpu"
+    assert env["command"].endswith("-m kvrelay.bench.prefill --quick")
+    for key in ("torch", "triton", "flashinfer", "git_commit", "timestamp"):
+        assert key in env
+    assert env["git_commit"] == "unknown" or len(env["git_commit"]) == 40
+    fig, ax = C.new_figure()
+    ax.plot([1, 2], [3, 4])
+    paths = C.save_result(tmp_path / "out", "x", {"a": float("nan")}, fig)
+    assert Path(paths["png"]).stat().st_size > 0
+    assert json.loads(Path(paths["json"]).read_text())["files"] == paths
+
+
+def test_git_commit_outside_a_checkout(tmp_path):
+    assert C.git_commit(tmp_path) == "unknown"
+
+
+def _load(payload: dict) -> dict:
+    files = payload["files"]
+    assert Path(files["png"]).stat().st_size > 0
+    return json.loads(Path(files["json"]).read_text())
+
+
+def test_prefill_end_to_end_cpu(tmp_path):
+    from kvrelay.bench import prefill
+
+    argv = TINY + ["--lengths", "64,256,9000", "--warmup", "0", "--iters", "2", "--out", str(tmp_path)]
+    data = _load(prefill.main(argv))
+    assert data["kind"] == "prefill" and data["env"]["gpu"] == "cpu" and "--lengths 64,256,9000" in data["env"]["command"]
+    assert [p["length"] for p in data["points"]] == [64, 256]
+    assert any(s["length"] == 9000 and "max_context" in s["reason"] for s in data["skipped"])
+    for p in data["points"]:
+        assert p["n"] == 2 and p["median_s"] > 0
+        assert p["usd_per_m_input"] == pytest.approx(p["median_s"] * 3 / 3600 * 1e6 / p["length"])
+        assert p["tokens_per_s"] == pytest.approx(p["length"] / p["median_s"])
+        assert p["tflops"] > 0 and "seed_latency_s" not in p  # no seed numbers for the tiny model
+    assert data["table_markdown"].startswith("| config | 64 | 256 |")
+    assert "0." in data["table_markdown"] and "s, $" in data["table_markdown"]
+
+
+def test_prefill_budget_skips_are_reported(tmp_path):
+    from kvrelay.bench import prefill
+
+    argv = TINY + ["--lengths", "64,512", "--warmup", "0", "--iters", "3", "--budget-s", "0", "--out", str(tmp_path)]
+    data = _load(prefill.main(argv))
+    # The first point always runs (one timed call); the next is forecast past the budget and skipped.
+    assert [p["length"] for p in data["points"]] == [64] and data["points"][0]["n"] == 1
+    assert [s["length"] for s in data["skipped"]] == [512] and "budget" in data["skipped"][0]["reason"]
+
+
+def test_prefill_seed_comparison_rows():
+    payload = {"quant": "fp8-block128", "points": [
+        {"length": 8192, "median_s": 0.728, "usd_per_m_input": 0.074, "seed_latency_s": 0.364,
+         "seed_usd_per_m_input": 0.037, "ratio_vs_seed": 2.0}]}
+    from kvrelay.bench.prefill import seed_table_markdown
+
+    md = seed_table_markdown(payload).splitlines()
+    assert md[0] == "| config | 8192 |"
+    assert md[2].endswith("| 0.728 s, $0.074 |")
+    assert md[3] == "| EP1 DP1 TP1 (seed) | 0.364 s, $0.037 |"
+    assert md[4] == "| kvrelay / seed latency | 2.00x |"
+
+
+def test_decode_end_to_end_cpu(tmp_path):
+    from kvrelay.bench import decode
+
+    argv = TINY + ["--lengths", "64,256", "--batches", "1,3", "--warmup", "1", "--iters", "2", "--out", str(tmp_path)]
+    data = _load(decode.main(argv))
+    assert data["kind"] == "decode" and "random" in data["kv_fill"]
+    assert sorted((p["length"], p["batch"]) for p in data["points"]) == [(64, 1), (64, 3), (256, 1), (256, 3)]
+    for p in data["points"]:
+        assert p["steps_timed"] == 2
+        assert p["tokens_per_s_per_user"] == pytest.approx(1 / p["step_median_s"])
+        assert p["tokens_per_s_aggregate"] == pytest.approx(p["batch"] / p["step_median_s"])
+        assert p["usd_per_m_output"] == pytest.approx(3 / 3600 / p["tokens_per_s_aggregate"] * 1e6)
+        assert p["forward_median_s"] <= p["step_median_s"] + 1e-9
+
+
+def test_decode_leaves_no_sequences_behind(tmp_path, monkeypatch):
+    # Points share one Runner: every imported sequence must be freed, or later points run out of pages.
+    from kvrelay.bench import decode
+    from kvrelay.engine import runner as runner_mod
+
+    seen = []
+    orig = runner_mod.Runner.__init__
+
+    def spy(self, *a, **kw):
+        orig(self, *a, **kw)
+        seen.append(self)
+
+    monkeypatch.setattr(runner_mod.Runner, "__init__", spy)
+    argv = TINY + ["--lengths", "100", "--batches", "2,5", "--warmup", "0", "--iters", "1", "--out", str(tmp_path)]
+    decode.main(argv)
+    (r,) = seen
+    assert not r.kv.seqs
+    assert r.free_pages() == {g: a.num_pages for g, a in r.kv.allocators.items()}

@@ -1,0 +1,227 @@
+"""The OpenAI-compatible HTTP API, driven by the official `openai` client against a scripted engine
+(random weights never produce a harmony tool call)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from kvrelay.router import harmony
+from kvrelay.router.scripted_engine import ScriptedEngineClient
+from kvrelay.router.server import BackgroundRouter
+
+harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
+
+DATE = "2025-06-28"
+MODEL = "gpt-oss-test"
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def _ids(text: str) -> list[int]:
+    return harmony.load_encoding().encode(text, allowed_special="all")
+
+
+TOOL_CALL = _ids("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+                 'to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>')
+FINAL = _ids("<|channel|>analysis<|message|>Tool said 21.<|end|><|start|>assistant<|channel|>final"
+             "<|message|>It is 21 °C in Paris.<|return|>")
+TOOL_HISTORY_TAIL = (
+    "<|start|>assistant<|channel|>analysis<|message|>Need the weather.<|end|>"
+    "<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json"
+    '<|message|>{"city":"Paris"}<|call|>'
+    '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>{"temp_c": 21}<|end|>'
+    "<|start|>assistant"
+)
+
+
+@pytest.fixture(scope="module")
+def engine() -> ScriptedEngineClient:
+    return ScriptedEngineClient([FINAL], model_name=MODEL, max_context=4096)
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with BackgroundRouter(engine, today=lambda: DATE) as srv:
+        yield srv
+
+
+@pytest.fixture()
+def client(server, engine):
+    engine.prompts.clear()
+    engine.aborted.clear()
+    engine.token_delay_s = 0.0
+    with openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0, timeout=30) as c:
+        yield c
+
+
+def _extra(obj, name: str):
+    return (obj.model_extra or {}).get(name)
+
+
+def test_models_and_health(client, server) -> None:
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert httpx.get(f"{server.http_url}/health").json() == {"status": "ok", "model": MODEL}
+
+
+def test_tool_call_round_trip_non_streamed(client, engine) -> None:
+    engine.scripts = [TOOL_CALL, FINAL]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert (call.type, call.function.name, call.function.arguments) == ("function", "get_weather", '{"city":"Paris"}')
+    assert call.id.startswith("call_")
+    assert choice.message.content is None
+    assert _extra(choice.message, "reasoning_content") == _extra(choice.message, "reasoning") == "Need the weather."
+    assert first.usage.completion_tokens == len(TOOL_CALL)
+    assert first.usage.total_tokens == first.usage.prompt_tokens + len(TOOL_CALL)
+
+    messages += [
+        {"role": "assistant", "content": None, "reasoning_content": "Need the weather.",
+         "tool_calls": [call.model_dump(exclude_none=True)]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 21}'},
+    ]
+    second = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
+    assert second.choices[0].message.content == "It is 21 °C in Paris."
+    assert second.choices[0].finish_reason == "stop"
+    assert second.choices[0].message.tool_calls is None
+    assert harmony.decode_tokens(engine.prompts[-1]).endswith(TOOL_HISTORY_TAIL)
+
+
+def test_tool_call_round_trip_streamed(client, engine) -> None:
+    engine.scripts = [TOOL_CALL, FINAL]
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    stream = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, stream=True,
+                                            stream_options={"include_usage": True})
+    reasoning, calls, finish, usage = "", {}, None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            reasoning += _extra(choice.delta, "reasoning") or ""
+            for tc in choice.delta.tool_calls or ():
+                entry = calls.setdefault(tc.index, {"id": None, "name": None, "arguments": ""})
+                entry["id"] = tc.id or entry["id"]
+                entry["name"] = (tc.function.name if tc.function else None) or entry["name"]
+                entry["arguments"] += (tc.function.arguments if tc.function else "") or ""
+            finish = choice.finish_reason or finish
+    assert reasoning == "Need the weather."
+    assert list(calls) == [0] and calls[0]["name"] == "get_weather"
+    assert calls[0]["arguments"] == '{"city":"Paris"}' and json.loads(calls[0]["arguments"]) == {"city": "Paris"}
+    assert finish == "tool_calls"
+    assert usage is not None and usage.completion_tokens == len(TOOL_CALL)
+
+    messages += [
+        {"role": "assistant", "content": "", "reasoning": reasoning, "tool_calls": [
+            {"id": calls[0]["id"], "type": "function",
+             "function": {"name": calls[0]["name"], "arguments": calls[0]["arguments"]}}]},
+        {"role": "tool", "tool_call_id": calls[0]["id"], "content": '{"temp_c": 21}'},
+    ]
+    stream = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, stream=True)
+    content, reasoning2, finish = "", "", None
+    for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            reasoning2 += _extra(choice.delta, "reasoning_content") or ""
+            finish = choice.finish_reason or finish
+    assert (content, reasoning2, finish) == ("It is 21 °C in Paris.", "Tool said 21.", "stop")
+    assert harmony.decode_tokens(engine.prompts[-1]).endswith(TOOL_HISTORY_TAIL)
+
+
+def test_chat_length_finish_and_logprobs(client, engine) -> None:
+    engine.scripts = [FINAL]
+    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                          max_completion_tokens=5, logprobs=True, reasoning_effort="high")
+    choice = resp.choices[0]
+    assert choice.finish_reason == "length"
+    assert _extra(choice.message, "reasoning") == "Tool said"  # 3 header tokens, then "Tool", " said"
+    assert [lp.logprob for lp in choice.logprobs.content] == [-0.5] * 5
+    assert "Reasoning: high" in harmony.decode_tokens(engine.prompts[-1])
+
+
+def test_completions_text_prompt_and_token_ids(client, engine) -> None:
+    engine.scripts = [_ids("Hello there, friend<|endoftext|>")]
+    resp = client.completions.create(model=MODEL, prompt="Say hi", max_tokens=20,
+                                     extra_body={"return_token_ids": True, "stop_token_ids": [harmony.ENDOFTEXT]})
+    choice = resp.choices[0]
+    assert choice.text == "Hello there, friend"  # the stop token is not text
+    assert choice.finish_reason == "stop"
+    assert _extra(choice, "token_ids") == _ids("Hello there, friend<|endoftext|>")
+    assert _extra(choice, "prompt_token_ids") == harmony.load_encoding().encode("Say hi")
+    assert engine.prompts[-1] == harmony.load_encoding().encode("Say hi")
+    assert resp.usage.prompt_tokens == len(engine.prompts[-1])
+
+
+def test_completions_token_prompt_streamed(client, engine) -> None:
+    engine.scripts = [_ids("one two three four")]
+    stream = client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=3, stream=True, logprobs=1,
+                                       extra_body={"return_token_ids": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == "one two three"
+    assert [tid for c in chunks for tid in _extra(c.choices[0], "token_ids")] == _ids("one two three")
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert [lp for c in chunks for lp in c.choices[0].logprobs.token_logprobs] == [-0.5] * 3
+    assert engine.prompts[-1] == [1, 2, 3]
+
+
+def test_completions_default_max_tokens_is_16(client, engine) -> None:
+    engine.scripts = [lambda prompt: itertools.repeat(1000)]
+    resp = client.completions.create(model=MODEL, prompt=[1])
+    assert resp.usage.completion_tokens == 16 and resp.choices[0].finish_reason == "length"
+
+
+def test_openai_client_sees_400(client) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], top_p=1.5)
+    assert err.value.status_code == 400
+    assert err.value.body["message"] == "top_p: must be in (0, 1], got 1.5"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_http_stream_disconnect_aborts_engine(server, engine, path: str) -> None:
+    engine.aborted.clear()
+    engine.scripts = [lambda prompt: itertools.cycle(_ids("<|channel|>final<|message|> more"))]
+    engine.token_delay_s = 0.01
+    body = {"model": MODEL, "stream": True, "request_id": f"http-{path}"}
+    body.update({"messages": [{"role": "user", "content": "go"}]} if "chat" in path else {"prompt": [1],
+                                                                                        "max_tokens": 4000})
+    try:
+        with httpx.Client(timeout=30) as http:
+            with http.stream("POST", f"{server.http_url}{path}", json=body) as resp:
+                assert resp.status_code == 200
+                lines = resp.iter_lines()
+                got = [next(lines) for _ in range(6)]
+                assert any(line.startswith("data: ") for line in got)
+        deadline = time.monotonic() + 5
+        while f"http-{path}" not in engine.aborted and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert f"http-{path}" in engine.aborted
+    finally:
+        engine.token_delay_s = 0.0
+
+
+def test_engine_failure_mid_stream_and_non_stream(server, engine) -> None:
+    def boom(prompt):
+        yield from _ids("<|channel|>final<|message|>partial")
+        raise RuntimeError("device lost")
+
+    engine.scripts = [boom]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    resp = httpx.post(f"{server.http_url}/v1/chat/completions", json=body, timeout=30)
+    assert resp.status_code == 500
+    assert resp.json()["error"] == {"message": "internal error: device lost", "type": "server_error",
+                                    "param": None, "code": None}
+    resp = httpx.post(f"{server.http_url}/v1/chat/completions", json={**body, "stream": True}, timeout=30)
+    events = [line[len("data: "):] for line in resp.text.splitlines() if line.startswith("data: ")]
+    assert json.loads(events[-2])["error"]["message"] == "internal error: device lost"
+    assert events[-1] == "[DONE]"
+    assert "partial" in "".join(events[:-2])

@@ -1,0 +1,58 @@
+"""One real cluster per test module: local Ray on 127.0.0.1, worker actors, NIXL over UCX loopback, and
+the router's gRPC server on 127.0.0.1 in front of the disaggregated engine client."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+# The tiny test model (window 8, vocab 1024): prompts straddle the sliding window in a few tokens.
+TOPOLOGY = """
+model: {name: tiny, dummy: true, seed: 0, max_context: 2048}
+prefill: {workers: 1, max_prompt_tokens: 1024}
+decode: {workers: 2, max_batch: 32, page_size: 16}
+router: {host: 127.0.0.1, grpc_port: 0, http_port: 0}
+kv_transfer: {lease_seconds: 30}
+device: cpu
+"""
+
+
+@dataclass
+class RunningCluster:
+    topology: Any
+    cluster: Any
+    grpc_target: str
+    client: Any  # the DisaggregatedEngineClient behind the router
+
+
+def tiny_topology(text: str = TOPOLOGY):
+    from kvrelay.cluster.topology import parse_topology
+
+    return parse_topology(text, source="e2e")
+
+
+@pytest.fixture(scope="module")
+def running():
+    from kvrelay.cluster.serve import Cluster
+    from kvrelay.router.server import BackgroundRouter
+
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    topo = tiny_topology()
+    cluster = Cluster.start(topo)
+    try:
+        client = cluster.engine_client(stall_check_s=5.0)
+        with BackgroundRouter(client, model_name=client.model_name, host="127.0.0.1") as server:
+            yield RunningCluster(topo, cluster, server.grpc_target, client)
+    finally:
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Single-process generation on the same model: the oracle every cluster stream must equal."""
+    from kvrelay.engine.llm import LLM
+
+    return LLM("tiny", dummy=True, seed=0, page_size=16, kv_tokens=8192)
