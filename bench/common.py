@@ -11,6 +11,7 @@ import datetime as _dt
 import inspect
 import json
 import math
+import os
 import platform
 import re
 import shlex
@@ -44,18 +45,6 @@ SEED_PREFILL: dict[str, dict[str, dict[int, tuple[float, float]]]] = {
         "EP8 DP1 TP8": {8192: (0.116, 0.094), 32768: (0.547, 0.111), 65536: (1.310, 0.133), 128000: (3.365, 0.175)},
     },
 }
-
-# docs/contracts.md defines "gpt-oss-tiny" (full vocabulary, tiny layers). Used only when the engine's
-# PRESETS does not have it yet, so the CPU benchmarks and their test do not depend on that landing first.
-_CONTRACT_PRESETS = {
-    "gpt-oss-tiny": dict(
-        name="gpt-oss-tiny", num_hidden_layers=4, num_experts=8, experts_per_token=4, vocab_size=201088,
-        hidden_size=64, intermediate_size=64, head_dim=16, num_attention_heads=8, num_key_value_heads=2,
-        sliding_window=128, initial_context_length=4096, rope_theta=150000.0, rope_scaling_factor=32.0,
-        rope_ntk_alpha=1.0, rope_ntk_beta=32.0, swiglu_limit=7.0, max_context=8192,
-    ),
-}
-
 
 # ---- cost arithmetic -------------------------------------------------------------------------------
 def prefill_usd_per_m_input(latency_s: float, input_len: int, gpus: int = 1,
@@ -231,11 +220,15 @@ class Budget:
 
 # ---- environment ---------------------------------------------------------------------------------------
 def git_commit(repo: Path = REPO_ROOT) -> str:
+    """HEAD of the checkout; else $KVRELAY_GIT_COMMIT (a copied tree without .git, e.g. the GPU box);
+    else "unknown"."""
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+        pass
+    return os.environ.get("KVRELAY_GIT_COMMIT") or "unknown"
 
 
 def git_dirty(repo: Path = REPO_ROOT) -> bool | None:
@@ -281,14 +274,9 @@ def env_info(device, module: str, argv: list[str] | None) -> dict[str, Any]:
 
 # ---- model and Runner ------------------------------------------------------------------------------------
 def resolve_config(model: str):
-    from kvrelay.engine.config import ModelConfig, load_model_config
+    from kvrelay.engine.config import load_model_config
 
-    try:
-        return load_model_config(model)
-    except FileNotFoundError:
-        if model in _CONTRACT_PRESETS:
-            return ModelConfig(**_CONTRACT_PRESETS[model])
-        raise
+    return load_model_config(model)
 
 
 def _flashinfer_prebuilt() -> bool:
@@ -334,37 +322,62 @@ def choose_attention(name: str, device) -> tuple[Callable | None, str]:
     raise SystemExit(f"unknown --attention {name!r}")
 
 
-def graph_kwargs(want: str, device) -> tuple[dict[str, Any], str]:
-    """CUDA-graph switch for the Runner, if its constructor has one (any parameter named *graph*)."""
+def graph_kwargs(want: str, device, batch_sizes: list[int] | None = None) -> tuple[dict[str, Any], str]:
+    """CUDA graphs for the Runner's decode, if its constructor offers them: a boolean parameter named
+    *graph*, or a *graph*batch_sizes* one (given the sweep's batch sizes). Anything else is left at
+    the engine's default and reported, never guessed."""
     import torch
 
     from kvrelay.engine.runner import Runner
 
-    params = [p for p in inspect.signature(Runner.__init__).parameters if "graph" in p]
+    params = {n: p for n, p in inspect.signature(Runner.__init__).parameters.items() if "graph" in n}
     if not params:
         return {}, "not provided by the engine Runner"
     on = want == "on" or (want == "auto" and torch.device(device).type == "cuda")
-    return {params[0]: on}, f"{params[0]}={on}"
+    for name, p in params.items():
+        if isinstance(p.default, bool):
+            return {name: on}, f"{name}={on}"
+    for name in params:
+        if "batch_sizes" in name and batch_sizes and on:
+            return {name: tuple(batch_sizes)}, f"{name}={tuple(batch_sizes)}"
+    return {}, f"engine parameters {sorted(params)} left at their defaults"
 
 
-def build_runner(args, *, num_pages: dict[str, int], attention_fn=None, extra: dict | None = None):
+def build_runner(args, *, num_pages: dict[str, int], attention_fn=None, extra: dict | None = None,
+                 min_full_pages: int = 1, retries: int = 2):
     """A Runner exactly as the workers build one (dummy or real weights, quant, page size), with the
-    benchmark's pool size. Returns (runner, seconds to build)."""
+    benchmark's pool size. On a GPU OOM (the weights took more than estimated) it retries with half the
+    full-attention pool, down to `min_full_pages`. Returns (runner, seconds to build, pages used)."""
+    import gc
+
     import torch
 
     from kvrelay.engine.runner import Runner, open_model_weights
 
     cfg = resolve_config(args.model)
-    kwargs: dict[str, Any] = dict(device=args.device, dtype=torch.bfloat16, quant=args.quant,
-                                  page_size=args.page_size, num_pages=num_pages)
-    if attention_fn is not None:
-        kwargs["attention_fn"] = attention_fn
-    kwargs.update(extra or {})
-    t0 = time.perf_counter()
-    runner = Runner(cfg, open_model_weights(args.model, cfg, dummy=args.dummy, seed=args.seed), **kwargs)
-    if torch.device(args.device).type == "cuda":
-        torch.cuda.synchronize()
-    return runner, time.perf_counter() - t0
+    pages = dict(num_pages)
+    for attempt in range(retries + 1):
+        kwargs: dict[str, Any] = dict(device=args.device, dtype=torch.bfloat16, quant=args.quant,
+                                      page_size=args.page_size, num_pages=pages)
+        if attention_fn is not None:
+            kwargs["attention_fn"] = attention_fn
+        kwargs.update(extra or {})
+        t0 = time.perf_counter()
+        try:
+            runner = Runner(cfg, open_model_weights(args.model, cfg, dummy=args.dummy, seed=args.seed), **kwargs)
+        except Exception as e:  # noqa: BLE001
+            smaller = max(min_full_pages, pages["full"] // 2)
+            if not is_oom(e) or attempt == retries or smaller == pages["full"]:
+                raise
+            gc.collect()
+            torch.cuda.empty_cache()
+            print(f"OOM building the Runner with {pages}; retrying with {smaller} full pages")
+            pages = dict(pages, full=smaller)
+            continue
+        if torch.device(args.device).type == "cuda":
+            torch.cuda.synchronize()
+        return runner, time.perf_counter() - t0, pages
+    raise AssertionError("unreachable")
 
 
 def weight_bytes(cfg, quant: str) -> float:
@@ -397,7 +410,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--attention", default="auto", choices=["auto", "engine", "reference", "triton", "flashinfer"],
                    help="attention_fn passed to the Runner (auto: see bench/common.choose_attention)")
-    p.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"])
+    p.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
+                   help="decode CUDA graphs, when the Runner offers a switch (auto: on for cuda)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--iters", type=int, default=None)

@@ -67,7 +67,9 @@ def _pool_pages(cfg, args, lengths: list[int], batches: list[int]) -> tuple[dict
     free, _ = torch.cuda.mem_get_info(torch.device(args.device))
     page_full = C.kv_bytes_per_page(cfg, ps, len(cfg.full_layers))
     page_slide = C.kv_bytes_per_page(cfg, ps, len(cfg.sliding_layers))
-    spare = free - C.weight_bytes(cfg, args.quant) - args.mem_headroom_gib * 2**30 - want["sliding"] * page_slide
+    # 5% on top of the weight estimate: scales, padding and the allocator's rounding are not counted.
+    weights = 1.05 * C.weight_bytes(cfg, args.quant)
+    spare = free - weights - args.mem_headroom_gib * 2**30 - want["sliding"] * page_slide
     cap = max(int(spare // page_full), full_seq)
     if cap >= want["full"]:
         return want, "sized to the largest point"
@@ -96,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
             lengths.append(s)
     batches = sorted(C.parse_ints(args.batches))
     attention_fn, attention_label = C.choose_attention(args.attention, args.device)
-    graphs, graphs_label = C.graph_kwargs(args.cuda_graphs, args.device)
+    graphs, graphs_label = C.graph_kwargs(args.cuda_graphs, args.device, batches)
     num_pages, pool_note = _pool_pages(cfg, args, lengths or [1], batches)
     payload: dict = {
         "kind": "decode", "env": C.env_info(args.device, "kvrelay.bench.decode", argv),
@@ -110,14 +112,19 @@ def main(argv: list[str] | None = None) -> dict:
     console.print(f"[bold]decode[/] {cfg.name} quant={args.quant} device={args.device} attention={attention_label} "
                   f"cuda_graphs={graphs_label}\nKV pool {num_pages} pages of {args.page_size}: {pool_note}\n{KV_NOTE}")
     try:
-        runner, load_s = C.build_runner(args, num_pages=num_pages, attention_fn=attention_fn, extra=graphs)
+        min_pages = -(-(min(lengths or [1]) + steps) // args.page_size)
+        runner, load_s, used = C.build_runner(args, num_pages=num_pages, attention_fn=attention_fn, extra=graphs,
+                                              min_full_pages=min_pages)
     except Exception as e:  # noqa: BLE001 - keep a record of why (e.g. 120b bf16 does not fit one GPU)
         payload["error"] = f"building the Runner failed: {type(e).__name__}: {e}"
         console.print(f"[red]{payload['error']}[/]")
         payload["files"] = C.save_result(args.out, C.result_stem("decode", args), payload)
         return payload
     payload["load_s"] = load_s
-    console.print(f"model built in {load_s:.1f} s")
+    if used != num_pages:
+        pool_note = f"reduced to {used} after an OOM while building"
+        payload["pool_pages"], payload["pool_note"] = used, pool_note
+    console.print(f"model built in {load_s:.1f} s; KV pool {used}")
     _fill_random(runner, GROUPS, args.seed)
 
     cuda = torch.device(args.device).type == "cuda"
@@ -143,6 +150,12 @@ def main(argv: list[str] | None = None) -> dict:
             skipped.append({"length": s, "batch": b, "reason": "budget exhausted"})
             continue
         sids = [("bench-decode", s, b, i) for i in range(b)]
+        need = b * -(-(s + steps) // args.page_size)
+        if need > runner.free_pages()["full"]:
+            too_big.add(s)
+            skipped.append({"length": s, "batch": b, "reason": f"KV pool too small: {need} full pages needed, "
+                            f"{runner.free_pages()['full']} in the pool ({pool_note})"})
+            continue
         try:
             for sid in sids:
                 runner.import_sequence(sid, s)
@@ -172,10 +185,10 @@ def main(argv: list[str] | None = None) -> dict:
             _free(runner, sids)
             if cuda:
                 torch.cuda.empty_cache()
-            if not C.is_oom(e):
+            if not (C.is_oom(e) or isinstance(e, OutOfPages)):
                 raise
             too_big.add(s)
-            skipped.append({"length": s, "batch": b, "reason": f"OOM: {str(e).splitlines()[0][:200]}"})
+            skipped.append({"length": s, "batch": b, "reason": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
             continue
         _free(runner, sids)
         if not step_t:
@@ -239,13 +252,13 @@ def _print(console, payload: dict) -> None:
         t = Table(title=f"{payload['model']} decode at context {s}, {CONFIG} on 1 x {payload['env']['gpu']}, "
                         f"{payload['quant']} (${payload['usd_per_gpu_hour']:.2f}/GPU-h)")
         for col in ("batch", "step ms", "forward ms", "sample ms", "tok/s/user", "tok/s total", "$/1M out",
-                    "est. TB/s read", "% of 4.19 TB/s", "steps", "peak GiB"):
+                    "est. GB/s read", "% of 4.19 TB/s", "steps", "peak GiB"):
             t.add_column(col, justify="right")
         for p in (p for p in payload["points"] if p["length"] == s):
             t.add_row(str(p["batch"]), f"{p['step_median_s'] * 1e3:.2f}", f"{p['forward_median_s'] * 1e3:.2f}",
                       f"{p['sample_median_s'] * 1e3:.2f}", f"{p['tokens_per_s_per_user']:.1f}",
                       f"{p['tokens_per_s_aggregate']:,.0f}", f"${p['usd_per_m_output']:.3f}",
-                      f"{p['est_bandwidth_tb_s']:.2f}", f"{p['pct_copy_ceiling']:.0f}", str(p["steps_timed"]),
+                      f"{p['est_bandwidth_tb_s'] * 1e3:,.0f}", f"{p['pct_copy_ceiling']:.0f}", str(p["steps_timed"]),
                       "-" if p["peak_mem_gib"] is None else f"{p['peak_mem_gib']:.1f}")
         console.print(t)
     console.print(f"[dim]{payload['kv_fill']}. Bytes: weights touched (expected distinct experts) + KV; "

@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> dict:
     lengths = sorted(n for n in lengths if n <= cfg.max_context)
 
     attention_fn, attention_label = C.choose_attention(args.attention, args.device)
-    graphs, graphs_label = C.graph_kwargs(args.cuda_graphs, args.device)
+    # Prefill runs eagerly in every engine we know (graphs are a decode-step device): none are requested.
+    graphs_label = "not used for prefill"
     payload: dict = {
         "kind": "prefill", "env": C.env_info(args.device, "kvrelay.bench.prefill", argv),
         "model": cfg.name, "quant": args.quant,
@@ -71,8 +72,8 @@ def main(argv: list[str] | None = None) -> dict:
     # One sequence at a time: each group needs the pages of the longest prompt (+1 spare).
     pages = -(-max(lengths, default=1) // args.page_size) + 1
     try:
-        runner, load_s = C.build_runner(args, num_pages={"full": pages, "sliding": pages},
-                                        attention_fn=attention_fn, extra=graphs)
+        runner, load_s, _ = C.build_runner(args, num_pages={"full": pages, "sliding": pages},
+                                           attention_fn=attention_fn, retries=0)
     except Exception as e:  # noqa: BLE001 - e.g. 120b in bf16 does not fit one H200: say so, keep the record
         payload["error"] = f"building the Runner failed: {type(e).__name__}: {e}"
         console.print(f"[red]{payload['error']}[/]")

@@ -17,6 +17,8 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("config", "kvrelay.cluster.config_cmd", "check a topology YAML and print the resolved topology"),
     ("convert", "kvrelay.engine.convert", "convert a gpt-oss checkpoint to kvrelay's fp8-block128 or bf16 layout"),
     ("generate", "kvrelay.engine.generate", "generate tokens from a prompt with the model in this process"),
+    ("serve", "kvrelay.cluster.serve", "start Ray, the prefill/decode workers and the router for a topology"),
+    ("status", "kvrelay.cluster.status", "show each worker of a running cluster: role, pid, node, health, KV pages"),
 ]
 
 

@@ -8,11 +8,14 @@ else, and UCX is told to use the loopback device only.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from kvrelay.cluster.topology import Topology
+
+log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode")
 
@@ -29,9 +32,24 @@ def worker_env(topology: Topology) -> dict[str, str]:
     return env
 
 
+def loopback_env(topology: Topology) -> None:
+    """On the CPU preset, pin Ray and UCX to loopback. Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once,
+    when it is first imported, so this must run before any `import ray` in the process; with it, every
+    Ray listener (GCS, raylet, object manager, workers) binds 127.0.0.1."""
+    if topology.device == "cpu":
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+
 def init_ray(topology: Topology, *, address: str | None = None) -> bool:
     """Start or join Ray. Returns True if this call started a private local instance."""
+    loopback_env(topology)
     import ray
+    from ray._private import ray_constants
+
+    if topology.device == "cpu" and ray_constants.ENABLE_RAY_CLUSTER:
+        log.warning("ray was imported before RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 was set; some Ray "
+                    "listeners may bind a non-loopback address (set it in the environment)")
 
     if ray.is_initialized():
         return False
@@ -40,9 +58,6 @@ def init_ray(topology: Topology, *, address: str | None = None) -> bool:
     kwargs: dict[str, Any] = dict(namespace=topology.ray.namespace, include_dashboard=False,
                                   runtime_env={"env_vars": worker_env(topology)}, log_to_driver=True)
     if topology.device == "cpu":
-        # Makes every Ray listener (GCS, raylet, object manager, workers) bind 127.0.0.1.
-        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-        os.environ.setdefault("UCX_NET_DEVICES", "lo")
         kwargs["_node_ip_address"] = "127.0.0.1"
     if local:
         if topology.device == "cpu":

@@ -30,9 +30,10 @@ class Cluster:
 
     @classmethod
     def start(cls, topology, *, address: str | None = None, startup_timeout_s: float = 300.0) -> "Cluster":
-        import ray
-
         from kvrelay.cluster import placement
+
+        placement.loopback_env(topology)  # before the first `import ray`
+        import ray
         from kvrelay.decode_worker.worker import DecodeWorker
         from kvrelay.prefill_worker.worker import PrefillWorker
 
@@ -117,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
         grpc_port=topo.router.grpc_port if args.grpc_port is None else args.grpc_port,
         http_port=topo.router.http_port if args.http_port is None else args.http_port)
     topo = dataclasses.replace(topo, router=router)
+    _find_vocab()
     t0 = time.perf_counter()
     print(f"kvrelay: starting {topo.prefill.workers} prefill + {topo.decode.workers} decode worker(s) "
           f"for {topo.model.name} on {topo.device}", flush=True)
@@ -130,6 +132,25 @@ def run(args: argparse.Namespace) -> int:
     finally:
         cluster.shutdown()
         print("kvrelay: stopped", flush=True)
+
+
+def _find_vocab() -> None:
+    """Harmony chat needs o200k_base.tiktoken offline. Use $TIKTOKEN_ENCODINGS_BASE, else the copy a
+    development checkout keeps next to it (../shared/tokenizer); without either, Generate still works
+    and Chat answers with the tokenizer's own error, so only warn."""
+    import os
+    from pathlib import Path
+
+    from kvrelay.router import harmony
+
+    if os.environ.get("TIKTOKEN_ENCODINGS_BASE"):
+        return
+    shared = Path(__file__).resolve().parents[2] / "shared" / "tokenizer"
+    if (shared / "o200k_base.tiktoken").is_file():
+        harmony.use_vocab_dir(shared)
+    else:
+        log.warning("TIKTOKEN_ENCODINGS_BASE is not set and %s has no vocabulary: Chat requests will fail "
+                    "until it points at a folder with o200k_base.tiktoken", shared)
 
 
 async def _serve(cluster: Cluster, drain_timeout_s: float, t0: float) -> int:
@@ -153,15 +174,13 @@ async def _serve(cluster: Cluster, drain_timeout_s: float, t0: float) -> int:
           f"  (OpenAI-compatible: {server.http_url}/v1/chat/completions)\n  Ray   {ready['ray']} "
           f"namespace {topo.ray.namespace}  (kvrelay status --address {ready['ray']})\n"
           f"kvrelay-ready {json.dumps(ready)}", flush=True)
-    serving = asyncio.ensure_future(server.wait())
-    stopping = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    # Only the signal ends serving. (RouterServer.wait() is not used: cancelling its pending
+    # wait_for_termination() cancels gRPC's own shutdown future, and the later stop() then fails.)
+    await stop.wait()
     print("kvrelay: shutting down, draining in-flight requests", flush=True)
     drained = await client.drain(drain_timeout_s)
     if not drained:
         print(f"kvrelay: {client._in_flight} request(s) still running after {drain_timeout_s:g} s; "
               f"stopping anyway", flush=True)
     await server.stop()
-    serving.cancel()
-    stopping.cancel()
     return 0 if drained else 1

@@ -113,7 +113,7 @@ class KVCache:
         self.device = torch.device(device)
         self.dtype = dtype
         self.kv_heads = head_range(cfg, shard).num_kv
-        self.tp_rank, self.tp_size = shard.rank, shard.world
+        self.tp_rank, self.tp_size = shard.rank, shard.world_size
         counts = num_pages if isinstance(num_pages, dict) else {g: num_pages for g in GROUPS}
         self.group_layers = {FULL: cfg.full_layers, SLIDING: cfg.sliding_layers}
         self._layer_slot = {

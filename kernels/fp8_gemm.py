@@ -25,12 +25,12 @@ FP8_MAX = 448.0
 
 
 @triton.jit
-def _quant_act_kernel(x, q, s, K, s_xm, s_qm, s_sm, s_sk, BLOCK_K: tl.constexpr):
-    # One program per (row, 128-wide K block); columns >= K (padding) are written as zeros.
+def _quant_act_kernel(x, q, s, M, K, s_xm, s_qm, s_sm, s_sk, BLOCK_K: tl.constexpr):
+    # One program per (row, 128-wide K block); columns >= K and rows >= M (padding) are written as zeros.
     m = tl.program_id(0)
     kb = tl.program_id(1)
     offs = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-    v = tl.load(x + m.to(tl.int64) * s_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
+    v = tl.load(x + m.to(tl.int64) * s_xm + offs, mask=(offs < K) & (m < M), other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(v), 0), 1e-12) / 448.0
     qv = tl.minimum(tl.maximum(v / scale, -448.0), 448.0)
     tl.store(q + m.to(tl.int64) * s_qm + offs, qv.to(q.dtype.element_ty))
@@ -38,20 +38,20 @@ def _quant_act_kernel(x, q, s, K, s_xm, s_qm, s_sm, s_sk, BLOCK_K: tl.constexpr)
 
 
 def quantize_act_1x128(x: torch.Tensor, k_padded: int | None = None, m_major: bool = True):
-    """x [M, K] bf16 -> (fp8 [M, Kp], scale f32 [M, Kp/128]); the scale is M-major (stride (1, M)) as
-    cuBLAS wants it unless m_major=False. Matches kernels.fp8.quantize_act_1x128 on the first K columns."""
+    """x [M, K] bf16 -> (fp8 [Mp, Kp], scale f32 [Mp, Kp/128]); matches kernels.fp8.quantize_act_1x128 on
+    the first M rows and K columns (padding is zeros). m_major=True gives cuBLAS's layout: scale stride
+    (1, Mp) with Mp = M rounded up to 4, because cuBLAS rejected (NOT_SUPPORTED, seen at M=37) an
+    M-major scale whose leading dimension is not 16-byte aligned; otherwise Mp = M, row-major scale."""
     m, k = x.shape
     kp = k_padded or triton.cdiv(k, BLOCK) * BLOCK
-    q = torch.empty(m, kp, dtype=FP8, device=x.device)
     kb = kp // BLOCK
-    # cuBLAS rejects (NOT_SUPPORTED) an M-major scale whose leading dimension is not 16-byte aligned
-    # (seen at M=37), so the column stride is M rounded up to a multiple of 4.
-    m4 = -(-m // 4) * 4
-    s = torch.empty(kb, m4, dtype=torch.float32, device=x.device).t()[:m] if m_major else \
+    mp = -(-m // 4) * 4 if m_major else m
+    q = torch.empty(mp, kp, dtype=FP8, device=x.device)
+    s = torch.empty(kb, mp, dtype=torch.float32, device=x.device).t() if m_major else \
         torch.empty(m, kb, dtype=torch.float32, device=x.device)
-    if m:
-        _quant_act_kernel[(m, kb)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
-                                   BLOCK_K=BLOCK, num_warps=1)
+    if mp:
+        _quant_act_kernel[(mp, kb)](x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
+                                    BLOCK_K=BLOCK, num_warps=1)
     return q, s
 
 
@@ -119,7 +119,13 @@ def cublas_column_scales(w_scale: torch.Tensor, n: int) -> torch.Tensor:
     return w_scale.float().repeat_interleave(BLOCK, 0)[:n].t().contiguous()
 
 
-def cublas_fp8_gemm(a_fp8, sa_m_major, w_fp8, sb_cols, bias=None):
+def cublas_fp8_gemm(a_fp8, sa_m_major, w_fp8, sb_cols, bias=None, bias_pass: bool = False):
+    """cuBLAS blockwise GEMM. The bias= argument works on torch 2.11 + cuBLAS 13 (H200, 2026-11-29:
+    871 TFLOP/s at 8192x2880x5120, one bf16 ulp from the separate pass, which rounds twice);
+    bias_pass=True keeps the separate in-place add for comparison."""
+    if bias is not None and not bias_pass:
+        return torch._scaled_mm(a_fp8, w_fp8.t(), scale_a=sa_m_major, scale_b=sb_cols, bias=bias,
+                                out_dtype=torch.bfloat16)
     out = torch._scaled_mm(a_fp8, w_fp8.t(), scale_a=sa_m_major, scale_b=sb_cols, out_dtype=torch.bfloat16)
     if bias is not None:
         out.add_(bias)
@@ -191,7 +197,7 @@ class Fp8BlockLinear:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.k)
         xq, sx = quantize_act_1x128(x2, self.kp)
-        y = self._run(self._pick(x2.shape[0], xq, sx), xq, sx)
+        y = self._run(self._pick(x2.shape[0], xq, sx), xq, sx)[: x2.shape[0]]  # drop the M padding rows
         return y.reshape(*lead, self.n)
 
 

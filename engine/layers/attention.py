@@ -38,7 +38,7 @@ def head_range(cfg, shard: Shard) -> HeadRange:
     g = cfg.gqa_group
     kv0, kv1 = q0 // g, (q1 - 1) // g + 1
     if (q1 - q0) % (kv1 - kv0):
-        raise ValueError(f"{shard.world} ranks split a GQA group of {g} query heads unevenly")
+        raise ValueError(f"{shard.world_size} ranks split a GQA group of {g} query heads unevenly")
     return HeadRange(q0, q1, kv0, kv1)
 
 

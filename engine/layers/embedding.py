@@ -11,7 +11,7 @@ from kvrelay.engine.layers.linear import Shard, WeightGetter
 def _vocab_span(vocab: int, shard: Shard) -> tuple[int, int]:
     # Vocab sizes need not split evenly (201088 does for TP<=8 but tiny configs may not): the last
     # rank takes the remainder, and all_gather_last is then replaced by padding below.
-    per = -(-vocab // shard.world)
+    per = -(-vocab // shard.world_size)
     return min(shard.rank * per, vocab), min((shard.rank + 1) * per, vocab)
 
 
@@ -23,7 +23,7 @@ class Embedding:
                                   device=device)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.shard.world == 1:
+        if self.shard.world_size == 1:
             return F.embedding(ids, self.weight)
         # Each rank looks up the ids it owns and contributes zeros for the rest; the sum is the row.
         local = ids - self.start
@@ -37,14 +37,14 @@ class Unembedding:
         self.shard = shard
         self.vocab = cfg.vocab_size
         self.start, self.stop = _vocab_span(cfg.vocab_size, shard)
-        self.per = -(-cfg.vocab_size // shard.world)
+        self.per = -(-cfg.vocab_size // shard.world_size)
         self.weight = weights.get("unembedding.weight", slices=(slice(self.start, self.stop),), dtype=dtype,
                                   device=device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Logits [T, vocab] in x's dtype (bf16, as the torch reference returns them)."""
         logits = F.linear(x, self.weight)
-        if self.shard.world == 1:
+        if self.shard.world_size == 1:
             return logits
         logits = F.pad(logits, (0, self.per - logits.shape[-1]))
         return self.shard.all_gather_last(logits)[..., : self.vocab]

@@ -45,32 +45,38 @@ class TensorDictWeights:
 
 @dataclass(frozen=True)
 class Shard:
-    """This process's place in a tensor-parallel group (ranks of torch.distributed's default group)."""
+    """This process's place in a tensor-parallel group (torch.distributed's default group).
+
+    The layers use only `rank`, `world_size`, `expert_parallel`, `span`, `all_reduce` and
+    `all_gather_last`, so `engine.parallel.ParallelContext` (which adds process-group handling) can be
+    passed wherever a Shard is. `expert_parallel` True gives each rank whole experts ("EPn TPn"); False
+    gives each rank a slice of every expert's intermediate dimension ("EP1 TPn")."""
 
     rank: int = 0
-    world: int = 1
+    world_size: int = 1
+    expert_parallel: bool = True
 
     def __post_init__(self) -> None:
-        if not 0 <= self.rank < self.world:
-            raise ValueError(f"rank {self.rank} outside world {self.world}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside a group of {self.world_size}")
 
-    def span(self, n: int, what: str) -> tuple[int, int]:
+    def span(self, n: int, what: str = "items") -> tuple[int, int]:
         """The contiguous [start, stop) of n items this rank owns; n must split evenly."""
-        if n % self.world:
-            raise ValueError(f"{what}={n} does not split over {self.world} ranks")
-        per = n // self.world
+        if n % self.world_size:
+            raise ValueError(f"{what}={n} does not split over {self.world_size} ranks")
+        per = n // self.world_size
         return self.rank * per, (self.rank + 1) * per
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.world > 1:
+        if self.world_size > 1:
             torch.distributed.all_reduce(x)
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate each rank's x along the last dim, in rank order."""
-        if self.world == 1:
+        if self.world_size == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.world)]
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
         torch.distributed.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=-1)
 

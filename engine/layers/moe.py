@@ -19,11 +19,26 @@ class MoE:
         # The router is tiny and decides which experts run: it stays bf16 and replicated.
         self.router = Linear(weights.get(p + "gate.weight", dtype=dtype, device=device),
                              weights.get(p + "gate.bias", dtype=dtype, device=device))
-        self.e0, self.e1 = shard.span(cfg.num_experts, "num_experts")
-        experts = (slice(self.e0, self.e1),)
-        get = lambda name: weights.get(p + name, slices=experts, dtype=dtype, device=device)  # noqa: E731
-        self.mlp1 = ExpertLinears(get("mlp1_weight"), get("mlp1_bias"), quant)
-        self.mlp2 = ExpertLinears(get("mlp2_weight"), get("mlp2_bias"), quant)
+        n_experts = cfg.num_experts
+        if getattr(shard, "expert_parallel", True):
+            self.e0, self.e1 = shard.span(n_experts, "num_experts")
+            rows1 = cols2 = slice(None)
+            keep_bias2 = True
+        else:
+            # Every rank holds every expert but only intermediate units [i0, i1). Gate/up rows are
+            # interleaved per unit, so that is the contiguous row block [2*i0, 2*i1) of mlp1, and the
+            # activation is elementwise per unit; mlp2's output bias is added on rank 0 only, so the
+            # all-reduce sums to gate * (W2 act + b2) exactly as unsharded.
+            self.e0, self.e1 = 0, n_experts
+            i0, i1 = shard.span(cfg.intermediate_size, "intermediate_size")
+            rows1, cols2 = slice(2 * i0, 2 * i1), slice(i0, i1)
+            keep_bias2 = shard.rank == 0
+        experts = slice(self.e0, self.e1)
+        get = lambda name, s: weights.get(p + name, slices=s, dtype=dtype, device=device)  # noqa: E731
+        self.mlp1 = ExpertLinears(get("mlp1_weight", (experts, rows1)), get("mlp1_bias", (experts, rows1)), quant)
+        bias2 = get("mlp2_bias", (experts,))
+        self.mlp2 = ExpertLinears(get("mlp2_weight", (experts, slice(None), cols2)),
+                                  bias2 if keep_bias2 else torch.zeros_like(bias2), quant)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] (already normed) -> this rank's partial output (its experts' share)."""

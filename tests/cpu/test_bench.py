@@ -4,6 +4,7 @@ CPU with the tiny preset: they must write JSON + PNG with the fields the lead re
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,8 @@ import pytest
 from kvrelay.bench import common as C
 
 TINY = ["--model", "gpt-oss-tiny", "--dummy", "--device", "cpu", "--quant", "bf16"]
+# The 1024-token vocabulary preset: same code path, cheaper where only bookkeeping is under test.
+SMALL = ["--model", "tiny", "--dummy", "--device", "cpu", "--quant", "bf16"]
 
 
 def test_prefill_cost_matches_seed_example():
@@ -70,8 +73,11 @@ def test_env_info_and_save(tmp_path):
     assert json.loads(Path(paths["json"]).read_text())["files"] == paths
 
 
-def test_git_commit_outside_a_checkout(tmp_path):
+def test_git_commit_outside_a_checkout(tmp_path, monkeypatch):
+    monkeypatch.delenv("KVRELAY_GIT_COMMIT", raising=False)
     assert C.git_commit(tmp_path) == "unknown"
+    monkeypatch.setenv("KVRELAY_GIT_COMMIT", "abc123")
+    assert C.git_commit(tmp_path) == "abc123"
 
 
 def _load(payload: dict) -> dict:
@@ -85,7 +91,8 @@ def test_prefill_end_to_end_cpu(tmp_path):
 
     argv = TINY + ["--lengths", "64,256,9000", "--warmup", "0", "--iters", "2", "--out", str(tmp_path)]
     data = _load(prefill.main(argv))
-    assert data["kind"] == "prefill" and data["env"]["gpu"] == "cpu" and "--lengths 64,256,9000" in data["env"]["command"]
+    assert data["kind"] == "prefill" and data["env"]["gpu"] == "cpu"
+    assert "--lengths 64,256,9000" in data["env"]["command"]
     assert [p["length"] for p in data["points"]] == [64, 256]
     assert any(s["length"] == 9000 and "max_context" in s["reason"] for s in data["skipped"])
     for p in data["points"]:
@@ -94,17 +101,17 @@ def test_prefill_end_to_end_cpu(tmp_path):
         assert p["tokens_per_s"] == pytest.approx(p["length"] / p["median_s"])
         assert p["tflops"] > 0 and "seed_latency_s" not in p  # no seed numbers for the tiny model
     assert data["table_markdown"].startswith("| config | 64 | 256 |")
-    assert "0." in data["table_markdown"] and "s, $" in data["table_markdown"]
+    assert len(re.findall(r"\| \d+\.\d{3} s, \$\d+\.\d{3} ", data["table_markdown"])) == 2
 
 
 def test_prefill_budget_skips_are_reported(tmp_path):
     from kvrelay.bench import prefill
 
-    argv = TINY + ["--lengths", "64,512", "--warmup", "0", "--iters", "3", "--budget-s", "0", "--out", str(tmp_path)]
+    argv = SMALL + ["--lengths", "16,32", "--warmup", "0", "--iters", "3", "--budget-s", "0", "--out", str(tmp_path)]
     data = _load(prefill.main(argv))
     # The first point always runs (one timed call); the next is forecast past the budget and skipped.
-    assert [p["length"] for p in data["points"]] == [64] and data["points"][0]["n"] == 1
-    assert [s["length"] for s in data["skipped"]] == [512] and "budget" in data["skipped"][0]["reason"]
+    assert [p["length"] for p in data["points"]] == [16] and data["points"][0]["n"] == 1
+    assert [s["length"] for s in data["skipped"]] == [32] and "budget" in data["skipped"][0]["reason"]
 
 
 def test_prefill_seed_comparison_rows():
@@ -123,10 +130,10 @@ def test_prefill_seed_comparison_rows():
 def test_decode_end_to_end_cpu(tmp_path):
     from kvrelay.bench import decode
 
-    argv = TINY + ["--lengths", "64,256", "--batches", "1,3", "--warmup", "1", "--iters", "2", "--out", str(tmp_path)]
+    argv = TINY + ["--lengths", "64,200", "--batches", "1,3", "--warmup", "0", "--iters", "2", "--out", str(tmp_path)]
     data = _load(decode.main(argv))
     assert data["kind"] == "decode" and "random" in data["kv_fill"]
-    assert sorted((p["length"], p["batch"]) for p in data["points"]) == [(64, 1), (64, 3), (256, 1), (256, 3)]
+    assert sorted((p["length"], p["batch"]) for p in data["points"]) == [(64, 1), (64, 3), (200, 1), (200, 3)]
     for p in data["points"]:
         assert p["steps_timed"] == 2
         assert p["tokens_per_s_per_user"] == pytest.approx(1 / p["step_median_s"])
@@ -148,8 +155,51 @@ def test_decode_leaves_no_sequences_behind(tmp_path, monkeypatch):
         seen.append(self)
 
     monkeypatch.setattr(runner_mod.Runner, "__init__", spy)
-    argv = TINY + ["--lengths", "100", "--batches", "2,5", "--warmup", "0", "--iters", "1", "--out", str(tmp_path)]
-    decode.main(argv)
+    # A pool for 3 sequences of 100 (+2 steps): batch 5 must be reported as not fitting, not crash.
+    monkeypatch.setattr(decode, "_pool_pages", lambda *a: ({"full": 3 * 7, "sliding": 5 * 4}, "test pool"))
+    argv = SMALL + ["--lengths", "100", "--batches", "2,5", "--warmup", "0", "--iters", "1", "--out", str(tmp_path)]
+    data = decode.main(argv)
+    assert [p["batch"] for p in data["points"]] == [2]
+    assert [(s["batch"], "KV pool too small" in s["reason"]) for s in data["skipped"]] == [(5, True)]
     (r,) = seen
     assert not r.kv.seqs
     assert r.free_pages() == {g: a.num_pages for g, a in r.kv.allocators.items()}
+
+
+def test_report_collects_runs(tmp_path):
+    from kvrelay.bench import decode, prefill, report
+
+    prefill.main(SMALL + ["--lengths", "32", "--warmup", "0", "--iters", "1", "--out", str(tmp_path)])
+    decode.main(SMALL + ["--lengths", "32", "--batches", "1,2", "--warmup", "0", "--iters", "1",
+                         "--out", str(tmp_path)])
+    text = report.main([str(tmp_path), "--out", str(tmp_path / "REPORT.md")])
+    assert "### prefill: tiny bf16 on cpu" in text and "### decode: tiny bf16 on cpu" in text
+    assert "| EP1 DP1 TP1 (kvrelay, bf16) |" in text and "| 32 | 2 |" in text
+    assert (tmp_path / "REPORT.decode.png").stat().st_size > 0
+
+
+def test_graph_and_attention_choice_follow_the_runner_signature(monkeypatch):
+    from kvrelay.engine import runner as runner_mod
+
+    # With today's Runner (reference attention by default) a GPU run gets a GPU kernel, a CPU run the engine's.
+    label = C.choose_attention("auto", "cuda")[1]
+    assert label.startswith(("triton", "flashinfer", "engine default"))
+    assert C.choose_attention("auto", "cpu")[0] is None
+
+    def with_switch(self, cfg, weights, *, device="cpu", cuda_graphs: bool = False):
+        pass
+
+    monkeypatch.setattr(runner_mod.Runner, "__init__", with_switch)
+    assert C.graph_kwargs("auto", "cuda") == ({"cuda_graphs": True}, "cuda_graphs=True")
+    assert C.graph_kwargs("auto", "cpu")[0] == {"cuda_graphs": False}
+    # No attention_fn parameter: the engine chooses; an explicit backend is refused loudly.
+    assert C.choose_attention("auto", "cuda") == (None, "engine default")
+    with pytest.raises(SystemExit):
+        C.choose_attention("triton", "cuda")
+
+    def with_sizes(self, cfg, weights, *, cuda_graph_batch_sizes=()):
+        pass
+
+    monkeypatch.setattr(runner_mod.Runner, "__init__", with_sizes)
+    assert C.graph_kwargs("auto", "cuda", [1, 8])[0] == {"cuda_graph_batch_sizes": (1, 8)}
+    assert C.graph_kwargs("off", "cuda", [1, 8])[0] == {}

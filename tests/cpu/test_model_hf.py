@@ -21,6 +21,8 @@ from kvrelay.engine.runner import Runner  # noqa: E402
 from kvrelay.engine.weights import open_weights  # noqa: E402
 
 
+pytestmark = pytest.mark.usefixtures("model_single_thread")
+
 @dataclass(frozen=True)
 class Case:
     name: str

@@ -13,6 +13,8 @@ import torch
 from kvrelay.engine.llm import LLM
 from kvrelay.engine.sampling import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("model_single_thread")
+
 FIXTURE = Path(__file__).resolve().parents[1] / "data" / "gpt-oss-tiny-original"
 RUNS = json.loads((FIXTURE / "reference.json").read_text())["runs"]
 GREEDY = SamplingParams(max_tokens=len(RUNS[0]["greedy"]), temperature=0)

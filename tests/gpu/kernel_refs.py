@@ -103,16 +103,26 @@ def swiglu_ref(gu: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> to
     return g * torch.sigmoid(alpha * g) * (u + 1)
 
 
-def moe_ref(x, ids, weights, w1, b1, w2, b2, alpha=1.702, limit=7.0) -> torch.Tensor:
+def _fake_quant_1x128(v: torch.Tensor) -> torch.Tensor:
+    from kvrelay.kernels.fp8 import dequantize_act_1x128, quantize_act_1x128
+    q, s = quantize_act_1x128(v.bfloat16().reshape(1, -1))
+    return dequantize_act_1x128(q, s).reshape(-1)
+
+
+def moe_ref(x, ids, weights, w1, b1, w2, b2, alpha=1.702, limit=7.0, quant_act=False) -> torch.Tensor:
     """Float32 expert mixture for given routing: x [T, H]; ids/weights [T, k]; w1 [E, 2I, H] (interleaved
-    gate/up rows); w2 [E, H, I]. Weights given already dequantised."""
+    gate/up rows); w2 [E, H, I]. Weights given already dequantised. quant_act: the GEMM inputs go
+    through 1x128 fp8 quantisation (after bf16 rounding), as the fp8 tensor-core path does."""
     xf = x.float()
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
     for t in range(x.shape[0]):
+        xt = _fake_quant_1x128(xf[t]) if quant_act else xf[t]
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
-            h = w1[e].float() @ xf[t] + b1[e].float()
+            h = w1[e].float() @ xt + b1[e].float()
             a = swiglu_ref(h, alpha, limit)
+            if quant_act:
+                a = _fake_quant_1x128(a)
             out[t] += float(weights[t, j]) * (w2[e].float() @ a + b2[e].float())
     return out
 

@@ -1,0 +1,114 @@
+"""Paged KV cache bookkeeping (no model) and a KV export/import round trip through two Runners."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvrelay.engine.config import PRESETS
+from kvrelay.engine.kv_cache import FULL, SLIDING, KVCache, OutOfPages, PageAllocator
+from kvrelay.engine.runner import Runner
+
+FIXTURE = Path(__file__).resolve().parents[1] / "data" / "gpt-oss-tiny-original"
+CFG = PRESETS["tiny"]  # sliding_window 8
+pytestmark = pytest.mark.usefixtures("model_single_thread")
+
+
+def test_allocator_hands_out_and_takes_back():
+    a = PageAllocator(4)
+    assert a.allocate(3) == [0, 1, 2]
+    with pytest.raises(OutOfPages):
+        a.allocate(2)
+    a.release([1])
+    assert a.num_free == 2
+    with pytest.raises(ValueError, match="not allocated"):
+        a.release([1])
+
+
+def test_sliding_group_keeps_only_the_window():
+    kv = KVCache(CFG, num_pages=64, page_size=4)
+    kv.reserve("s", 30)
+    kv.commit("s", 30)
+    seq = kv.export_sequence("s")
+    # The next query (position 30) sees positions 23..30: logical pages 5..7 cover them.
+    assert seq.first_page == {FULL: 0, SLIDING: (30 - 8 + 1) // 4}
+    assert len(seq.pages[FULL]) == 8 and len(seq.pages[SLIDING]) == 8 - 5
+    assert kv.free_pages() == {FULL: 56, SLIDING: 61}
+    for _ in range(10):  # decode steps keep the sliding group bounded
+        kv.reserve("s", 1)
+        kv.commit("s", 1)
+    assert len(kv.export_sequence("s").pages[SLIDING]) <= -(-(CFG.sliding_window - 1) // 4) + 1
+    kv.free("s")
+    assert kv.free_pages() == {FULL: 64, SLIDING: 64}
+
+
+def test_plan_is_flashinfer_csr():
+    kv = KVCache(CFG, num_pages=64, page_size=4)
+    kv.reserve("a", 6)
+    kv.commit("a", 6)
+    kv.reserve("a", 1)
+    kv.reserve("b", 3)
+    layout = kv.plan([("a", 1), ("b", 3)])
+    assert layout.qo_indptr.tolist() == [0, 1, 4]
+    assert layout.positions.tolist() == [6, 0, 1, 2]
+    assert layout.logit_rows.tolist() == [0, 3]
+    full = layout.kv[FULL]
+    assert full.kv_indptr.tolist() == [0, 2, 3]
+    assert full.kv_last_page_len.tolist() == [3, 3]
+    pa, pb = kv.seqs["a"].pages[FULL], kv.seqs["b"].pages[FULL]
+    assert full.kv_indices.tolist() == pa[:2] + pb[:1]
+    assert layout.write_pages[FULL].tolist() == [pa[1], pb[0], pb[0], pb[0]]
+    assert layout.write_offsets[FULL].tolist() == [2, 0, 1, 2]
+
+
+def test_reserve_is_all_or_nothing():
+    kv = KVCache(CFG, num_pages={FULL: 4, SLIDING: 2}, page_size=4)
+    assert kv.pages_needed(12) == {FULL: 3, SLIDING: 3}
+    assert not kv.can_allocate(12)
+    with pytest.raises(OutOfPages):
+        kv.reserve("s", 12)
+    assert kv.free_pages() == {FULL: 4, SLIDING: 2} and "s" not in kv.seqs
+
+
+def test_export_import_continues_identically():
+    """Prefill on one runner, copy the pages into a second runner's pool at the ids it allocated, decode
+    there: the logits equal decoding on the first runner (what a NIXL handoff must achieve)."""
+    from kvrelay.engine.config import load_model_config
+    from kvrelay.engine.weights import open_weights
+
+    cfg = load_model_config(FIXTURE)
+    w = open_weights(FIXTURE, cfg)
+    a = Runner(cfg, w, page_size=4, kv_tokens=256)
+    b = Runner(cfg, w, page_size=4, kv_tokens=512)
+    b.kv.reserve("other", 9)  # so b's page ids differ from a's
+    b.kv.commit("other", 9)
+    prompt = list(range(3, 3 + 2 * cfg.sliding_window + 3))
+    first = int(a.prefill("s", prompt).argmax())
+    src = a.export_sequence("s")
+    dst = b.import_sequence("s", src.length)
+    assert dst.first_page == src.first_page and dst.pages != src.pages
+    b.kv.copy_pages(a.kv, src, dst)
+    tok_a, tok_b = first, first
+    for _ in range(2 * cfg.sliding_window):
+        la, lb = a.decode(["s"], [tok_a])[0], b.decode(["s"], [tok_b])[0]
+        assert torch.equal(la, lb)
+        tok_a = tok_b = int(la.argmax())
+    with pytest.raises(ValueError, match="already exists"):
+        b.import_sequence("s", 5)
+
+
+def test_runner_errors_leave_no_state():
+    from kvrelay.engine.config import load_model_config
+    from kvrelay.engine.weights import open_weights
+
+    cfg = load_model_config(FIXTURE)
+    r = Runner(cfg, open_weights(FIXTURE, cfg), page_size=4, kv_tokens=64)
+    with pytest.raises(ValueError, match="outside"):
+        r.prefill("x", [1, cfg.vocab_size])
+    with pytest.raises(OutOfPages):
+        r.prefill("x", list(range(100)))
+    assert not r.has_sequence("x") and r.free_pages() == {FULL: 16, SLIDING: 16}
+    with pytest.raises(KeyError):
+        r.decode(["nope"], [1])
