@@ -67,9 +67,7 @@ def _table(rows: list[dict]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    import ray
-
-    from kvrelay.cluster.placement import init_ray
+    from kvrelay.cluster.placement import init_ray, loopback_env
     from kvrelay.cluster.topology import TopologyError, load_topology
 
     try:
@@ -77,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
     except TopologyError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    loopback_env(topo)  # before the first `import ray`, or Ray looks for the GCS on the routable address
+    import ray
+
     address = args.address or topo.ray.address or "auto"
     try:
         init_ray(topo, address=address)

@@ -2,6 +2,7 @@
 
     kvrelay generate --model gpt-oss-tiny --dummy --prompt "Hello" --max-new-tokens 16 --json
     kvrelay generate --model tests/data/gpt-oss-tiny-original --prompt-ids 1,2,3 --greedy
+    kvrelay generate --model tiny --dummy --prompt-ids 1,2,3 --tp 2          # 2 CPU ranks over gloo
 
 --prompt renders one harmony user turn (openai-harmony, offline vocabulary from TIKTOKEN_ENCODINGS_BASE)
 and stops on <|return|> / <|call|>; --prompt-ids feeds raw ids and stops only on --max-new-tokens.
@@ -41,6 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dummy", action="store_true", help="random weights of the model's shape")
     parser.add_argument("--weights-seed", type=int, default=0, help="seed of the --dummy weights")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel ranks: spawns this many CPU processes joined by gloo (debugging)")
+    parser.add_argument("--ep", type=int, default=None,
+                        help="expert-parallel ranks: --tp (default; each rank holds whole experts) or 1 "
+                             "(each rank holds a slice of every expert)")
 
 
 def _harmony():
@@ -71,11 +77,46 @@ def _parse_ids(s: str) -> list[int]:
     return ids
 
 
+def _load_and_generate(shard, args: argparse.Namespace, prompt_ids: list[int], params) -> dict:
+    """Load the model (this rank's shard of it) and generate; runs in each rank's process under --tp."""
+    from kvrelay.engine.llm import LLM
+    from kvrelay.engine.parallel import held_tensor_bytes
+
+    t0 = time.perf_counter()
+    llm = LLM(args.model, device=args.device, quant=args.quant, dummy=args.dummy, seed=args.weights_seed,
+              shard=shard)
+    t1 = time.perf_counter()
+    outs = list(llm.generate(prompt_ids, params))
+    t2 = time.perf_counter()
+    return {"outs": outs, "load_s": t1 - t0, "generate_s": t2 - t1,
+            "weight_bytes": held_tensor_bytes(llm.runner.model)}
+
+
+def _generate(args: argparse.Namespace, cfg, prompt_ids: list[int], params) -> list[dict]:
+    """One result per rank. With --tp N the ranks run the same request in lockstep; the sampling seed is
+    fixed here, before spawning, so every rank draws the same token from the same gathered logits."""
+    from kvrelay.engine.parallel import SINGLE, check_partition, run_ranks
+
+    ep = args.tp if args.ep is None else args.ep
+    if args.tp < 1 or ep not in (1, args.tp):
+        raise ValueError(f"--tp must be >= 1 and --ep either 1 or --tp ({args.tp}); got --tp {args.tp} --ep {ep}")
+    if args.tp == 1:
+        return [_load_and_generate(SINGLE, args, prompt_ids, params)]
+    if args.device != "cpu":
+        raise ValueError("--tp > 1 spawns CPU ranks over gloo; serve GPU tensor parallelism with `kvrelay serve`")
+    check_partition(cfg, args.tp, expert_parallel=ep == args.tp)  # fail now, not in N processes
+    ranks = run_ranks(_load_and_generate, args.tp, args, prompt_ids, params.resolved(), timeout_s=3600,
+                      expert_parallel=ep == args.tp)
+    tokens = [[o.token_id for o in r["outs"]] for r in ranks]
+    if any(t != tokens[0] for t in tokens):
+        raise RuntimeError(f"tensor-parallel ranks generated different tokens: {tokens}")
+    return ranks
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from kvrelay.engine.config import load_model_config
-    from kvrelay.engine.llm import LLM
     from kvrelay.engine.sampling import SamplingParams
 
     def fail(msg: str) -> int:
@@ -101,11 +142,7 @@ def run(args: argparse.Namespace) -> int:
             temperature=0.0 if args.temperature is None else args.temperature,
             top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop_token_ids=stop_ids, logprobs=True,
         )
-        t0 = time.perf_counter()
-        llm = LLM(args.model, device=args.device, quant=args.quant, dummy=args.dummy, seed=args.weights_seed)
-        t1 = time.perf_counter()
-        outs = list(llm.generate(prompt_ids, params))
-        t2 = time.perf_counter()
+        ranks = _generate(args, cfg, prompt_ids, params)
     except (ValueError, FileNotFoundError, RuntimeError, KeyError) as e:
         return fail(str(e))
     except Exception as e:  # weights.WeightError and friends: report, don't dump a traceback
@@ -113,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
             return fail(f"{type(e).__name__}: {e}")
         raise
 
+    outs = ranks[0]["outs"]
+    load_s, generate_s = max(r["load_s"] for r in ranks), max(r["generate_s"] for r in ranks)
     token_ids = [o.token_id for o in outs]
     text = None
     if encoding is None and cfg.vocab_size > max(HARMONY_STOP_IDS) and args.prompt_ids is not None:
@@ -133,14 +172,18 @@ def run(args: argparse.Namespace) -> int:
         "text_is_ids": text is None,
         "finish_reason": outs[-1].finish_reason if outs else None,
         "logprobs": [o.logprob for o in outs],
-        "load_s": round(t1 - t0, 3),
-        "generate_s": round(t2 - t1, 3),
-        "tokens_per_s": round(len(outs) / max(t2 - t1, 1e-9), 2),
+        "load_s": round(load_s, 3),
+        "generate_s": round(generate_s, 3),
+        "tokens_per_s": round(len(outs) / max(generate_s, 1e-9), 2),
+        "tp": args.tp,
+        "ep": args.tp if args.ep is None else args.ep,
+        "weight_bytes_per_rank": [r["weight_bytes"] for r in ranks],
     }
     if args.json:
         print(json.dumps(result))
     else:
         print(result["text"])
-        print(f"[{len(token_ids)} tokens, finish={result['finish_reason']}, {result['tokens_per_s']} tok/s]",
-              file=sys.stderr)
+        mib = ", ".join(f"{b / 2**20:.1f}" for b in result["weight_bytes_per_rank"])
+        print(f"[{len(token_ids)} tokens, finish={result['finish_reason']}, {result['tokens_per_s']} tok/s, "
+              f"TP{args.tp} weights per rank {mib} MiB]", file=sys.stderr)
     return 0

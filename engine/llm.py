@@ -21,6 +21,7 @@ from typing import Hashable, Iterator, Sequence
 import torch
 
 from kvrelay.engine.config import ModelConfig
+from kvrelay.engine.parallel import SINGLE, ParallelContext
 from kvrelay.engine.runner import Runner
 from kvrelay.engine.sampling import SamplingParams, TokenOutput, finish_reason
 
@@ -49,9 +50,11 @@ class LLM:
         max_num_seqs: int = 64,
         max_prefill_tokens: int = 8192,
         weights=None,
+        shard: ParallelContext = SINGLE,
     ):
         """`model`: a preset name, a model directory, or a ModelConfig (then `weights` or dummy=True).
-        `weights`: any object with WeightSource's `get` (tests pass in-memory tensors)."""
+        `weights`: any object with WeightSource's `get` (tests pass in-memory tensors).
+        `shard`: this process's rank in a TP/EP group; every rank runs the same requests in lockstep."""
         if isinstance(model, ModelConfig):
             cfg = model
             if weights is None:
@@ -61,15 +64,15 @@ class LLM:
                     raise ValueError("LLM(ModelConfig) needs weights=... or dummy=True")
                 weights = open_model_weights(cfg.name, cfg, dummy=True, seed=seed)
             self.runner = Runner(cfg, weights, device=device, dtype=dtype, quant=quant, page_size=page_size,
-                                 kv_tokens=kv_tokens)
+                                 kv_tokens=kv_tokens, shard=shard)
         elif weights is not None:
             from kvrelay.engine.config import load_model_config
 
             self.runner = Runner(load_model_config(model), weights, device=device, dtype=dtype, quant=quant,
-                                 page_size=page_size, kv_tokens=kv_tokens)
+                                 page_size=page_size, kv_tokens=kv_tokens, shard=shard)
         else:
             self.runner = Runner.load(model, dummy=dummy, seed=seed, device=device, dtype=dtype, quant=quant,
-                                      page_size=page_size, kv_tokens=kv_tokens)
+                                      page_size=page_size, kv_tokens=kv_tokens, shard=shard)
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
         self._total_pages = min(self.runner.free_pages().values())

@@ -26,7 +26,9 @@ def generate(out_dir: Path | str | None = None, protos: list[Path] | None = None
     `out_dir=None` writes next to the sources, i.e. refreshes the committed stubs. grpcio-tools is a
     test/dev dependency, hence the import inside the function.
     """
-    from grpc_tools import protoc  # grpcio-tools; absent in a runtime-only install
+    import subprocess
+    import sys
+    from importlib.util import find_spec
 
     out = Path(out_dir) if out_dir is not None else PROTO_ROOT
     out.mkdir(parents=True, exist_ok=True)
@@ -34,11 +36,16 @@ def generate(out_dir: Path | str | None = None, protos: list[Path] | None = None
     if not sources:
         raise FileNotFoundError(f"no .proto files under {PROTO_DIR}")
     # protoc's own include dir provides google/protobuf/*.proto for any well-known-type imports.
-    import grpc_tools
-
-    wkt_include = Path(grpc_tools.__file__).resolve().parent / "_proto"
+    spec = find_spec("grpc_tools")  # grpcio-tools; absent in a runtime-only install
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError("generating stubs needs grpcio-tools (pip install 'kvrelay[test]')")
+    wkt_include = Path(spec.origin).resolve().parent / "_proto"
     relative = [str(Path(p).resolve().relative_to(PROTO_ROOT)) for p in sources]
+    # protoc runs in a child process: loading grpc_tools' bundled C++ protobuf into a process that already
+    # holds torch and the upb protobuf runtime was seen to segfault.
     args = [
+        sys.executable,
+        "-m",
         "grpc_tools.protoc",
         f"-I{PROTO_ROOT}",
         f"-I{wkt_include}",
@@ -47,9 +54,9 @@ def generate(out_dir: Path | str | None = None, protos: list[Path] | None = None
         f"--pyi_out={out}",
         *relative,
     ]
-    code = protoc.main(args)
-    if code != 0:
-        raise RuntimeError(f"protoc failed with exit code {code} for {relative}")
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise RuntimeError(f"protoc failed with exit code {done.returncode} for {relative}: {done.stderr.strip()}")
     written: list[Path] = []
     for rel in relative:
         stem = Path(rel).with_suffix("")

@@ -3,43 +3,21 @@ sliding window on even layers, output projection with bias. Sharded by query hea
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from kvrelay.engine import parallel
 from kvrelay.engine.layers.linear import Linear, Shard, WeightGetter
+from kvrelay.engine.parallel import HeadRange
 from kvrelay.kernels.reference import PagedKV, apply_rotary, write_kv
 
 
-@dataclass(frozen=True)
-class HeadRange:
-    """The query heads [q0, q1) a rank computes and the KV heads [kv0, kv1) they read.
-
-    The KV range is derived from the query range, so TP beyond the KV head count (e.g. TP=16 over 8 KV
-    heads) replicates a KV head on the ranks that share it instead of failing."""
-
-    q0: int
-    q1: int
-    kv0: int
-    kv1: int
-
-    @property
-    def num_q(self) -> int:
-        return self.q1 - self.q0
-
-    @property
-    def num_kv(self) -> int:
-        return self.kv1 - self.kv0
-
-
 def head_range(cfg, shard: Shard) -> HeadRange:
-    q0, q1 = shard.span(cfg.num_attention_heads, "num_attention_heads")
-    g = cfg.gqa_group
-    kv0, kv1 = q0 // g, (q1 - 1) // g + 1
-    if (q1 - q0) % (kv1 - kv0):
-        raise ValueError(f"{shard.world_size} ranks split a GQA group of {g} query heads unevenly")
-    return HeadRange(q0, q1, kv0, kv1)
+    """The query/KV heads this rank holds. One rule for the layer, the KV cache and the KV handoff plan
+    (engine/kv_sharding.py), which must all agree on which rank holds which KV head. It also rejects
+    splits whose ranks would straddle GQA groups unevenly (e.g. 48 query / 6 KV heads on 8 ranks)."""
+    return parallel.head_range(cfg.num_attention_heads, cfg.num_key_value_heads, shard.rank, shard.world_size)
 
 
 # (q [T,Hq,D], layer pool, qo_indptr, PagedKV, sinks, sm_scale, window) -> [T,Hq,D]; the reference is

@@ -60,6 +60,9 @@ def test_head_range_errors():
         head_range(64, 8, 0, 3)
     with pytest.raises(ParallelConfigError, match="num_key_value_heads=4 is not divisible by 6"):
         head_range(24, 4, 0, 6)  # 6 ranks would straddle GQA groups
+    # 6 query heads per rank over groups of 8: rank 1 would hold 2 heads of group 0 and 4 of group 1.
+    with pytest.raises(ParallelConfigError, match="num_key_value_heads=6 is not divisible by 8"):
+        head_range(48, 6, 1, 8)
 
 
 def test_check_partition_names_the_problem():
