@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
 
@@ -76,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     loopback_env(topo)  # before the first `import ray`, or Ray looks for the GCS on the routable address
+    # A local cluster started by `kvrelay serve` (plain ray.init) uses Ray's default token auth; a driver
+    # that joins it only presents Ray's token when told the mode. RAY_AUTH_MODE=disabled opts out.
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
     import ray
 
     address = args.address or topo.ray.address or "auto"

@@ -86,7 +86,9 @@ class BatchLayout:
     """Everything one forward needs about where its tokens go and what they attend to.
 
     Tokens are laid out ragged, sequence after sequence (qo_indptr); `logit_rows` are the rows of each
-    sequence's last new token."""
+    sequence's last new token. `host` holds CPU copies (pinned on a CUDA device) of the small index
+    arrays that planners read on the host (FlashInfer's plan, Triton's tile plan): "qo_indptr" and per
+    group "kv_indptr"/"kv_last_page_len", so planning never waits for the device."""
 
     qo_indptr: torch.Tensor
     positions: torch.Tensor
@@ -94,6 +96,14 @@ class BatchLayout:
     kv: dict[str, PagedKV]
     write_pages: dict[str, torch.Tensor]
     write_offsets: dict[str, torch.Tensor]
+    num_tokens: int = 0
+    num_seqs: int = 0
+    host: dict | None = None
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token per sequence (a decode step): the decode attention kernels apply."""
+        return self.num_tokens == self.num_seqs
 
 
 class KVCache:
@@ -243,8 +253,10 @@ class KVCache:
             self.pools[g][:, d] = src.pools[g][:, s].to(self.device)
 
     # ---- per-forward metadata ------------------------------------------------------------------
-    def plan(self, batch: list[tuple[Hashable, int]]) -> BatchLayout:
-        """Layout for appending n_new tokens to each (already reserved) sequence, in order."""
+    def plan_lists(self, batch: list[tuple[Hashable, int]]) -> dict:
+        """The layout of `plan` as Python lists (for callers that fill their own fixed buffers, e.g. the
+        CUDA-graph decode step): qo, positions, rows, and per group indptr, indices, last_len, w_pages,
+        w_offsets."""
         ps = self.page_size
         qo, positions, rows = [0], [], []
         indptr = {g: [0] for g in GROUPS}
@@ -272,14 +284,62 @@ class KVCache:
                 w_pages[g] += [pages[p // ps - first] for p in pos]
                 w_offsets[g] += [p % ps for p in pos]
 
-        def t(x: list[int], dtype=torch.int32) -> torch.Tensor:
-            return torch.tensor(x, dtype=dtype, device=self.device)
+        return dict(qo=qo, positions=positions, rows=rows, indptr=indptr, indices=indices, last_len=last_len,
+                    w_pages=w_pages, w_offsets=w_offsets)
 
+    def plan(self, batch: list[tuple[Hashable, int]]) -> BatchLayout:
+        """Layout for appending n_new tokens to each (already reserved) sequence, in order."""
+        lists = self.plan_lists(batch)
+        qo, positions, rows = lists["qo"], lists["positions"], lists["rows"]
+        indptr, indices, last_len = lists["indptr"], lists["indices"], lists["last_len"]
+        w_pages, w_offsets = lists["w_pages"], lists["w_offsets"]
+        n_tok, n_seq = len(positions), len(batch)
+        host = {"qo_indptr": qo, "kv_indptr": indptr, "kv_last_page_len": last_len}
+        if self.device.type != "cuda":
+            def t(x: list[int], dtype=torch.int32) -> torch.Tensor:
+                return torch.tensor(x, dtype=dtype, device=self.device)
+
+            return BatchLayout(
+                qo_indptr=t(qo),
+                positions=t(positions, torch.long),
+                logit_rows=t(rows, torch.long),
+                kv={g: PagedKV(t(indptr[g]), t(indices[g]), t(last_len[g])) for g in GROUPS},
+                write_pages={g: t(w_pages[g], torch.long) for g in GROUPS},
+                write_offsets={g: t(w_offsets[g], torch.long) for g in GROUPS},
+                num_tokens=n_tok, num_seqs=n_seq,
+                host={k: ({g: torch.tensor(v[g], dtype=torch.int32) for g in GROUPS} if isinstance(v, dict)
+                          else torch.tensor(v, dtype=torch.int32)) for k, v in host.items()},
+            )
+        # CUDA: every array in two pinned host buffers (int64 for indexing, int32 for the attention
+        # kernels), two asynchronous copies, device views; no copy from pageable memory (which would
+        # wait for the stream) and no per-layer host work.
+        parts64 = [("positions", positions), ("logit_rows", rows)]
+        parts64 += [(("wp", g), w_pages[g]) for g in GROUPS] + [(("wo", g), w_offsets[g]) for g in GROUPS]
+        parts32 = [("qo", qo)] + [(("ip", g), indptr[g]) for g in GROUPS]
+        parts32 += [(("ix", g), indices[g]) for g in GROUPS] + [(("ll", g), last_len[g]) for g in GROUPS]
+        v64, h64 = _pack(parts64, torch.int64, self.device)
+        v32, h32 = _pack(parts32, torch.int32, self.device)
         return BatchLayout(
-            qo_indptr=t(qo),
-            positions=t(positions, torch.long),
-            logit_rows=t(rows, torch.long),
-            kv={g: PagedKV(t(indptr[g]), t(indices[g]), t(last_len[g])) for g in GROUPS},
-            write_pages={g: t(w_pages[g], torch.long) for g in GROUPS},
-            write_offsets={g: t(w_offsets[g], torch.long) for g in GROUPS},
+            qo_indptr=v32["qo"],
+            positions=v64["positions"],
+            logit_rows=v64["logit_rows"],
+            kv={g: PagedKV(v32[("ip", g)], v32[("ix", g)], v32[("ll", g)]) for g in GROUPS},
+            write_pages={g: v64[("wp", g)] for g in GROUPS},
+            write_offsets={g: v64[("wo", g)] for g in GROUPS},
+            num_tokens=n_tok, num_seqs=n_seq,
+            host={"qo_indptr": h32["qo"], "kv_indptr": {g: h32[("ip", g)] for g in GROUPS},
+                  "kv_last_page_len": {g: h32[("ll", g)] for g in GROUPS}},
         )
+
+
+def _pack(parts: list[tuple], dtype: torch.dtype, device: torch.device):
+    """Concatenate int lists into one pinned host tensor, copy it to `device` asynchronously, and return
+    ({key: device view}, {key: host view})."""
+    flat: list[int] = []
+    spans = []
+    for key, values in parts:
+        spans.append((key, len(flat), len(values)))
+        flat += values
+    host = torch.tensor(flat, dtype=dtype).pin_memory()
+    dev = host.to(device, non_blocking=True)
+    return ({k: dev[o: o + n] for k, o, n in spans}, {k: host[o: o + n] for k, o, n in spans})

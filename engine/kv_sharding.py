@@ -99,19 +99,21 @@ def plan_kv_handoff(num_q_heads: int, num_kv_heads: int, prefill_tp: int, decode
     return KVHandoffPlan(num_q_heads, num_kv_heads, prefill_tp, decode_tp, pre, dec, tuple(pulls))
 
 
-def head_byte_runs(page_size: int, local_kv_heads: int, head_dim: int, itemsize: int,
-                   heads: tuple[int, int]) -> tuple[tuple[int, int], ...]:
-    """Byte runs (offset, length) inside one page `[2, page_size, local_kv_heads, head_dim]` (NHD) that
-    hold local heads [h0, h1). All heads of a page are one run; a subset is strided, one run per
-    (K or V, token). These are the extra descriptors a cross-TP pull needs per page and layer."""
-    h0, h1 = heads
-    if not 0 <= h0 < h1 <= local_kv_heads:
-        raise ValueError(f"heads [{h0}, {h1}) outside a page of {local_kv_heads} KV heads")
-    row = local_kv_heads * head_dim * itemsize  # one token's K (or V) for every local head
-    if (h0, h1) == (0, local_kv_heads):
-        return ((0, 2 * page_size * row),)
-    start, length = h0 * head_dim * itemsize, (h1 - h0) * head_dim * itemsize
-    return tuple((kv * page_size * row + t * row + start, length) for kv in range(2) for t in range(page_size))
+def page_copy_runs(s: HeadSlice, page_size: int, src_local_heads: int, dst_local_heads: int, head_dim: int,
+                   itemsize: int) -> tuple[tuple[int, int, int], ...]:
+    """Byte runs (src_offset, dst_offset, length) that copy slice `s` from one source page into one
+    destination page, both laid out `[2, page_size, local_kv_heads, head_dim]` (NHD) but with each side's
+    own head count. Whole pages on both sides are one run (the TPp == TPd case); a subset of heads is
+    strided, one run per (K or V, token): 2 * page_size NIXL descriptors per page and layer."""
+    if not (0 <= s.src0 < s.src1 <= src_local_heads and 0 <= s.dst0 < s.dst1 <= dst_local_heads):
+        raise ValueError(f"slice {s} does not fit pages of {src_local_heads} -> {dst_local_heads} KV heads")
+    head = head_dim * itemsize
+    if s.num_heads == src_local_heads == dst_local_heads:
+        return ((0, 0, 2 * page_size * src_local_heads * head),)
+    src_row, dst_row = src_local_heads * head, dst_local_heads * head  # one token's K (or V), all heads
+    return tuple((kv * page_size * src_row + t * src_row + s.src0 * head,
+                  kv * page_size * dst_row + t * dst_row + s.dst0 * head, s.num_heads * head)
+                 for kv in range(2) for t in range(page_size))
 
 
 def assemble_kv(plan: KVHandoffPlan, decode_rank: int, sources: Mapping[int, torch.Tensor],

@@ -16,13 +16,13 @@ import torch
 
 from kvrelay.engine.config import ModelConfig
 from kvrelay.engine.kv_cache import BatchLayout, KVCache
-from kvrelay.engine.layers.attention import Attention, AttentionFn
+from kvrelay.engine.layers.attention import Attention, AttentionFn, BatchAttention, GpuAttention
 from kvrelay.engine.layers.embedding import Embedding, Unembedding
 from kvrelay.engine.layers.linear import QUANTS, Shard, WeightGetter
 from kvrelay.engine.layers.moe import MoE
 from kvrelay.engine.layers.norm import RMSNorm
 from kvrelay.engine.layers.rotary import YarnRotary
-from kvrelay.kernels.reference import paged_attention
+from kvrelay.kernels import select
 
 
 class Block:
@@ -37,11 +37,11 @@ class Block:
         self.mlp = MoE(weights, cfg, layer, shard=shard, quant=quant, device=device, dtype=dtype)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                 batch: BatchLayout, attention_fn: AttentionFn) -> torch.Tensor:
+                 batch: BatchLayout, attn: BatchAttention) -> torch.Tensor:
         group = cache.layer_group(self.layer)
         a = self.attn(
-            self.attn_norm(x), cos, sin, cache.layer_pool(self.layer), batch.qo_indptr, batch.kv[group],
-            batch.write_pages[group], batch.write_offsets[group], attention_fn,
+            self.attn_norm(x), cos, sin, cache.layer_pool(self.layer), group,
+            batch.write_pages[group], batch.write_offsets[group], attn,
         )
         x = x + self.shard.all_reduce(a)
         return x + self.shard.all_reduce(self.mlp(self.mlp_norm(x)))
@@ -59,11 +59,17 @@ class GptOss:
         dtype: torch.dtype = torch.bfloat16,
         quant: str = "bf16",
         shard: Shard = Shard(),
-        attention_fn: AttentionFn = paged_attention,
+        attention_fn: AttentionFn | None = None,
     ):
         if quant not in QUANTS:
             raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
         self.cfg, self.device, self.dtype, self.quant, self.shard = cfg, torch.device(device), dtype, quant, shard
+        # None: the device's kernels (kernels.select); an explicit function runs through the generic
+        # per-layer wrapper (the reference, or any drop-in with its signature).
+        self.attention_backend = "custom" if attention_fn is not None else select.attention_backend(
+            self.device, cfg.head_dim)
+        if attention_fn is None and self.attention_backend == "reference":
+            from kvrelay.kernels.reference import paged_attention as attention_fn
         self.attention_fn = attention_fn
         common = dict(shard=shard, device=device, dtype=dtype)
         self.embedding = Embedding(weights, cfg, **common)
@@ -72,15 +78,37 @@ class GptOss:
         self.norm = RMSNorm(weights, "norm.scale", cfg.rms_norm_eps, device)
         self.unembedding = Unembedding(weights, cfg, **common)
 
+    def make_attention(self, page_size: int, **gpu_kwargs) -> BatchAttention:
+        """A per-batch attention object for this model (plan once per forward, run in every layer)."""
+        if self.attention_fn is not None:
+            return BatchAttention(self.attention_fn)
+        heads = self.blocks[0].attn.heads if self.blocks else None
+        return GpuAttention(self.cfg, heads.num_kv, heads.num_q, page_size, self.device, self.dtype,
+                            self.attention_backend, **gpu_kwargs)
+
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: KVCache, batch: BatchLayout, *,
-                all_logits: bool = False) -> torch.Tensor:
+                all_logits: bool = False, attn: BatchAttention | None = None, plan: bool = True) -> torch.Tensor:
         """Append the ragged tokens `ids` [T] to the cache and return logits [B, vocab] (fp32) for each
-        sequence's last new token, or [T, vocab] for every token when all_logits (tests, scoring)."""
+        sequence's last new token, or [T, vocab] for every token when all_logits (tests, scoring).
+
+        `attn` (default: one made for `cache` and kept) is planned here unless plan=False (a CUDA-graph
+        step plans outside the graph)."""
+        if attn is None:
+            attn = self._default_attention(cache)
+        if plan:
+            attn.plan(batch)
         x = self.embedding(ids)
         cos, sin = self.rotary(batch.positions)
         for block in self.blocks:
-            x = block(x, cos, sin, cache, batch, self.attention_fn)
+            x = block(x, cos, sin, cache, batch, attn)
         if not all_logits:
             x = x[batch.logit_rows]
         return self.unembedding(self.norm(x)).float()
+
+    def _default_attention(self, cache: KVCache) -> BatchAttention:
+        att = getattr(self, "_attention", None)
+        if att is None or getattr(self, "_attention_page", None) != cache.page_size:
+            att = self._attention = self.make_attention(cache.page_size)
+            self._attention_page = cache.page_size
+        return att

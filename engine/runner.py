@@ -14,14 +14,17 @@ from typing import Hashable, Sequence
 import torch
 
 from kvrelay.engine.config import ModelConfig, load_model_config
-from kvrelay.engine.kv_cache import GROUPS, KVCache, OutOfPages, SequenceKV
+from kvrelay.engine.kv_cache import GROUPS, BatchLayout, KVCache, OutOfPages, SequenceKV
 from kvrelay.engine.layers.attention import AttentionFn
 from kvrelay.engine.layers.linear import Shard, WeightGetter
 from kvrelay.engine.model import GptOss
 from kvrelay.engine.sampling import SamplingParams, sample
-from kvrelay.kernels.reference import paged_attention
+from kvrelay.kernels.reference import PagedKV
 
-__all__ = ["Runner", "OutOfPages", "open_model_weights"]
+__all__ = ["Runner", "OutOfPages", "open_model_weights", "DEFAULT_GRAPH_BATCH_SIZES"]
+
+DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+_WORKSPACE_BYTES = 128 << 20
 
 
 def open_model_weights(model: str | Path, cfg: ModelConfig, *, dummy: bool, seed: int) -> WeightGetter:
@@ -32,6 +35,11 @@ def open_model_weights(model: str | Path, cfg: ModelConfig, *, dummy: bool, seed
 
 
 class Runner:
+    """`attention_fn` None (default) picks the device's kernels (kernels.select: the torch reference on
+    CPU; FlashInfer/Triton on CUDA); an explicit function is run per layer with the reference's
+    signature. On CUDA, decode steps of up to max(cuda_graph_batch_sizes) sequences replay CUDA graphs
+    captured at those padded batch sizes (cuda_graphs=False or an empty tuple: always eager)."""
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -44,7 +52,9 @@ class Runner:
         num_pages: int | dict[str, int] | None = None,
         kv_tokens: int = 65536,
         shard: Shard = Shard(),
-        attention_fn: AttentionFn = paged_attention,
+        attention_fn: AttentionFn | None = None,
+        cuda_graphs: bool = True,
+        cuda_graph_batch_sizes: Sequence[int] = DEFAULT_GRAPH_BATCH_SIZES,
     ):
         self.cfg = cfg
         self.device = torch.device(device)
@@ -55,6 +65,25 @@ class Runner:
             num_pages = -(-kv_tokens // page_size)
         self.kv = KVCache(cfg, num_pages=num_pages, page_size=page_size, device=self.device, dtype=dtype,
                           shard=shard)
+        cuda = self.device.type == "cuda"
+        self._workspaces = None
+        if cuda and self.model.attention_backend == "flashinfer":
+            # One float workspace per page group, shared by that group's wrappers (prefill, eager decode,
+            # every graph size): their runs never overlap (one stream, layer after layer).
+            self._workspaces = {g: torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+                                for g in GROUPS}
+        kw = {"workspaces": self._workspaces} if self._workspaces else {}
+        self.attn = self.model.make_attention(page_size, **kw)
+        sizes = tuple(sorted({int(b) for b in cuda_graph_batch_sizes})) if cuda_graphs else ()
+        # Graphs need the device kernels (no host syncs) and one process: collectives stay eager.
+        self.cuda_graph_batch_sizes = sizes if (cuda and self.model.attention_fn is None
+                                                and shard.world_size == 1) else ()
+        # Graph replay (True) or the same padded step run eagerly (False; tests compare the two).
+        self.graph_replay = True
+        self._graphs = None
+        if self.cuda_graph_batch_sizes:
+            # Padding rows of a graph batch write to and attend over one scratch page per group.
+            self._scratch = {g: self.kv.allocators[g].allocate(1)[0] for g in GROUPS}
 
     @classmethod
     def load(cls, model: str | Path, *, dummy: bool = False, seed: int = 0, **kwargs) -> "Runner":
@@ -86,6 +115,15 @@ class Runner:
         return self.kv.length(seq_id)
 
     # ---- forward -------------------------------------------------------------------------------
+    def _ids(self, flat: list[int]) -> torch.Tensor:
+        # Range check on the host: no device round trip per step.
+        if flat and (min(flat) < 0 or max(flat) >= self.cfg.vocab_size):
+            raise ValueError(f"token id outside [0, {self.cfg.vocab_size})")
+        ids = torch.tensor(flat, dtype=torch.long)
+        if self.device.type == "cuda":
+            return ids.pin_memory().to(self.device, non_blocking=True)
+        return ids.to(self.device)
+
     def _run(self, items: list[tuple[Hashable, list[int]]], *, all_logits: bool = False) -> torch.Tensor:
         reserved: list[Hashable] = []
         new = [sid for sid, _ in items if sid not in self.kv.seqs]
@@ -93,13 +131,12 @@ class Runner:
             for sid, toks in items:
                 if not toks:
                     raise ValueError(f"sequence {sid!r}: no tokens to run")
+            ids = self._ids([t for _, toks in items for t in toks])
+            for sid, toks in items:
                 self.kv.reserve(sid, len(toks))
                 reserved.append(sid)
             batch = self.kv.plan([(sid, len(toks)) for sid, toks in items])
-            ids = torch.tensor([t for _, toks in items for t in toks], dtype=torch.long, device=self.device)
-            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size):
-                raise ValueError(f"token id outside [0, {self.cfg.vocab_size})")
-            logits = self.model.forward(ids, self.kv, batch, all_logits=all_logits)
+            logits = self.model.forward(ids, self.kv, batch, all_logits=all_logits, attn=self.attn)
         except BaseException:
             # A failed prefill leaves no sequence behind; a failed decode keeps the sequences (their KV
             # up to the old length is intact) so the caller can retry or free them.
@@ -108,6 +145,130 @@ class Runner:
             raise
         for sid, toks in items:
             self.kv.commit(sid, len(toks))
+        return logits
+
+    # ---- CUDA-graph decode -----------------------------------------------------------------------
+    def _graph_setup(self) -> None:
+        """Fixed device buffers for the largest graph batch, one BatchLayout of views and one attention
+        per graph size, then capture (largest first, one shared memory pool)."""
+        from kvrelay.engine.cuda_graph import DecodeGraphs
+
+        dev, mx = self.device, max(self.cuda_graph_batch_sizes)
+        # Sequences of one batch use distinct pages, padding rows all use the scratch page.
+        cap = {g: self.kv.allocators[g].num_pages + mx for g in GROUPS}
+        i64 = torch.zeros(7 * mx, dtype=torch.long, device=dev)
+        n32 = (mx + 1) + 2 * (2 * mx + 1)
+        i32 = torch.zeros(n32 + sum(cap.values()), dtype=torch.int32, device=dev)
+        o = {"ids": 0, "pos": mx, "rows": 2 * mx}
+        for i, g in enumerate(GROUPS):
+            o[("wp", g)], o[("wo", g)] = (3 + 2 * i) * mx, (4 + 2 * i) * mx
+        o32, at = {"qo": 0}, mx + 1
+        for g in GROUPS:
+            o32[("ip", g)], o32[("ll", g)] = at, at + mx + 1
+            at += 2 * mx + 1
+        for g in GROUPS:
+            o32[("ix", g)] = at
+            at += cap[g]
+        self._g = dict(i64=i64, i32=i32, o=o, o32=o32, n32=n32, cap=cap, mx=mx, batches={}, attn={}, items=None)
+        # Static parts: qo_indptr = 0..bs, logit rows = 0..bs-1.
+        i32[: mx + 1].copy_(torch.arange(mx + 1, dtype=torch.int32))
+        i64[o["rows"]: o["rows"] + mx].copy_(torch.arange(mx))
+        kw = {"workspaces": self._workspaces} if self._workspaces else {}
+        for bs in self.cuda_graph_batch_sizes:
+            kv = {g: PagedKV(i32[o32[("ip", g)]: o32[("ip", g)] + bs + 1],
+                             i32[o32[("ix", g)]: o32[("ix", g)] + cap[g]],
+                             i32[o32[("ll", g)]: o32[("ll", g)] + bs]) for g in GROUPS}
+            self._g["batches"][bs] = BatchLayout(
+                qo_indptr=i32[: bs + 1], positions=i64[o["pos"]: o["pos"] + bs],
+                logit_rows=i64[o["rows"]: o["rows"] + bs], kv=kv,
+                write_pages={g: i64[o[("wp", g)]: o[("wp", g)] + bs] for g in GROUPS},
+                write_offsets={g: i64[o[("wo", g)]: o[("wo", g)] + bs] for g in GROUPS},
+                num_tokens=bs, num_seqs=bs, host={"kv_indptr": {}, "kv_last_page_len": {}})
+            self._g["attn"][bs] = self.model.make_attention(self.kv.page_size, graph_batch=bs,
+                                                            graph_max_pages=cap, **kw)
+        self._graphs = DecodeGraphs(self._graph_step, self._graph_prepare, self.cuda_graph_batch_sizes)
+        self._graphs.capture()
+
+    def _graph_prepare(self, bs: int, n: int) -> None:
+        """Host side of a graph step, outside the graph: the real rows' metadata (from `_g["items"]`,
+        None while capturing) padded to bs rows, copied into the fixed buffers, attention planned."""
+        g_ = self._g
+        lists = g_["items"]
+        n = 0 if lists is None else len(lists["positions"])
+        pad = bs - n
+        mx, o, o32 = g_["mx"], g_["o"], g_["o32"]
+        h64 = [0] * (7 * mx)
+        if lists is not None:
+            h64[:n] = lists["ids"]
+            h64[o["pos"]: o["pos"] + n] = lists["positions"]
+        for g in GROUPS:
+            sp = self._scratch[g]
+            h64[o[("wp", g)]: o[("wp", g)] + bs] = (lists["w_pages"][g] if n else []) + [sp] * pad
+            h64[o[("wo", g)]: o[("wo", g)] + bs] = (lists["w_offsets"][g] if n else []) + [0] * pad
+        h64[o["rows"]: o["rows"] + mx] = range(mx)
+        small = [0] * g_["n32"]
+        small[: mx + 1] = range(mx + 1)
+        idx = {}
+        for g in GROUPS:
+            ind = (lists["indices"][g] if n else []) + [self._scratch[g]] * pad
+            ip = (lists["indptr"][g] if n else [0]) + [0] * pad
+            for j in range(n + 1, bs + 1):
+                ip[j] = ip[j - 1] + 1
+            ll = (lists["last_len"][g] if n else []) + [1] * pad
+            small[o32[("ip", g)]: o32[("ip", g)] + bs + 1] = ip
+            small[o32[("ll", g)]: o32[("ll", g)] + bs] = ll
+            idx[g] = ind
+        host64 = torch.tensor(h64, dtype=torch.long).pin_memory()
+        host32 = torch.tensor(small + idx[GROUPS[0]] + idx[GROUPS[1]], dtype=torch.int32).pin_memory()
+        g_["i64"].copy_(host64, non_blocking=True)
+        n32 = g_["n32"]
+        g_["i32"][:n32].copy_(host32[:n32], non_blocking=True)
+        at = n32
+        for g in GROUPS:
+            k = len(idx[g])
+            g_["i32"][o32[("ix", g)]: o32[("ix", g)] + k].copy_(host32[at: at + k], non_blocking=True)
+            at += k
+        batch = g_["batches"][bs]
+        for g in GROUPS:
+            batch.host["kv_indptr"][g] = host32[o32[("ip", g)]: o32[("ip", g)] + bs + 1]
+            batch.host["kv_last_page_len"][g] = host32[o32[("ll", g)]: o32[("ll", g)] + bs]
+        # Indices for FlashInfer's plan: the device copy just made (its wrapper copies device-to-device).
+        attn = g_["attn"][bs]
+        attn.batch = batch
+        for g, fi in attn.fi.items():
+            used = len(idx[g])
+            fi.plan_decode(batch.host["kv_indptr"][g], batch.kv[g].kv_indices[:used],
+                           batch.host["kv_last_page_len"][g])
+
+    def _graph_step(self, bs: int) -> torch.Tensor:
+        batch = self._g["batches"][bs]
+        ids = self._g["i64"][:bs]
+        return self.model.forward(ids, self.kv, batch, attn=self._g["attn"][bs], plan=False)
+
+    def _decode_graph(self, items: list[tuple[Hashable, int]]) -> torch.Tensor:
+        if self._graphs is None:
+            self._graph_setup()
+        n = len(items)
+        bs = self._graphs.padded_size(n)
+        toks = [t for _, t in items]
+        if min(toks) < 0 or max(toks) >= self.cfg.vocab_size:
+            raise ValueError(f"token id outside [0, {self.cfg.vocab_size})")
+        for sid, _ in items:
+            self.kv.reserve(sid, 1)
+        lists = self.kv.plan_lists([(sid, 1) for sid, _ in items])
+        lists["ids"] = toks
+        self._g["items"] = lists
+        try:
+            if self.graph_replay:
+                out, bs = self._graphs.run(n)
+            else:
+                self._graph_prepare(bs, n)
+                out = self._graph_step(bs)
+            logits = out[:n].clone()  # the graph's output buffer is overwritten by the next replay
+        finally:
+            self._g["items"] = None
+        for sid, _ in items:
+            self.kv.commit(sid, 1)
         return logits
 
     def prefill(self, seq_id: Hashable, prompt_ids: Sequence[int]) -> torch.Tensor:
@@ -134,6 +295,8 @@ class Runner:
         for sid in seq_ids:
             if sid not in self.kv.seqs:
                 raise KeyError(f"decode: unknown sequence {sid!r}")
+        if self.cuda_graph_batch_sizes and 0 < len(seq_ids) <= self.cuda_graph_batch_sizes[-1]:
+            return self._decode_graph([(sid, int(t)) for sid, t in zip(seq_ids, last_tokens)])
         return self._run([(sid, [int(t)]) for sid, t in zip(seq_ids, last_tokens)])
 
     def score(self, token_ids: Sequence[int]) -> torch.Tensor:
@@ -168,4 +331,9 @@ class Runner:
         """(token, logprob) per row; `steps[b]` = tokens request b generated before this one."""
         if logits.dim() == 1:
             logits = logits[None]
-        return sample(logits, list(params), list(steps))
+        params = list(params)
+        if all(p.greedy and not p.logprobs for p in params):
+            # The whole batch in one device-to-host transfer (argmax ties go to the lowest id, as in
+            # sampling.sample).
+            return [(t, None) for t in torch.argmax(logits.float(), dim=-1).tolist()]
+        return sample(logits, params, list(steps))

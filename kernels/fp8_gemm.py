@@ -154,7 +154,7 @@ class Fp8BlockLinear:
     BACKENDS = ("cublas", "triton")
 
     def __init__(self, w_fp8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
-                 backend: str = "auto"):
+                 backend: str = "auto", choice_cache: dict[int, str] | None = None):
         n, k = w_fp8.shape
         self.n, self.k = n, k
         self.kp = triton.cdiv(k, BLOCK) * BLOCK
@@ -168,7 +168,9 @@ class Fp8BlockLinear:
         if backend not in ("auto",) + self.BACKENDS:
             raise ValueError(f"unknown backend {backend}")
         self.backend = backend
-        self._choice: dict[int, str] = {}
+        # M bucket -> backend. Layers of one shape may share one dict (`choice_cache`), so a model with
+        # 24 identical projections times each bucket once rather than 24 times.
+        self._choice: dict[int, str] = {} if choice_cache is None else choice_cache
 
     def _run(self, backend: str, xq, sx):
         if backend == "cublas":

@@ -58,13 +58,13 @@ class Attention:
         cos: torch.Tensor,
         sin: torch.Tensor,
         pool: torch.Tensor,
-        qo_indptr: torch.Tensor,
-        kv: PagedKV,
+        group: str,
         write_pages: torch.Tensor,
         write_offsets: torch.Tensor,
-        attention_fn: AttentionFn,
+        attn: "BatchAttention",
     ) -> torch.Tensor:
-        """x [T, hidden] (already normed) -> this rank's partial output [T, hidden] (not yet reduced)."""
+        """x [T, hidden] (already normed) -> this rank's partial output [T, hidden] (not yet reduced).
+        `attn` was planned for this batch once, outside the layers; here it only runs."""
         h, d = self.heads, self.head_dim
         qkv = self.qkv(x)
         q, k, v = qkv.split([h.num_q * d, h.num_kv * d, h.num_kv * d], dim=-1)
@@ -72,5 +72,101 @@ class Attention:
         k = apply_rotary(k.view(-1, h.num_kv, d), cos, sin)
         # The cache holds K after rotary (positions are absolute), so attention never re-rotates.
         write_kv(pool, k, v.view(-1, h.num_kv, d), write_pages, write_offsets)
-        o = attention_fn(q, pool, qo_indptr, kv, self.sinks, self.sm_scale, self.window)
+        o = attn.run(q, pool, group, self.sinks, self.sm_scale, self.window)
         return self.out(o.reshape(-1, h.num_q * d))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Attention backends: plan once per forward batch, run once per layer
+# ---------------------------------------------------------------------------------------------------
+
+
+class BatchAttention:
+    """Attention for one forward batch through an `AttentionFn` (the reference, or any drop-in with its
+    signature): `plan(batch)` once per forward, then `run` in every layer."""
+
+    def __init__(self, attention_fn: AttentionFn):
+        self.fn = attention_fn
+        self.batch = None
+
+    def plan(self, batch) -> None:
+        self.batch = batch
+
+    def run(self, q, pool, group, sinks, sm_scale, window):
+        return self.fn(q, pool, self.batch.qo_indptr, self.batch.kv[group], sinks, sm_scale, window)
+
+
+class GpuAttention(BatchAttention):
+    """The GPU kernels. backend "flashinfer": FA3 sink prefill for full layers, Triton prefill for
+    sliding layers (faster there), tensor-core decode + fused exact sink correction for decode steps;
+    backend "triton": the Triton sink prefill and split-KV decode everywhere. Plans (FlashInfer's
+    `plan`, Triton's prefill tiles) read only host copies of the batch metadata (`BatchLayout.host`),
+    so they never wait for the device.
+
+    With `graph_batch` set it serves one padded CUDA-graph batch size: decode only, FlashInfer's
+    wrappers keep their metadata in fixed buffers (re-planned outside the graph before each replay)."""
+
+    def __init__(self, cfg, kv_heads: int, q_heads: int, page_size: int, device, dtype, backend: str, *,
+                 workspaces: dict | None = None, graph_batch: int | None = None,
+                 graph_max_pages: dict | None = None):
+        super().__init__(None)
+        from kvrelay.engine.kv_cache import FULL, SLIDING
+        from kvrelay.kernels import select
+
+        self.backend = backend
+        self.hq, self.hkv, self.d, self.page = q_heads, kv_heads, cfg.head_dim, page_size
+        self.sm_scale = cfg.sm_scale
+        self.windows = {FULL: None, SLIDING: cfg.sliding_window}
+        self.prefill_kind = {g: select.prefill_attention_backend(backend, w) for g, w in self.windows.items()}
+        self.block_q = max(1, 128 // (q_heads // kv_heads))  # triton_attention's default tile
+        self.graph_batch = graph_batch
+        self.fi = {}
+        if backend == "flashinfer":
+            from kvrelay.kernels.attention import FlashInferSinkAttention
+
+            for g, w in self.windows.items():
+                self.fi[g] = FlashInferSinkAttention(
+                    q_heads, kv_heads, cfg.head_dim, page_size, w, cfg.sm_scale, device, dtype=dtype,
+                    workspace=(workspaces or {}).get(g), graph_batch=graph_batch,
+                    graph_max_pages=None if graph_max_pages is None else graph_max_pages[g])
+        self.tiles = None
+
+    def plan(self, batch) -> None:
+        self.batch = batch
+        host = batch.host
+        if batch.is_decode:
+            for g, fi in self.fi.items():
+                fi.plan_decode(host["kv_indptr"][g], batch.kv[g].kv_indices, host["kv_last_page_len"][g])
+            return
+        if self.graph_batch is not None:
+            raise RuntimeError("a CUDA-graph attention serves decode steps only")
+        for g, kind in self.prefill_kind.items():
+            if kind == "flashinfer":
+                self.fi[g].plan_prefill(host["qo_indptr"], host["kv_indptr"][g], batch.kv[g].kv_indices,
+                                        host["kv_last_page_len"][g])
+        if "triton" in self.prefill_kind.values():
+            qo = host["qo_indptr"].tolist()
+            seq, q0 = [], []
+            for b in range(len(qo) - 1):
+                starts = range(0, qo[b + 1] - qo[b], self.block_q)
+                seq += [b] * len(starts)
+                q0 += list(starts)
+            t = torch.tensor([seq, q0], dtype=torch.int32)
+            if batch.qo_indptr.is_cuda:
+                t = t.pin_memory().to(batch.qo_indptr.device, non_blocking=True)
+            self.tiles = (t[0], t[1])
+
+    def run(self, q, pool, group, sinks, sm_scale, window):
+        from kvrelay.kernels import triton_attention as ta
+
+        kv = self.batch.kv[group]
+        if self.batch.is_decode:
+            if group in self.fi:
+                return self.fi[group].decode(q, pool, sinks)
+            return ta.sink_decode(q, pool, sinks, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len,
+                                  sm_scale=sm_scale, window=window)
+        if self.prefill_kind[group] == "flashinfer":
+            return self.fi[group].prefill(q, pool, sinks)
+        return ta.sink_prefill(q, pool, sinks, self.batch.qo_indptr, kv.kv_indptr, kv.kv_indices,
+                               kv.kv_last_page_len, sm_scale=sm_scale, window=window, tiles=self.tiles,
+                               block_q=self.block_q)

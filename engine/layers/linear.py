@@ -86,26 +86,44 @@ def _check_quant(quant: str) -> None:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
 
 
+# (out, in, has bias, device) -> {M bucket: backend}: Fp8BlockLinear's timed choice, shared by every
+# layer of one shape so a model times each shape once.
+_FP8_CHOICES: dict[tuple, dict[int, str]] = {}
+
+
 class Linear:
     """y = x W^T + b with W [out, in]. For fp8-block128 the bf16 weight is quantised once at load
     (128x128 block scales) and the product runs through the reference FP8 GEMM (1x128 activation
-    scales), i.e. exactly what the served FP8 kernels compute."""
+    scales), i.e. exactly what the served FP8 kernels compute. On a CUDA device the FP8 product runs
+    through kernels.fp8_gemm.Fp8BlockLinear (cuBLAS blockwise with the bias fused, or the Triton GEMM,
+    whichever was measured faster per M bucket)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quant: str = "bf16"):
         _check_quant(quant)
         self.quant = quant
         self.out_features, self.in_features = weight.shape
         self.bias = bias
+        self._gpu = None
         if quant == "bf16":
             self.weight = weight
         else:
             from kvrelay.kernels.fp8 import quantize_weight_block128
 
             self.weight, self.weight_scale = quantize_weight_block128(weight)
+            if self.weight.device.type == "cuda":
+                from kvrelay.kernels.fp8_gemm import Fp8BlockLinear
+
+                key = (self.out_features, self.in_features, bias is not None, str(self.weight.device))
+                self._gpu = Fp8BlockLinear(self.weight, self.weight_scale, bias, backend="auto",
+                                           choice_cache=_FP8_CHOICES.setdefault(key, {}))
+                # Keep one copy of the weight: the kernel's (K padded to 128) is the one held.
+                self.weight = self._gpu.w[:, : self.in_features]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant == "bf16":
             return F.linear(x, self.weight, self.bias)
+        if self._gpu is not None:
+            return self._gpu(x).to(x.dtype)
         from kvrelay.kernels.fp8 import fp8_block_linear_ref
 
         return fp8_block_linear_ref(x, self.weight, self.weight_scale, self.bias).to(x.dtype)

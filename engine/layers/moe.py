@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from kvrelay.engine.layers.linear import ExpertLinears, Linear, Shard, WeightGetter
+from kvrelay.kernels import select
 from kvrelay.kernels.reference import clamped_swiglu, route_topk
 
 
@@ -19,7 +20,7 @@ class MoE:
         # The router is tiny and decides which experts run: it stays bf16 and replicated.
         self.router = Linear(weights.get(p + "gate.weight", dtype=dtype, device=device),
                              weights.get(p + "gate.bias", dtype=dtype, device=device))
-        n_experts = cfg.num_experts
+        n_experts = self.num_experts = cfg.num_experts
         if getattr(shard, "expert_parallel", True):
             self.e0, self.e1 = shard.span(n_experts, "num_experts")
             rows1 = cols2 = slice(None)
@@ -35,13 +36,22 @@ class MoE:
             keep_bias2 = shard.rank == 0
         experts = slice(self.e0, self.e1)
         get = lambda name, s: weights.get(p + name, slices=s, dtype=dtype, device=device)  # noqa: E731
-        self.mlp1 = ExpertLinears(get("mlp1_weight", (experts, rows1)), get("mlp1_bias", (experts, rows1)), quant)
         bias2 = get("mlp2_bias", (experts,))
-        self.mlp2 = ExpertLinears(get("mlp2_weight", (experts, slice(None), cols2)),
-                                  bias2 if keep_bias2 else torch.zeros_like(bias2), quant)
+        bias2 = bias2 if keep_bias2 else torch.zeros_like(bias2)
+        # GPU: stacked experts for the Triton kernels (routing, decode GEMV, grouped GEMM; FP8 with
+        # 128x128 block scales). CPU: one reference Linear per expert.
+        self.gpu = None
+        if select.use_gpu_kernels(device) and torch.device(device).type != "meta":
+            self.gpu = _gpu_experts(get("mlp1_weight", (experts, rows1)), get("mlp1_bias", (experts, rows1)),
+                                    get("mlp2_weight", (experts, slice(None), cols2)), bias2, quant)
+            return
+        self.mlp1 = ExpertLinears(get("mlp1_weight", (experts, rows1)), get("mlp1_bias", (experts, rows1)), quant)
+        self.mlp2 = ExpertLinears(get("mlp2_weight", (experts, slice(None), cols2)), bias2, quant)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] (already normed) -> this rank's partial output (its experts' share)."""
+        if self.gpu is not None:
+            return self._gpu_forward(x)
         gate, experts = route_topk(self.router(x), self.top_k)
         out = torch.zeros_like(x)
         local = experts - self.e0
@@ -54,3 +64,31 @@ class MoE:
             # (and much faster on CPU than index_add_ in bf16).
             out[tokens] += y * gate[tokens, slot, None]
         return out
+
+    def _gpu_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Routing and experts on the GPU kernels: no host sync, so a decode step can be graph-captured."""
+        from kvrelay.kernels import moe as kmoe
+
+        gate, experts = kmoe.route_topk(self.router(x), self.top_k)
+        n_local = self.e1 - self.e0
+        if n_local < self.num_experts:
+            # Expert parallel: pairs routed to another rank's experts get weight 0 (and a valid local
+            # id), so they add nothing; the all-reduce over ranks sums each pair exactly once.
+            local = experts - self.e0
+            mine = (local >= 0) & (local < n_local)
+            experts = torch.where(mine, local, torch.zeros_like(local))
+            gate = torch.where(mine, gate, torch.zeros_like(gate))
+        return kmoe.moe_experts(x, experts, gate, self.gpu, alpha=self.alpha, limit=self.limit).to(x.dtype)
+
+
+def _gpu_experts(w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, quant: str):
+    from kvrelay.kernels.moe import MoEWeights
+
+    if quant == "bf16":
+        return MoEWeights.from_bf16(w1, b1, w2, b2)
+    from kvrelay.kernels.fp8 import quantize_experts_block128
+
+    q1, s1 = quantize_experts_block128(w1)
+    del w1
+    q2, s2 = quantize_experts_block128(w2)
+    return MoEWeights.from_fp8(q1, s1, b1, q2, s2, b2)

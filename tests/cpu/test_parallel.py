@@ -129,6 +129,6 @@ def test_rank_failure_and_timeout_are_reported():
     with pytest.raises(RankFailed, match="(?s)rank 1 of 2 failed.*ArithmeticError: rank one is broken"):
         run_ranks(_fails_on_rank_1, 2, timeout_s=90)
     t0 = time.monotonic()
-    with pytest.raises(RankFailed, match=r"ranks \[0\] did not finish in 25"):
-        run_ranks(_hangs_on_rank_0, 2, timeout_s=25)
-    assert time.monotonic() - t0 < 45  # the stuck rank was stopped, not waited for
+    with pytest.raises(RankFailed, match=r"ranks \[0\] did not finish in 20"):
+        run_ranks(_hangs_on_rank_0, 2, timeout_s=20)
+    assert time.monotonic() - t0 < 40  # the stuck rank was stopped, not waited for

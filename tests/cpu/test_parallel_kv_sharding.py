@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from kvrelay.engine.kv_sharding import assemble_kv, head_byte_runs, kv_heads_of_rank, plan_kv_handoff
+from kvrelay.engine.kv_sharding import assemble_kv, kv_heads_of_rank, page_copy_runs, plan_kv_handoff
 from kvrelay.engine.parallel import ParallelConfigError
 
 
@@ -70,15 +70,25 @@ def test_kv_heads_of_rank_and_errors():
         assemble_kv(plan_kv_handoff(64, 8, 2, 1), 0, {0: torch.zeros(1, 4, 3)})
 
 
-def test_head_byte_runs_select_exactly_the_heads():
-    page_size, heads, dim = 4, 4, 3
-    page = torch.arange(2 * page_size * heads * dim, dtype=torch.int16).view(2, page_size, heads, dim)
-    raw = page.view(torch.uint8).flatten()
-    assert head_byte_runs(page_size, heads, dim, 2, (0, 4)) == ((0, raw.numel()),)
-    for h0, h1 in [(0, 2), (1, 3), (3, 4)]:
-        runs = head_byte_runs(page_size, heads, dim, 2, (h0, h1))
-        assert len(runs) == 2 * page_size
-        got = torch.cat([raw[o:o + n] for o, n in runs]).view(torch.int16)
-        assert torch.equal(got, page[:, :, h0:h1].flatten())
-    with pytest.raises(ValueError, match="outside a page"):
-        head_byte_runs(page_size, heads, dim, 2, (2, 5))
+@pytest.mark.parametrize("p,d", [(2, 4), (4, 1), (1, 2), (4, 4)])
+def test_page_copy_runs_move_exactly_each_decode_ranks_heads(p, d):
+    """Byte-level copies with the runs (what NIXL READ descriptors would do) rebuild the decode page."""
+    page_size, dim, num_kv = 4, 3, 4
+    plan = plan_kv_handoff(8, num_kv, p, d)
+    full = torch.randn(2, page_size, num_kv, dim, dtype=torch.bfloat16)
+    src_pages = {r: full[:, :, a:b].contiguous() for r, (a, b) in enumerate(plan.prefill_heads)}
+    for r, (a, b) in enumerate(plan.decode_heads):
+        dst = torch.zeros(2, page_size, b - a, dim, dtype=torch.bfloat16)
+        dst_bytes = dst.view(-1).view(torch.uint8)
+        runs = 0
+        for s in plan.for_decode_rank(r):
+            src_bytes = src_pages[s.src_rank].view(-1).view(torch.uint8)
+            src_heads = plan.prefill_heads[s.src_rank][1] - plan.prefill_heads[s.src_rank][0]
+            for so, do, n in page_copy_runs(s, page_size, src_heads, b - a, dim, 2):
+                dst_bytes[do:do + n] = src_bytes[so:so + n]
+                runs += 1
+        assert torch.equal(dst, full[:, :, a:b]), (p, d, r)
+        if plan.identity:
+            assert runs == 1  # same sharding: one whole-page copy per page and layer
+    with pytest.raises(ValueError, match="does not fit"):
+        page_copy_runs(plan_kv_handoff(8, 4, 1, 1).for_decode_rank(0)[0], page_size, 2, 4, dim, 2)

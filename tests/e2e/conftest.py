@@ -9,6 +9,10 @@ from typing import Any
 
 import pytest
 
+# Ray reads this when first imported: all of its listeners then bind 127.0.0.1 (see cluster/placement.py).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
 # The tiny test model (window 8, vocab 1024): prompts straddle the sliding window in a few tokens.
 TOPOLOGY = """
 model: {name: tiny, dummy: true, seed: 0, max_context: 2048}
@@ -39,7 +43,6 @@ def running():
     from kvrelay.cluster.serve import Cluster
     from kvrelay.router.server import BackgroundRouter
 
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
     topo = tiny_topology()
     cluster = Cluster.start(topo)
     try:

@@ -1,0 +1,123 @@
+"""`kvrelay serve` and `kvrelay status` as an operator runs them, and the demo.
+
+The serve process gets SIGTERM while a stream is still running: that stream must finish (drain), then
+everything exits 0. Every port the process tree listens on must be a loopback one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+CONFIG = """
+model: {name: tiny, dummy: true, seed: 0, max_context: 2048}
+prefill: {workers: 1, max_prompt_tokens: 1024}
+decode: {workers: 1, max_batch: 8, page_size: 16}
+router: {host: 127.0.0.1, grpc_port: 0, http_port: 0}
+device: cpu
+"""
+
+
+def _descendants(root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        out.add(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def _listeners(pids: set[int]) -> list[tuple[str, int]]:
+    text = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    found = []
+    for line in text.splitlines():
+        local = line.split()[3]
+        for pid in re.findall(r"pid=(\d+)", line):
+            if int(pid) in pids:
+                found.append((local, int(pid)))
+    return found
+
+
+def test_serve_status_and_sigterm_drain(tmp_path):
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(CONFIG)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cluster.cli", "serve", str(cfg)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 180
+        ready = None
+        while ready is None:
+            assert proc.poll() is None, "serve exited early:\n" + "".join(lines[-30:])
+            assert time.monotonic() < deadline, "serve did not become ready"
+            ready = next((json.loads(ln.split("kvrelay-ready ", 1)[1]) for ln in list(lines)
+                          if ln.startswith("kvrelay-ready ")), None)
+            time.sleep(0.2)
+        assert ready["ray"].startswith("127.0.0.1:") and ready["grpc"].startswith("127.0.0.1:")
+
+        listening = _listeners(_descendants(proc.pid))
+        assert len(listening) >= 4  # router gRPC + HTTP, GCS, raylet, workers ...
+        loopback = ("127.0.0.1:", "[::1]:", "[::ffff:127.0.0.1]:")  # the last: IPv4 loopback on a v6 socket
+        outside = [(addr, pid) for addr, pid in listening if not addr.startswith(loopback)]
+        assert not outside, f"listening beyond loopback: {outside}"
+
+        st = subprocess.run([sys.executable, "-m", "kvrelay.cluster.cli", "status", str(cfg), "--address",
+                             ready["ray"], "--json"], capture_output=True, text=True, timeout=60, env=env)
+        assert st.returncode == 0, st.stderr[-2000:]
+        rows = json.loads(st.stdout)
+        assert [(r["role"], r["rank"], r["healthy"]) for r in rows] == [("prefill", 0, True), ("decode", 0, True)]
+        assert all(r["pid"] > 0 and r["node"] and r["pages_in_use"] == {"full": 0, "sliding": 0} for r in rows)
+
+        from kvrelay.router.client import RouterClient
+        from kvrelay.router.types import SamplingOptions
+
+        with RouterClient(ready["grpc"], timeout_s=120) as client:
+            stream = client.generate(list(range(1, 30)), SamplingOptions(temperature=0.0, max_tokens=150))
+            got = list(next(stream).token_ids)
+            proc.send_signal(signal.SIGTERM)  # mid-stream: the drain lets it finish
+            finish = 0
+            for resp in stream:
+                got += resp.token_ids
+                finish = resp.finish_reason or finish
+        assert len(got) == 150 and finish == 2
+        assert proc.wait(timeout=90) == 0, "".join(lines[-30:])
+        out = "".join(lines)
+        assert "draining in-flight requests" in out and "kvrelay: stopped" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_demo_runs_end_to_end():
+    t0 = time.monotonic()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    res = subprocess.run([sys.executable, "-m", "kvrelay.cluster.demo", "cpu-tiny.yaml"], capture_output=True,
+                         text=True, timeout=240, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    for what in ("TTFT (client)", "prefill", "KV transfer", "tokens/s", "stopped on SIGTERM (exit 0)"):
+        assert what in res.stdout
+    kib = float(re.search(r"KV transfer\s+([\d.]+) KiB", res.stdout).group(1))
+    assert kib > 0
+    assert time.monotonic() - t0 < 180
