@@ -18,8 +18,9 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from openai_harmony import HarmonyError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvrelay.router import harmony
@@ -93,6 +94,12 @@ def create_app(core: RouterCore) -> FastAPI:
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": core.model_name}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        # Prometheus text format of the process's default registry: the per-request histograms the
+        # engine client records (queue, prefill, KV transfer, TTFT, time per output token) live there.
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

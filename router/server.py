@@ -97,8 +97,13 @@ class RouterServer:
         """Serve until the HTTP server exits (Ctrl-C) or the gRPC server terminates."""
         assert self._http_task is not None and self._grpc is not None
         grpc_done = asyncio.ensure_future(self._grpc.wait_for_termination())
-        await asyncio.wait({self._http_task, grpc_done}, return_when=asyncio.FIRST_COMPLETED)
-        grpc_done.cancel()
+        try:
+            await asyncio.wait({self._http_task, grpc_done}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            # Also when wait() itself is cancelled: a dangling wait_for_termination() would otherwise make
+            # a later stop() raise CancelledError.
+            grpc_done.cancel()
+            await asyncio.gather(grpc_done, return_exceptions=True)
 
 
 class BackgroundRouter:

@@ -71,6 +71,16 @@ def test_models_and_health(client, server) -> None:
     assert httpx.get(f"{server.http_url}/health").json() == {"status": "ok", "model": MODEL}
 
 
+def test_metrics_endpoint_serves_prometheus_text(server) -> None:
+    from prometheus_client import Counter
+
+    probe = Counter("kvrelay_test_probe", "a counter only this test increments")
+    probe.inc(3)
+    r = httpx.get(f"{server.http_url}/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    assert "kvrelay_test_probe_total 3.0" in r.text
+
+
 def test_tool_call_round_trip_non_streamed(client, engine) -> None:
     engine.scripts = [TOOL_CALL, FINAL]
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
