@@ -41,9 +41,18 @@ def loopback_env(topology: Topology) -> None:
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 
+def prepare_ray_env(topology: Topology, address: str | None = None) -> None:
+    """Environment Ray reads once, at import: call before the first `import ray` in the process."""
+    loopback_env(topology)
+    if (address if address is not None else topology.ray.address) is not None:
+        # Heads started by `ray start --head` (Ray >= 2.5x) use token auth by default; a driver that joins
+        # presents the token (~/.ray/auth_token) only when told the mode. RAY_AUTH_MODE=disabled opts out.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+
 def init_ray(topology: Topology, *, address: str | None = None) -> bool:
     """Start or join Ray. Returns True if this call started a private local instance."""
-    loopback_env(topology)
+    prepare_ray_env(topology, address)
     import ray
     from ray._private import ray_constants
 

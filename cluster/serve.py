@@ -32,7 +32,7 @@ class Cluster:
     def start(cls, topology, *, address: str | None = None, startup_timeout_s: float = 300.0) -> "Cluster":
         from kvrelay.cluster import placement
 
-        placement.loopback_env(topology)  # before the first `import ray`
+        placement.prepare_ray_env(topology, address)  # before the first `import ray`
         import ray
         from kvrelay.decode_worker.worker import DecodeWorker
         from kvrelay.prefill_worker.worker import PrefillWorker

@@ -14,6 +14,12 @@ Pool layout (FlashInfer NHD, shared with engine/kv_cache.py): one tensor per lay
 Layers come in two page groups, "full" and "sliding"; a sliding-window layer only ever attends to the last
 `sliding_window` positions, so only the pages covering those are sent.
 
+Tensor parallelism: each rank of a TPp prefill group holds only its KV heads, in its own pool behind its
+own NIXL agent, so a handle lists one `KVShard` per prefill rank. The layout hash deliberately leaves the
+TP shape out (it travels in `KVLayout.tp_size`): a TPd decode rank asks `kv_sharding.plan_kv_handoff`
+which prefill ranks hold its heads and READs exactly those heads' bytes from each (`page_copy_runs`),
+whole pages when both sides shard alike.
+
 Lease timing, so a READ can never observe a page that was already given to another request: the handle
 carries `expires_at` (after which the importer refuses to start) and `reclaim_at = expires_at + grace`
 (when the exporter actually frees the pages). An importer that started before `expires_at` must finish
@@ -23,6 +29,7 @@ which is shared on one node and NTP-close across nodes; the grace covers the ske
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -36,20 +43,31 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 import torch
 
+from kvrelay.engine.kv_sharding import HeadSlice, KVHandoffPlan, page_copy_runs, plan_kv_handoff
+from kvrelay.engine.parallel import head_range
+
 GROUPS = ("full", "sliding")
+_TP_SHAPE = ("tp_size", "tp_rank")  # KVLayout fields the hash leaves out: they travel as data
 
 
 def layout_of(cache) -> tuple[KVLayout, dict[str, list[torch.Tensor]]]:
     """The KVLayout and per-layer pool views of an engine `KVCache` (engine/kv_cache.py), whose group
     pool is one tensor [layers_in_group, pages, 2, page_size, kv_heads, head_dim]."""
     cfg = cache.cfg
-    tp_size = cfg.num_key_value_heads // cache.kv_heads
+    # The cache's own TP shape, not kv_heads // local heads: with more ranks than KV heads each rank
+    # holds a replica of one head, and that ratio would understate the group size.
     layout = KVLayout(
         model=cfg.name, dtype=str(cache.dtype).removeprefix("torch."), page_size=cache.page_size,
         layer_types=tuple(cache.layer_group(i) for i in range(cfg.num_hidden_layers)),
         kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, sliding_window=cfg.sliding_window,
-        tp_size=tp_size, tp_rank=getattr(cache, "tp_rank", 0))
+        tp_size=getattr(cache, "tp_size", 1), tp_rank=getattr(cache, "tp_rank", 0),
+        q_heads=cfg.num_attention_heads)
     return layout, {g: list(cache.pools[g].unbind(0)) for g in GROUPS}
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(q_heads: int, kv_heads: int, prefill_tp: int, decode_tp: int) -> KVHandoffPlan:
+    return plan_kv_handoff(q_heads, kv_heads, prefill_tp, decode_tp)
 
 
 class KVTransferError(RuntimeError):
@@ -84,31 +102,45 @@ class KVLayout:
     kv_heads: int  # the model's total KV heads
     head_dim: int
     sliding_window: int
-    tp_size: int = 1  # KV heads are sharded over TP ranks; each rank holds kv_heads // tp_size heads
+    # This pool's rank in its TP group (parallel.head_range says which KV heads it holds). Not hashed:
+    # differently sharded groups exchange KV by heads, see KVImporter.pull.
+    tp_size: int = 1
     tp_rank: int = 0
+    q_heads: int | None = None  # the model's query heads (None: as many as kv_heads); fixes GQA groups
 
     def __post_init__(self) -> None:
         bad = [t for t in self.layer_types if t not in GROUPS]
         if bad:
             raise ValueError(f"layer_types must be 'full' or 'sliding', got {bad}")
-        if self.kv_heads % self.tp_size:
-            raise ValueError(f"{self.kv_heads} KV heads cannot be sharded over TP {self.tp_size}")
+        self.heads  # raises ParallelConfigError (a ValueError) if the heads cannot be sharded so
+
+    @property
+    def num_q_heads(self) -> int:
+        return self.kv_heads if self.q_heads is None else self.q_heads
+
+    @property
+    def heads(self):
+        return head_range(self.num_q_heads, self.kv_heads, self.tp_rank, self.tp_size)
 
     @property
     def local_kv_heads(self) -> int:
-        return self.kv_heads // self.tp_size
+        return self.heads.num_kv
 
     def group_layers(self, group: str) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == group)
 
     @property
     def layout_hash(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        """Equal on both sides iff a page of one head means the same bytes on both; the TP shape is
+        excluded because a TP2 prefill and a TP4 decode group can still exchange KV head by head."""
+        d = {k: v for k, v in asdict(self).items() if k not in _TP_SHAPE}
+        blob = json.dumps(d, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:32]
 
     def diff(self, other: KVLayout) -> str:
         parts = [f"{f.name}: {getattr(self, f.name)!r} vs {getattr(other, f.name)!r}"
-                 for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+                 for f in fields(self)
+                 if f.name not in _TP_SHAPE and getattr(self, f.name) != getattr(other, f.name)]
         return "; ".join(parts) or "identical fields (hash scheme differs)"
 
 
@@ -140,8 +172,21 @@ class PageGroupDescriptor:
 
 
 @dataclass(frozen=True)
+class KVShard:
+    """One prefill rank's copy of a sequence's KV: the agent to READ from and where its pages are."""
+
+    tp_rank: int
+    agent_name: str
+    agent_metadata: bytes
+    mem_type: str
+    groups: tuple[PageGroupDescriptor, ...]
+
+
+@dataclass(frozen=True)
 class KVHandle:
-    """Everything the decode side needs to READ one sequence's KV (picklable, no live objects)."""
+    """Everything the decode side needs to READ one sequence's KV (picklable, no live objects). The
+    top-level agent and groups are the exporting leader's (rank 0); a TP>1 exporter also lists every
+    rank in `shards`, in rank order, all under the one lease."""
 
     request_id: str
     lease_id: int
@@ -154,10 +199,18 @@ class KVHandle:
     groups: tuple[PageGroupDescriptor, ...]
     expires_at: float  # wall clock: importer must not start after this
     reclaim_at: float  # wall clock: exporter frees the pages at this point unless released earlier
+    shards: tuple[KVShard, ...] = ()  # every prefill rank when layout.tp_size > 1; empty at TP1
+
+    def sources(self) -> tuple[KVShard, ...]:
+        """The prefill ranks' pages, indexed by prefill TP rank."""
+        if self.shards:
+            return self.shards
+        return (KVShard(0, self.agent_name, self.agent_metadata, self.mem_type, self.groups),)
 
     @property
     def nbytes(self) -> int:
-        return sum(g.nbytes for g in self.groups)
+        """Bytes held on the prefill side over all its ranks (replicated heads count once per copy)."""
+        return sum(g.nbytes for s in self.sources() for g in s.groups)
 
     def pages_needed(self) -> dict[str, int]:
         return {g.group: len(g.page_ids) for g in self.groups}
@@ -229,14 +282,11 @@ class KVExporter:
         self._lock = threading.Lock()
         self.expired_count = 0
 
-    def pin(self, request_id: str, page_tables: Mapping[str, Sequence[int]], num_tokens: int, *,
-            first_blocks: Mapping[str, int] | None = None,
-            on_release: Callable[[], None] | None = None) -> KVHandle:
-        """Lease the sequence's pages and describe them. `page_tables[group]` lists physical pages in
-        logical order starting at logical page `first_blocks[group]` (0 by default); pages outside the
-        live range are kept pinned with the sequence but not described. `on_release` runs exactly once,
-        when the lease is released or reclaimed (it frees the pages in the caller's allocator)."""
-        now = time.time()
+    def describe(self, page_tables: Mapping[str, Sequence[int]], num_tokens: int, *,
+                 first_blocks: Mapping[str, int] | None = None) -> KVShard:
+        """Where this rank's live pages of a sequence are (no lease: a TP group's leader pins once for
+        every rank). `page_tables[group]` lists physical pages in logical order starting at logical page
+        `first_blocks[group]` (0 by default); pages outside the live range are not described."""
         groups = []
         for group in GROUPS:
             tensors = self._pools[group]
@@ -255,13 +305,33 @@ class KVExporter:
                 device_id=dev, first_block=live.start,
                 page_ids=tuple(table[live.start - start: live.stop - start])))
         mem_type = _mem_type(next(t for g in GROUPS for t in self._pools[g]))[0]
+        return KVShard(self.layout.tp_rank, self.agent_name, self._metadata, mem_type, tuple(groups))
+
+    def pin(self, request_id: str, page_tables: Mapping[str, Sequence[int]], num_tokens: int, *,
+            first_blocks: Mapping[str, int] | None = None,
+            on_release: Callable[[], None] | None = None, peers: Sequence[KVShard] = ()) -> KVHandle:
+        """Lease the sequence's pages and describe them (see `describe`). `peers` are the other ranks'
+        `describe` of the same sequence when this exporter leads a TP group: the one lease then covers
+        every rank, and `on_release` (which frees the pages on all of them) runs exactly once, when the
+        lease is released or reclaimed."""
+        now = time.time()
+        own = self.describe(page_tables, num_tokens, first_blocks=first_blocks)
+        shards: tuple[KVShard, ...] = ()
+        if self.layout.tp_size > 1:
+            shards = tuple(sorted((own, *peers), key=lambda sh: sh.tp_rank))
+            if [sh.tp_rank for sh in shards] != list(range(self.layout.tp_size)):
+                raise ValueError(f"request {request_id}: TP{self.layout.tp_size} handle needs one shard per "
+                                 f"rank, got ranks {[sh.tp_rank for sh in shards]}")
+        elif peers:
+            raise ValueError("peers given to a TP1 exporter")
         with self._lock:
             lease_id = next(self._ids)
             handle = KVHandle(
                 request_id=request_id, lease_id=lease_id, agent_name=self.agent_name,
-                agent_metadata=self._metadata, mem_type=mem_type, layout=self.layout,
-                layout_hash=self.layout.layout_hash, num_tokens=num_tokens, groups=tuple(groups),
-                expires_at=now + self.lease_seconds, reclaim_at=now + self.lease_seconds + self.grace_seconds)
+                agent_metadata=self._metadata, mem_type=own.mem_type, layout=self.layout,
+                layout_hash=self.layout.layout_hash, num_tokens=num_tokens, groups=own.groups,
+                expires_at=now + self.lease_seconds, reclaim_at=now + self.lease_seconds + self.grace_seconds,
+                shards=shards)
             self._leases[lease_id] = _Lease(handle, on_release)
         return handle
 
@@ -323,65 +393,100 @@ class KVImporter:
             raise KVLayoutMismatch(
                 f"request {handle.request_id}: KV layout hash {handle.layout_hash} from {handle.agent_name} "
                 f"!= local {self.layout.layout_hash} ({handle.layout.diff(self.layout)}); prefill and decode "
-                f"must serve the same model, dtype, page size and head sharding")
+                f"must serve the same model, dtype, page size and layer types")
+        if len(handle.sources()) != handle.layout.tp_size:
+            raise KVTransferError(f"request {handle.request_id}: handle lists {len(handle.sources())} "
+                                  f"shards for a TP{handle.layout.tp_size} prefill group")
         now = time.time()
         if now >= handle.expires_at:
             raise KVLeaseExpired(f"request {handle.request_id}: lease {handle.lease_id} on "
                                  f"{handle.agent_name} expired {now - handle.expires_at:.3f} s ago; "
                                  f"re-run prefill")
 
+    def plan(self, prefill_tp: int) -> tuple[KVHandoffPlan, tuple[HeadSlice, ...]]:
+        """The handoff plan from a TP`prefill_tp` group and this rank's part of it."""
+        plan = _plan(self.layout.num_q_heads, self.layout.kv_heads, prefill_tp, self.layout.tp_size)
+        return plan, plan.for_decode_rank(self.layout.tp_rank)
+
     def pull(self, handle: KVHandle, dst_pages: Mapping[str, Sequence[int]]) -> TransferStats:
-        """READ the handle's pages into `dst_pages[group]` (same count and logical order). Raises
-        KVLayoutMismatch, KVLeaseExpired or KVTransferError; on return the bytes are in place."""
+        """READ this rank's KV heads of the handle's pages into `dst_pages[group]` (same count and
+        logical order), from whichever prefill ranks hold them. Raises KVLayoutMismatch,
+        KVLeaseExpired or KVTransferError; on return the bytes are in place."""
         self.check(handle)
-        local_rows, remote_rows = [], []
-        for g in handle.groups:
-            dst = list(dst_pages.get(g.group, ()))
-            if len(dst) != len(g.page_ids):
-                raise ValueError(f"group {g.group!r}: {len(g.page_ids)} pages to pull, {len(dst)} given")
-            local = self._pools[g.group]
-            for li, base in enumerate(g.base_addrs):
-                t = local[li]
-                _, dev = _mem_type(t)
-                for src, d in zip(g.page_ids, dst):
-                    remote_rows.append((base + src * g.page_bytes, g.page_bytes, g.device_id))
-                    local_rows.append((t.data_ptr() + d * g.page_bytes, g.page_bytes, dev))
-        if not remote_rows:
+        sources = handle.sources()
+        plan, slices = self.plan(len(sources))
+        itemsize = torch.empty((), dtype=getattr(torch, self.layout.dtype)).element_size()
+        rows: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}  # src rank -> (local, remote)
+        for s in slices:
+            src = sources[s.src_rank]
+            kv0, kv1 = plan.prefill_heads[s.src_rank]
+            runs = np.array(page_copy_runs(s, self.layout.page_size, kv1 - kv0, self.layout.local_kv_heads,
+                                           self.layout.head_dim, itemsize), dtype=np.uint64)
+            local_rows, remote_rows = rows.setdefault(s.src_rank, ([], []))
+            for g in src.groups:
+                dst = np.array(list(dst_pages.get(g.group, ())), dtype=np.uint64)
+                if len(dst) != len(g.page_ids):
+                    raise ValueError(f"group {g.group!r}: {len(g.page_ids)} pages to pull, {len(dst)} given")
+                if not len(dst):
+                    continue
+                local = self._pools[g.group]
+                dev = _mem_type(local[0])[1]
+                # Every (layer, page, run) triple at once: [layers, pages, runs] addresses, flattened.
+                lbase = np.array([t.data_ptr() for t in local], dtype=np.uint64)[:, None, None]
+                rbase = np.array(g.base_addrs, dtype=np.uint64)[:, None, None]
+                src_pages = np.array(g.page_ids, dtype=np.uint64)[None, :, None]
+                laddr = lbase + dst[None, :, None] * np.uint64(local[0][0].nbytes) + runs[None, None, :, 1]
+                raddr = rbase + src_pages * np.uint64(g.page_bytes) + runs[None, None, :, 0]
+                size = np.broadcast_to(runs[None, None, :, 2], laddr.shape)
+                local_rows.append(np.stack([laddr, size, np.full_like(laddr, dev)], -1).reshape(-1, 3))
+                remote_rows.append(np.stack([raddr, size, np.full_like(raddr, g.device_id)], -1).reshape(-1, 3))
+        jobs = [(sources[r], np.concatenate(lr), np.concatenate(rr)) for r, (lr, rr) in sorted(rows.items()) if lr]
+        if not jobs:
             return TransferStats(0, 0.0, 0)
         mem = "VRAM" if next(t for g in GROUPS for t in self._pools[g]).is_cuda else "DRAM"
         t0 = time.perf_counter()
         with self._lock:
-            remote_name = self._remote(handle)
-            local_descs = self._agent.get_xfer_descs(np.array(local_rows, dtype=np.uint64), mem)
-            remote_descs = self._agent.get_xfer_descs(np.array(remote_rows, dtype=np.uint64),
-                                                      handle.mem_type)
-            xfer = self._agent.initialize_xfer("READ", local_descs, remote_descs, remote_name)
+            xfers = []
             try:
-                state = self._agent.transfer(xfer)
-                while state == "PROC":
+                # One READ per source agent, all in flight together: a TP4 -> TP1 pull waits for the
+                # slowest rank, not the sum of four.
+                for src, local_rows, remote_rows in jobs:
+                    xfer = self._agent.initialize_xfer(
+                        "READ", self._agent.get_xfer_descs(local_rows, mem),
+                        self._agent.get_xfer_descs(remote_rows, src.mem_type), self._remote(src), b"")
+                    xfers.append((src, xfer, self._agent.transfer(xfer)))
+                pending = [(src, x) for src, x, state in xfers if self._settled(handle, src, state) == "PROC"]
+                while pending:
                     if time.time() >= handle.reclaim_at:
                         raise KVLeaseExpired(
-                            f"request {handle.request_id}: pull from {handle.agent_name} did not finish "
-                            f"before the lease's pages were reclaimed")
+                            f"request {handle.request_id}: pull from {pending[0][0].agent_name} did not "
+                            f"finish before the lease's pages were reclaimed")
                     time.sleep(self._poll)
-                    state = self._agent.check_xfer_state(xfer)
-                if state != "DONE":
-                    raise KVTransferError(f"request {handle.request_id}: NIXL READ from "
-                                          f"{handle.agent_name} failed (state {state})")
+                    pending = [(src, x) for src, x in pending
+                               if self._settled(handle, src, self._agent.check_xfer_state(x)) == "PROC"]
             finally:
-                try:
-                    self._agent.release_xfer_handle(xfer)
-                except Exception:  # an abandoned in-flight READ may refuse release; the agent reaps it
-                    pass
-        return TransferStats(nbytes=sum(r[1] for r in local_rows), seconds=time.perf_counter() - t0,
-                             descriptors=len(local_rows))
+                for _, xfer, _ in xfers:
+                    try:
+                        self._agent.release_xfer_handle(xfer)
+                    except Exception:  # an abandoned in-flight READ may refuse release; the agent reaps it
+                        pass
+        nbytes = int(sum(int(lr[:, 1].sum()) for _, lr, _ in jobs))
+        return TransferStats(nbytes=nbytes, seconds=time.perf_counter() - t0,
+                             descriptors=sum(len(lr) for _, lr, _ in jobs))
 
-    def _remote(self, handle: KVHandle) -> str:
-        name = self._remotes.get(handle.agent_name)
+    @staticmethod
+    def _settled(handle: KVHandle, src: KVShard, state: str) -> str:
+        if state not in ("PROC", "DONE"):
+            raise KVTransferError(f"request {handle.request_id}: NIXL READ from {src.agent_name} failed "
+                                  f"(state {state})")
+        return state
+
+    def _remote(self, src: KVShard) -> str:
+        name = self._remotes.get(src.agent_name)
         if name is None:
-            got = self._agent.add_remote_agent(handle.agent_metadata)
+            got = self._agent.add_remote_agent(src.agent_metadata)
             name = got.decode() if isinstance(got, bytes) else got
-            self._remotes[handle.agent_name] = name
+            self._remotes[src.agent_name] = name
         return name
 
     def forget(self, agent_name: str) -> None:

@@ -135,15 +135,32 @@ def test_live_blocks_agree_with_engine_cache():
     assert pools["sliding"][1].data_ptr() == cache.pools["sliding"][1].data_ptr()
 
 
-def test_layout_hash_covers_every_field():
+def test_layout_hash_covers_every_field_but_the_tp_shape():
     import dataclasses
     variants = [dataclasses.replace(LAYOUT, model="x"), dataclasses.replace(LAYOUT, dtype="float32"),
                 dataclasses.replace(LAYOUT, page_size=8), dataclasses.replace(LAYOUT, sliding_window=16),
                 dataclasses.replace(LAYOUT, layer_types=("full", "sliding") * 2),
-                dataclasses.replace(LAYOUT, tp_size=2), dataclasses.replace(LAYOUT, tp_size=2, tp_rank=1),
+                dataclasses.replace(LAYOUT, kv_heads=1), dataclasses.replace(LAYOUT, q_heads=8),
                 dataclasses.replace(LAYOUT, head_dim=16)]
     hashes = {v.layout_hash for v in variants} | {LAYOUT.layout_hash}
     assert len(hashes) == len(variants) + 1
+    # Differently sharded groups still exchange KV (head by head): the TP shape travels as data.
+    for tp, rank in [(2, 0), (2, 1)]:
+        sharded = dataclasses.replace(LAYOUT, tp_size=tp, tp_rank=rank)
+        assert sharded.layout_hash == LAYOUT.layout_hash and sharded.local_kv_heads == 1
+
+
+def test_layout_of_uses_the_caches_tp_size_when_kv_heads_are_replicated():
+    from kvrelay.engine.config import PRESETS
+    from kvrelay.engine.kv_cache import KVCache
+    from kvrelay.engine.kv_transfer import layout_of
+    from kvrelay.engine.parallel import ParallelContext
+
+    cfg = PRESETS["tiny"]  # 8 query / 2 KV heads: TP4 keeps one replicated KV head per rank
+    layout, pools = layout_of(KVCache(cfg, num_pages=4, page_size=4, shard=ParallelContext(3, 4)))
+    assert (layout.tp_size, layout.tp_rank, layout.local_kv_heads, layout.q_heads) == (4, 3, 1, 8)
+    assert (layout.heads.kv0, layout.heads.kv1) == (1, 2)
+    assert pools["full"][0].shape[-2] == 1
 
 
 @pytest.mark.parametrize("num_tokens", [1, 7, 8, 9, 13, 30])

@@ -113,7 +113,10 @@ def test_serve_status_and_sigterm_drain(tmp_path):
 def test_demo_runs_end_to_end():
     t0 = time.monotonic()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    res = subprocess.run([sys.executable, "-m", "kvrelay.cluster.demo", "cpu-tiny.yaml"], capture_output=True,
+    # The README's first command, exactly: `make demo` (VENV points at the environment running this test, so
+    # make finds it installed and goes straight to the demo).
+    repo = Path(__file__).resolve().parents[2]
+    res = subprocess.run(["make", "-s", "demo", f"VENV={sys.prefix}"], capture_output=True, cwd=repo,
                          text=True, timeout=240, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     for what in ("TTFT (client)", "prefill", "KV transfer", "tokens/s", "stopped on SIGTERM (exit 0)"):

@@ -46,8 +46,14 @@ def _model(kind):
     if kind == "fixture":
         cfg = load_model_config(FIXTURE)
         return cfg, open_weights(FIXTURE, cfg)
+    from kvrelay.engine.layers.linear import TensorDictWeights
+    from kvrelay.engine.weights import canonical_shapes
+
     cfg = PRESETS["gpt-oss-tiny"] if kind == "gpt-oss-tiny" else _attn64_cfg()
-    return cfg, open_weights(None, cfg, dummy=True, seed=11)
+    # Dummy weights are drawn on the device they are asked for (a CUDA generator differs from the CPU
+    # one): draw them once on the CPU so the reference and the GPU model hold the same weights.
+    dummy = open_weights(None, cfg, dummy=True, seed=11)
+    return cfg, TensorDictWeights({n: dummy.get(n, device="cpu") for n in canonical_shapes(cfg)})
 
 
 def _prompts(cfg, kind):
