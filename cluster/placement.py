@@ -1,9 +1,11 @@
 """Ray start-up and placement of the worker actors.
 
-Each worker gets its own placement group: one bundle per GPU of its TP/EP group, STRICT_PACK so the
-ranks of one worker share a node (their collectives need NVLink, not the network). On the CPU preset a
-bundle is one logical CPU, and Ray itself is pinned to 127.0.0.1: nothing it starts listens anywhere
-else, and UCX is told to use the loopback device only.
+Each worker gets its own placement group: one bundle per rank of its TP/EP group (a GPU, or one logical
+CPU on the CPU preset), STRICT_PACK so the ranks of one worker share a node (their collectives need
+NVLink, not the network, and their rendezvous is on loopback). The worker actor placed here is rank 0;
+it starts its other ranks in bundles 1.. itself (prefill_worker/ranks.py, decode_worker/ranks.py). On the
+CPU preset Ray itself is pinned to 127.0.0.1: nothing it starts listens anywhere else, and UCX is told to
+use the loopback device only.
 """
 
 from __future__ import annotations
@@ -70,8 +72,9 @@ def init_ray(topology: Topology, *, address: str | None = None) -> bool:
         kwargs["_node_ip_address"] = "127.0.0.1"
     if local:
         if topology.device == "cpu":
-            # Logical CPUs: one per worker plus slack; the workers are mostly waiting on each other.
-            kwargs["num_cpus"] = topology.prefill.workers + topology.decode.workers + 2
+            # Logical CPUs: one per rank plus slack; the ranks are mostly waiting on each other.
+            kwargs["num_cpus"] = sum(len(bundles(topology, role)) * getattr(topology, role).workers
+                                     for role in ROLES) + 2
         ray.init(**kwargs)
     else:
         kwargs.pop("include_dashboard")
@@ -88,19 +91,30 @@ class WorkerSlot:
 
 
 def bundles(topology: Topology, role: str) -> list[dict[str, float]]:
+    """One bundle per rank of a worker ("EPn TPn" is n ranks, so tp counts them for decode too)."""
+    tp = getattr(topology, role).tp
     if topology.device == "cpu":
-        return [{"CPU": 1}]
-    tp = topology.prefill.tp if role == "prefill" else topology.decode.tp
+        return [{"CPU": 1} for _ in range(tp)]
     return [{"GPU": 1, "CPU": 1} for _ in range(tp)]
 
 
+def rank_names(topology: Topology, role: str, worker: int) -> list[str]:
+    """Actor names of a worker's ranks, rank 0 first (the followers take the leader's name + -tpN)."""
+    lead = actor_name(role, worker)
+    return [lead] + [f"{lead}-tp{r}" for r in range(1, getattr(topology, role).tp)]
+
+
 def check_supported(topology: Topology) -> None:
+    """Refuse what the workers cannot run before any actor starts (an uneven head or expert split)."""
+    from kvrelay.engine.config import load_model_config
+    from kvrelay.engine.parallel import check_partition
+
+    cfg = load_model_config(topology.model.name)
     for role in ROLES:
         tp = getattr(topology, role).tp
-        if tp != 1:
-            # The placement below reserves all the GPUs of such a group, but a worker actor drives one
-            # Runner on one device; multi-rank workers need one actor per rank and a process group.
-            raise NotImplementedError(f"{role}.tp={tp}: `kvrelay serve` runs TP=1 workers only so far")
+        ep = topology.decode.ep if role == "decode" else tp
+        if tp > 1:
+            check_partition(cfg, tp, expert_parallel=ep == tp)
 
 
 def place(topology: Topology, timeout_s: float = 120.0) -> list[WorkerSlot]:

@@ -23,7 +23,7 @@ log = logging.getLogger("kvrelay.serve")
 @dataclass
 class Cluster:
     topology: Any
-    prefill: list = field(default_factory=list)  # actor handles, by rank
+    prefill: list = field(default_factory=list)  # rank-0 actor handles, by worker index
     decode: list = field(default_factory=list)
     slots: list = field(default_factory=list)
     started_ray: bool = False
@@ -47,7 +47,8 @@ class Cluster:
                 actor = remote[slot.role].options(**placement.actor_options(topology, slot)).remote(
                     topology, slot.rank)
                 getattr(cluster, slot.role).append(actor)
-            # The first call on each actor waits for its constructor (model load, pool, NIXL agent).
+            # The first call on each actor waits for its constructor (model load, pool, NIXL agent; a TP
+            # worker's rank 0 returns only once its other ranks have joined and loaded too).
             ray.get([a.health.remote() for a in cluster.prefill + cluster.decode], timeout=startup_timeout_s)
         except BaseException:
             cluster.shutdown()
@@ -120,11 +121,14 @@ def run(args: argparse.Namespace) -> int:
     topo = dataclasses.replace(topo, router=router)
     _find_vocab()
     t0 = time.perf_counter()
-    print(f"kvrelay: starting {topo.prefill.workers} prefill + {topo.decode.workers} decode worker(s) "
-          f"for {topo.model.name} on {topo.device}", flush=True)
+    print(f"kvrelay: starting {topo.prefill.workers} prefill (TP{topo.prefill.tp}) + {topo.decode.workers} "
+          f"decode (EP{topo.decode.ep} TP{topo.decode.tp}) worker(s) for {topo.model.name} on {topo.device}",
+          flush=True)
+    from kvrelay.engine.parallel import ParallelConfigError
+
     try:
         cluster = Cluster.start(topo, address=args.address)
-    except NotImplementedError as e:
+    except (NotImplementedError, ParallelConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:

@@ -1,4 +1,5 @@
-"""`kvrelay status`: every worker of a running cluster, with its role, rank, pid, node, health and KV pages.
+"""`kvrelay status`: every rank of every worker of a running cluster, with its role, worker index, TP rank,
+pid, node, health and KV pages.
 
 It joins the cluster's Ray namespace and asks each named worker actor directly, so it reports the
 workers themselves rather than what the router believes. The expected workers come from the topology:
@@ -24,21 +25,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def collect(topology, timeout_s: float = 10.0) -> list[dict]:
-    """One dict per expected worker; needs Ray initialised in the cluster's namespace."""
+    """One dict per expected rank (rank 0 of each worker first, then its other TP ranks); needs Ray
+    initialised in the cluster's namespace."""
     import ray
 
-    from kvrelay.cluster.placement import ROLES, actor_name
+    from kvrelay.cluster.placement import ROLES, rank_names
 
     rows, refs = [], []
     for role in ROLES:
+        tp = getattr(topology, role).tp
         for rank in range(getattr(topology, role).workers):
-            row = {"role": role, "rank": rank, "name": actor_name(role, rank), "healthy": False}
-            try:
-                actor = ray.get_actor(row["name"], namespace=topology.ray.namespace)
-                refs.append((row, actor.status.remote()))
-            except ValueError:
-                row["error"] = "not running (no such actor)"
-            rows.append(row)
+            for tp_rank, name in enumerate(rank_names(topology, role, rank)):
+                row = {"role": role, "rank": rank, "tp_rank": tp_rank, "tp_size": tp, "name": name,
+                       "healthy": False}
+                try:
+                    actor = ray.get_actor(name, namespace=topology.ray.namespace)
+                    refs.append((row, actor.status.remote()))
+                except ValueError:
+                    row["error"] = "not running (no such actor)"
+                rows.append(row)
     for row, ref in refs:
         try:
             st = ray.get(ref, timeout=timeout_s)
@@ -51,19 +56,25 @@ def collect(topology, timeout_s: float = 10.0) -> list[dict]:
 
 
 def _table(rows: list[dict]) -> str:
-    head = f"{'role':8} {'rank':>4} {'pid':>8} {'health':8} {'KV pages used (full/sliding of total)':38} node"
+    head = (f"{'role':8} {'rank':>4} {'tp':>5} {'pid':>8} {'health':8} {'KV pages used (full/sliding of total)':38} "
+            f"node")
     lines = [head]
     for r in rows:
+        tp = f"{r['tp_rank']}/{r['tp_size']}"
         if "pid" in r:
             used = r["pages_in_use"]
             total = r["pages_total"]
             pages = f"{used['full']}/{used['sliding']} of {total['full']}/{total['sliding']}"
-            extra = (f"leases {r['leases']}, queued tokens {r['queued_tokens']}" if r["role"] == "prefill"
-                     else f"running {r['running']}, admitted {r['admitted']}")
-            lines.append(f"{r['role']:8} {r['rank']:>4} {r['pid']:>8} {'ok' if r['healthy'] else 'BAD':8} "
+            if r["tp_rank"] > 0:
+                extra = f"follower of rank 0, agent {r['agent']}"
+            elif r["role"] == "prefill":
+                extra = f"leases {r['leases']}, queued tokens {r['queued_tokens']}"
+            else:
+                extra = f"running {r['running']}, admitted {r['admitted']}"
+            lines.append(f"{r['role']:8} {r['rank']:>4} {tp:>5} {r['pid']:>8} {'ok' if r['healthy'] else 'BAD':8} "
                          f"{pages:38} {r['node']}  ({extra})")
         else:
-            lines.append(f"{r['role']:8} {r['rank']:>4} {'-':>8} {'DOWN':8} {'-':38} {r.get('error', '')}")
+            lines.append(f"{r['role']:8} {r['rank']:>4} {tp:>5} {'-':>8} {'DOWN':8} {'-':38} {r.get('error', '')}")
     return "\n".join(lines)
 
 

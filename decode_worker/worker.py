@@ -6,6 +6,10 @@ thread owns the forward passes, so a long step never stalls a new request's pull
 two meet under one engine lock; the step thread hands tokens to the streams through
 `loop.call_soon_threadsafe`, and each stream coalesces whatever accumulated since it last yielded, so a
 slow consumer costs one Ray message per batch of tokens rather than per token.
+
+With `decode.tp` > 1 this actor is rank 0 of the worker's group and starts the other ranks itself
+(ranks.py): the Scheduler drives a `GroupRunner` that runs every import, decode step and free on all ranks
+in lockstep, and each rank pulls only its own KV heads from whichever prefill ranks hold them.
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from kvrelay.decode_worker.ranks import DecodeRank, Followers, GroupRunner, join_group, spawn_followers
 from kvrelay.decode_worker.scheduler import AdmissionRefused, Scheduler
-from kvrelay.engine.kv_transfer import KVHandle, KVImporter, KVLeaseExpired, configure_ucx, layout_of
+from kvrelay.engine.kv_transfer import (KVHandle, KVImporter, KVLeaseExpired, TransferStats, configure_ucx,
+                                        layout_of)
 from kvrelay.engine.sampling import SamplingParams, TokenOutput
 
 _ABORTED = object()  # put on a stream's queue by `abort`: end the stream without a finish reason
@@ -51,6 +57,8 @@ class DecodeStatus:
     agent: str
     last_step_error: str | None
     role: str = "decode"
+    tp_rank: int = 0
+    tp_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -59,34 +67,40 @@ class DecodeChunk:
     pull: PullMetrics | None = None  # on the first chunk only
 
 
-def _pool_tokens(topology) -> int:
+def pool_tokens(topology) -> int:
     """KV positions per group: a share of free memory, but never more than a full batch of full
-    contexts (more could never be used and would only slow start-up)."""
+    contexts (more could never be used and would only slow start-up). Every rank of a TP group gets
+    the same count (its allocator must mirror the leader's), sized on rank 0's free memory."""
     cap = topology.decode.max_batch * topology.model.max_context
     if topology.device == "cuda":
         import torch
 
         from kvrelay.engine.config import load_model_config
+        from kvrelay.engine.parallel import head_range
 
         cfg = load_model_config(topology.model.name)
-        per_token = 2 * cfg.num_key_value_heads // topology.decode.tp * cfg.head_dim * 2 * cfg.num_hidden_layers
+        # Heads per rank from the same rule as the cache: more ranks than KV heads replicate one.
+        local_kv = head_range(cfg.num_attention_heads, cfg.num_key_value_heads, 0, topology.decode.tp).num_kv
+        per_token = 2 * local_kv * cfg.head_dim * 2 * cfg.num_hidden_layers
         free, _ = torch.cuda.mem_get_info()
         cap = min(cap, int(free * topology.decode.kv_memory_fraction) // per_token)
     return cap
 
 
-def load_runner(topology, kv_tokens: int):
-    """The engine Runner this topology asks for, with a pool of `kv_tokens` positions per group.
+def load_runner(topology, kv_tokens: int, shard=None):
+    """The engine Runner this topology asks for (this rank's shard of it when `shard` is a TP rank's
+    ParallelContext), with a pool of `kv_tokens` positions per group.
     (prefill_worker/worker.py has the same few lines: the two workers never import each other.)"""
     import torch
 
     from kvrelay.engine.runner import Runner
 
     page_size = topology.decode.page_size
+    extra = {} if shard is None else {"shard": shard}
     return Runner.load(topology.model.name, dummy=topology.model.dummy, seed=topology.model.seed,
                        device="cuda" if topology.device == "cuda" else "cpu", dtype=torch.bfloat16,
                        quant=topology.model.quant, page_size=page_size,
-                       num_pages=-(-kv_tokens // page_size))
+                       num_pages=-(-kv_tokens // page_size), **extra)
 
 
 def node_name() -> str:
@@ -103,7 +117,23 @@ class DecodeWorker:
     def __init__(self, topology, rank: int = 0):
         configure_ucx(topology.kv_transfer.ucx_tls, "lo" if topology.device == "cpu" else None)
         self.rank = rank
-        self.runner = load_runner(topology, kv_tokens=_pool_tokens(topology))
+        self.tp_size = topology.decode.tp
+        self.group: Followers | None = None  # ranks 1.. of a TP group; None at TP1
+        if self.tp_size == 1:
+            self.runner = load_runner(topology, kv_tokens=pool_tokens(topology))
+        else:
+            from kvrelay.engine.parallel import free_port
+
+            port = free_port("127.0.0.1")
+            kv_tokens = pool_tokens(topology)  # before any rank allocates: followers reuse this count
+            self.group = Followers(spawn_followers(DecodeRank, topology, rank, port, kv_tokens))
+            try:
+                ctx = self.group.join(lambda: join_group(topology, 0, port))
+                self.runner = GroupRunner(load_runner(topology, kv_tokens=kv_tokens, shard=ctx), self.group)
+                self.group.wait_ready()
+            except BaseException:
+                self.group.shutdown()
+                raise
         layout, pools = layout_of(self.runner.kv)
         self.importer = KVImporter(layout, pools, name_prefix=f"decode{rank}")
         self.scheduler = Scheduler(self.runner, max_batch=topology.decode.max_batch)
@@ -147,8 +177,9 @@ class DecodeWorker:
             if kv.first_page != handle.first_blocks():
                 raise RuntimeError(f"request {request_id}: page windows differ (prefill "
                                    f"{handle.first_blocks()}, decode {kv.first_page})")
-            stats = await asyncio.to_thread(self.importer.pull, handle, kv.pages)
-            # The pull is only trustworthy if the lease was still valid when released: an expired lease
+            stats = await self._pull(handle, request_id, kv.pages)
+            # Every rank's READ has finished (the prefill side frees only after this release, so no
+            # rank can read a page that was handed to another prompt). The pull is only trustworthy if the lease was still valid when released: an expired lease
             # may have had its pages reused by another prompt during the READ.
             if not await prefill.release.remote(handle.lease_id):
                 raise KVLeaseExpired(f"request {request_id}: lease {handle.lease_id} expired before the "
@@ -184,6 +215,23 @@ class DecodeWorker:
                     self._wake.notify()
                 else:
                     self.scheduler.release(request_id)
+
+    async def _pull(self, handle: KVHandle, request_id: str, pages) -> TransferStats:
+        """This rank's READ, and every follower's READ of its own heads, concurrently."""
+        local = asyncio.to_thread(self.importer.pull, handle, pages)
+        if self.group is None:
+            return await local
+        import ray
+
+        refs = self.runner.pull_refs(handle, request_id)
+        results = await asyncio.gather(local, *refs, return_exceptions=True)
+        for r in results:
+            if isinstance(r, ray.exceptions.RayTaskError) and isinstance(r.cause, Exception):
+                raise r.cause  # e.g. KVLeaseExpired: the client re-prefills, as for rank 0's own pull
+            if isinstance(r, BaseException):
+                raise r
+        return TransferStats(nbytes=sum(r.nbytes for r in results), seconds=max(r.seconds for r in results),
+                             descriptors=sum(r.descriptors for r in results))
 
     def _emit(self, request_id: str, out) -> None:
         """Called on the step thread; hands the item to the request's stream on the event loop."""
@@ -238,10 +286,12 @@ class DecodeWorker:
             pages_in_use=s.pages_in_use, pages_reserved=s.pages_reserved, pages_total=s.pages_total,
             free_budget=s.free_budget, admitted=s.reserved, running=s.running, steps=self.steps,
             completed=self.completed, agent=self.importer.agent_name,
-            last_step_error=repr(self._step_error) if self._step_error else None)
+            last_step_error=repr(self._step_error) if self._step_error else None, tp_size=self.tp_size)
 
     async def shutdown(self) -> None:
         with self._lock:
             self._stop = True
             self._wake.notify()
         self.importer.close()
+        if self.group is not None:
+            self.group.shutdown()

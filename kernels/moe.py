@@ -268,8 +268,11 @@ def _grouped_kernel(a, sa, w, sw, b, rw, out, sorted_ids, block_expert, n_pairs,
     w_ptr = w + e * s_we + offs_n.to(tl.int64)[:, None] * s_wn + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, KDIM, BLOCK_K):
-        at = tl.load(a_ptr + k0, mask=m_ok[:, None], other=0.0)
-        wt = tl.load(w_ptr + k0, mask=n_ok[:, None], other=0.0)
+        # K is masked too: bf16 weights are not padded, and a K that is no multiple of BLOCK_K (the
+        # fixture's intermediate 96) would otherwise read the next row's values past the edge.
+        k_ok = (k0 + offs_k) < KDIM
+        at = tl.load(a_ptr + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        wt = tl.load(w_ptr + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if FP8:
             s_a = tl.load(sa + rows * s_sam + (k0 // 128) * s_sak, mask=m_ok, other=0.0)
             s_w = tl.load(sw + e * s_swe + (offs_n // 128) * s_swn + k0 // 128, mask=n_ok, other=0.0)

@@ -16,18 +16,14 @@ decode_worker/ranks.py has the same group plumbing: the two workers never import
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 T = TypeVar("T")
 _STARTUP_S = 300.0
-
-
-class RankGroupError(RuntimeError):
-    """A follower rank failed where the leader did not (or the reverse): the ranks' KV state may have
-    diverged, so the worker reports itself unhealthy and the client routes around it."""
 
 
 @dataclass(frozen=True)
@@ -92,35 +88,66 @@ class Followers:
 
     def __init__(self, actors: list):
         self.actors = actors
-        self.broken: str | None = None
+        self._started: list = []
 
-    def wait_ready(self, timeout_s: float = _STARTUP_S) -> None:
+    def join(self, join: Callable[[], T], timeout_s: float = _STARTUP_S) -> T:
+        """Run the leader's rendezvous (`join`) while watching the followers start: one that fails
+        before it joins (bad config, no memory) is reported at once, not after the rendezvous times out."""
         import ray
 
-        ray.get([a.health.remote() for a in self.actors], timeout=timeout_s)
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["ctx"] = join()
+            except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+                box["error"] = e
+
+        thread = threading.Thread(target=run, name="rank-join", daemon=True)
+        thread.start()
+        self._started = [a.health.remote() for a in self.actors]
+        while thread.is_alive():
+            done, _ = ray.wait(self._started, num_returns=len(self._started), timeout=0.5)
+            for ref in done:
+                ray.get(ref)  # raises the follower's constructor error
+            thread.join(0.0)
+        if "error" in box:
+            raise box["error"]
+        return box["ctx"]
+
+    def wait_ready(self, timeout_s: float = _STARTUP_S) -> None:
+        """Every follower finished its constructor (model shard loaded, NIXL agent up)."""
+        import ray
+
+        ray.get(self._started, timeout=timeout_s)
 
     def run(self, method: str, args: tuple, local: Callable[[], T]) -> tuple[T, list]:
         """`method(*args)` on every follower and `local()` here, concurrently; (local result, follower
         results in rank order). The same error on every rank is re-raised as it is (a bad request);
-        an error on some ranks only breaks the group."""
+        a rank that died, or failed alone, ends the worker (`fail`)."""
         import ray
 
-        if self.broken:
-            raise RankGroupError(self.broken)
         refs = [getattr(a, method).remote(*args) for a in self.actors]
         try:
             out = local()
         except BaseException as e:
             errs = _errors(refs)
-            if len(errs) != len(refs):
-                self.broken = f"{method}: the leader raised {e!r} but some followers did not"
+            if len(errs) != len(refs) or any(isinstance(x, ray.exceptions.RayActorError) for x in errs):
+                self.fail(f"{method}: rank 0 raised {e!r}; followers: {errs!r}")
             raise
         try:
             results = ray.get(refs)
         except Exception as e:
-            self.broken = f"{method}: a follower rank failed where the leader did not: {e!r}"
-            raise RankGroupError(self.broken) from e
+            self.fail(f"{method}: a follower rank failed where rank 0 did not: {e!r}")
         return out, results
+
+    def fail(self, reason: str) -> NoReturn:
+        """The ranks no longer agree on the KV they hold, or one is gone (a collective cannot complete
+        without it). Neither is repairable in place and a silent restart would hide it, so the whole
+        worker goes down: Ray fails its pending calls and open streams with RayActorError, which the
+        client re-routes, kills the follower actors this one owns, and `kvrelay status` shows it DOWN."""
+        print(f"kvrelay: TP group broken, stopping this worker: {reason}", file=sys.stderr, flush=True)
+        os._exit(70)
 
     def shutdown(self) -> None:
         import ray

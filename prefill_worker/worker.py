@@ -5,6 +5,10 @@ lock, since prefill is compute-bound at batch 1 and overlapping two prompts only
 `release`/`stats`/`health` answer at once from other threads even during a long prompt. A release
 therefore never touches the Runner itself (a prefill may be mid-forward); it queues the sequence, and
 whoever holds the engine next frees it.
+
+With `prefill.tp` > 1 this actor is rank 0 of the worker's group and starts the other ranks itself
+(ranks.py): every prefill and free runs on all of them in lockstep, the handle lists every rank's pages
+under one lease, and the pages are freed on all ranks once that lease is released or reclaimed.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 
 from kvrelay.engine.kv_transfer import KVExporter, KVHandle, configure_ucx, layout_of
 from kvrelay.engine.sampling import SamplingParams, TokenOutput, finish_reason
+from kvrelay.prefill_worker.ranks import Followers, PrefillRank, join_group, spawn_followers
 
 
 @dataclass(frozen=True)
@@ -44,20 +49,29 @@ class PrefillStatus:
     expired_leases: int
     agent: str
     role: str = "prefill"
+    tp_rank: int = 0
+    tp_size: int = 1
 
 
-def load_runner(topology, kv_tokens: int):
-    """The engine Runner this topology asks for, with a pool of `kv_tokens` positions per group.
+def pool_tokens(topology) -> int:
+    """Room for a few prompts in flight: one running plus the ones whose KV still waits for a pull."""
+    return 4 * topology.prefill.max_prompt_tokens
+
+
+def load_runner(topology, kv_tokens: int, shard=None):
+    """The engine Runner this topology asks for (this rank's shard of it when `shard` is a TP rank's
+    ParallelContext), with a pool of `kv_tokens` positions per group.
     (decode_worker/worker.py has the same few lines: the two workers never import each other.)"""
     import torch
 
     from kvrelay.engine.runner import Runner
 
     page_size = topology.decode.page_size  # both pools must share it for pages to be copyable
+    extra = {} if shard is None else {"shard": shard}
     return Runner.load(topology.model.name, dummy=topology.model.dummy, seed=topology.model.seed,
                        device="cuda" if topology.device == "cuda" else "cpu", dtype=torch.bfloat16,
                        quant=topology.model.quant, page_size=page_size,
-                       num_pages=-(-kv_tokens // page_size))
+                       num_pages=-(-kv_tokens // page_size), **extra)
 
 
 def node_name() -> str:
@@ -76,8 +90,23 @@ class PrefillWorker:
         self.rank = rank
         self.max_prompt_tokens = topology.prefill.max_prompt_tokens
         self.max_context = topology.model.max_context
-        # Room for a few prompts in flight: one running plus the ones whose KV still waits for a pull.
-        self.runner = load_runner(topology, kv_tokens=4 * topology.prefill.max_prompt_tokens)
+        self.tp_size = topology.prefill.tp
+        self.group: Followers | None = None  # ranks 1.. of a TP group; None at TP1
+        if self.tp_size == 1:
+            self.runner = load_runner(topology, kv_tokens=pool_tokens(topology))
+        else:
+            from kvrelay.engine.parallel import free_port
+
+            port = free_port("127.0.0.1")
+            self.group = Followers(spawn_followers(PrefillRank, topology, rank, port))
+            try:
+                # Followers build their Runner right after joining; the leader loads its own meanwhile.
+                self.ctx = self.group.join(lambda: join_group(topology, 0, port))
+                self.runner = load_runner(topology, kv_tokens=pool_tokens(topology), shard=self.ctx)
+                self.group.wait_ready()
+            except BaseException:
+                self.group.shutdown()
+                raise
         layout, pools = layout_of(self.runner.kv)
         lease = topology.kv_transfer.lease_seconds if lease_seconds is None else lease_seconds
         self.exporter = KVExporter(layout, pools, lease_seconds=lease, grace_seconds=min(5.0, lease),
@@ -124,8 +153,8 @@ class PrefillWorker:
                 self._drain_frees()
                 if self.runner.has_sequence(rid):
                     raise ValueError(f"request {rid}: already being prefilled on this worker")
-                if self.runner.can_admit(len(prompt_ids)):
-                    logits = self.runner.prefill(rid, prompt_ids)
+                if self.runner.can_admit(len(prompt_ids)):  # every rank's allocator is in the same state
+                    logits, peers = self._run_prefill(rid, prompt_ids)
                     (token, logprob), = self.runner.sample(logits, [params], [generated])
                     break
             # Pages are held by leases that decode has not pulled yet; they come back on release or
@@ -140,13 +169,33 @@ class PrefillWorker:
         first = TokenOutput(token, logprob, reason)
         if reason is not None:
             with self._engine_lock:
-                self.runner.free(rid)
+                self._free(rid)
             return first, None
         with self._engine_lock:
             kv = self.runner.export_sequence(rid)
         handle = self.exporter.pin(rid, kv.pages, kv.length, first_blocks=kv.first_page,
-                                   on_release=lambda: self._queue_free(rid))
+                                   on_release=lambda: self._queue_free(rid), peers=peers)
         return first, handle
+
+    # ---- engine ops (under the engine lock; on every rank of a TP group) ---------------------
+    def _run_prefill(self, rid: str, prompt_ids: list[int]) -> tuple:
+        if self.group is None:
+            return self.runner.prefill(rid, prompt_ids), ()
+        logits, peers = self.group.run("prefill", (rid, prompt_ids), lambda: self.runner.prefill(rid, prompt_ids))
+        # Same calls in the same order leave every rank's allocator in the same state; a difference
+        # would mean the ranks no longer agree on what is where, so stop trusting this group.
+        kv = self.runner.export_sequence(rid)
+        own = self.exporter.describe(kv.pages, kv.length, first_blocks=kv.first_page)
+        for shard in peers:
+            if [g.page_ids for g in shard.groups] != [g.page_ids for g in own.groups]:
+                self.group.fail(f"request {rid}: rank {shard.tp_rank} holds other pages than rank 0")
+        return logits, tuple(peers)
+
+    def _free(self, rid: str) -> None:
+        if self.group is None:
+            self.runner.free(rid)
+        else:
+            self.group.run("free", (rid,), lambda: self.runner.free(rid))
 
     def release(self, lease_id: int) -> bool:
         """Decode pulled the pages (or gave up): unpin. False if the lease had already expired."""
@@ -163,7 +212,7 @@ class PrefillWorker:
 
     def _drain_frees(self) -> None:
         while self._to_free:
-            self.runner.free(self._to_free.popleft())
+            self._free(self._to_free.popleft())
 
     def _reap_loop(self) -> None:
         while not self._stop.wait(0.25):
@@ -191,10 +240,14 @@ class PrefillWorker:
             pages_in_use={g: total[g] - free[g] for g in total}, pages_total=total,
             queued_tokens=self._queued_tokens, leases=self.exporter.active_leases(),
             completed=self.completed, expired_leases=self.exporter.expired_count,
-            agent=self.exporter.agent_name)
+            agent=self.exporter.agent_name, tp_size=self.tp_size)
 
     def shutdown(self) -> None:
         self._stop.set()
         self.exporter.close()
         with self._engine_lock:
-            self._drain_frees()
+            try:
+                self._drain_frees()
+            finally:
+                if self.group is not None:
+                    self.group.shutdown()
