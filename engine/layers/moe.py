@@ -42,8 +42,12 @@ class MoE:
         # 128x128 block scales). CPU: one reference Linear per expert.
         self.gpu = None
         if select.use_gpu_kernels(device) and torch.device(device).type != "meta":
-            self.gpu = _gpu_experts(get("mlp1_weight", (experts, rows1)), get("mlp1_bias", (experts, rows1)),
-                                    get("mlp2_weight", (experts, slice(None), cols2)), bias2, quant)
+            if quant == "bf16":
+                self.gpu = _gpu_experts(get("mlp1_weight", (experts, rows1)), get("mlp1_bias", (experts, rows1)),
+                                        get("mlp2_weight", (experts, slice(None), cols2)), bias2, quant)
+            else:
+                self.gpu = _gpu_experts_fp8_chunked(get, self.e0, self.e1, rows1, cols2,
+                                                    get("mlp1_bias", (experts, rows1)), bias2)
             return
         self.mlp1 = ExpertLinears(get("mlp1_weight", (experts, rows1)), get("mlp1_bias", (experts, rows1)), quant)
         self.mlp2 = ExpertLinears(get("mlp2_weight", (experts, slice(None), cols2)), bias2, quant)
@@ -92,3 +96,32 @@ def _gpu_experts(w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch
     del w1
     q2, s2 = quantize_experts_block128(w2)
     return MoEWeights.from_fp8(q1, s1, b1, q2, s2, b2)
+
+
+def _gpu_experts_fp8_chunked(get, e0: int, e1: int, rows1: slice, cols2: slice, b1: torch.Tensor,
+                             b2: torch.Tensor, chunk: int = 8):
+    """FP8 experts quantised a few experts at a time straight into K-padded buffers. Loading the whole
+    layer in bf16 first (4.2 GB for one 120b mlp1) and then padding copies left ~30 GB of fragments in
+    the caching allocator and ran a 120b model out of memory on a 141 GB card."""
+    from kvrelay.kernels.fp8 import BLOCK, quantize_experts_block128
+    from kvrelay.kernels.moe import MoEWeights
+
+    def quantise(name: str, extra: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        q = sc = None
+        for c0 in range(e0, e1, chunk):
+            w = get(name, (slice(c0, min(c0 + chunk, e1)), *extra))
+            qc, sc_c = quantize_experts_block128(w)
+            if q is None:
+                n, k = w.shape[1], w.shape[2]
+                kp = -(-k // BLOCK) * BLOCK
+                q = torch.zeros((e1 - e0, n, kp), dtype=qc.dtype, device=w.device)
+                sc = torch.ones((e1 - e0, -(-n // BLOCK), kp // BLOCK), dtype=torch.float32, device=w.device)
+            q[c0 - e0:c0 - e0 + w.shape[0], :, :k] = qc
+            sc[c0 - e0:c0 - e0 + w.shape[0]] = sc_c
+            del w, qc, sc_c
+        return q, sc
+
+    q1, s1 = quantise("mlp1_weight", (rows1,))
+    q2, s2 = quantise("mlp2_weight", (slice(None), cols2))
+    hidden, inter = q2.shape[1], b1.shape[1] // 2
+    return MoEWeights(q1, b1.contiguous(), q2, b2.contiguous(), s1, s2, hidden, inter)
