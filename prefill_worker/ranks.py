@@ -22,7 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
+from kvrelay.engine.kv_cache import OutOfPages
+
 T = TypeVar("T")
+# Errors the Runner raises while checking a call, before any collective (bad ids, unknown or duplicate
+# sequence, no free pages): every rank raises them alike, so they reject the request, not the group.
+REQUEST_ERRORS: tuple[type[BaseException], ...] = (ValueError, LookupError, OutOfPages)
 _STARTUP_S = 300.0
 
 
@@ -130,11 +135,18 @@ class Followers:
         refs = [getattr(a, method).remote(*args) for a in self.actors]
         try:
             out = local()
-        except BaseException as e:
+        except REQUEST_ERRORS:
+            # Raised before any collective: the followers refuse the same op alike (or else they no
+            # longer agree with this rank).
             errs = _errors(refs)
-            if len(errs) != len(refs) or any(isinstance(x, ray.exceptions.RayActorError) for x in errs):
-                self.fail(f"{method}: rank 0 raised {e!r}; followers: {errs!r}")
+            if len(errs) != len(refs) or not all(isinstance(getattr(x, "cause", None), REQUEST_ERRORS)
+                                                 for x in errs):
+                self.fail(f"{method}: rank 0 refused the op, followers answered {errs!r}")
             raise
+        except BaseException as e:
+            # A failed collective (a rank died, or gave up on one that did): the followers are leaving
+            # too (`follower_op`) or stuck in the same collective, so there is nothing to wait for.
+            self.fail(f"{method}: rank 0 failed: {e!r}")
         try:
             results = ray.get(refs)
         except Exception as e:
@@ -158,6 +170,20 @@ class Followers:
             pass
         for a in self.actors:
             ray.kill(a, no_restart=True)
+
+
+def follower_op(fn: Callable[[], T]) -> T:
+    """Run a follower's engine op. A request error is raised before any collective, on every rank alike,
+    and goes back to the leader; any other failure means a collective broke (a peer is gone), and this
+    rank exits at once, so its own peers' reads fail fast too instead of waiting out the gloo/NCCL
+    timeout, and the leader learns it and takes the worker down."""
+    try:
+        return fn()
+    except REQUEST_ERRORS:
+        raise
+    except BaseException as e:  # noqa: BLE001
+        print(f"kvrelay: follower rank stopping after a failed collective: {e!r}", file=sys.stderr, flush=True)
+        os._exit(70)
 
 
 def _errors(refs: list) -> list[BaseException]:
@@ -192,13 +218,13 @@ class PrefillRank:
     def prefill(self, rid: str, prompt_ids: list[int]):
         """The leader's prefill, on this rank's shard; returns where this rank's pages are."""
         with self._lock:
-            self.runner.prefill(rid, prompt_ids)
+            follower_op(lambda: self.runner.prefill(rid, prompt_ids))
             kv = self.runner.export_sequence(rid)
             return self.exporter.describe(kv.pages, kv.length, first_blocks=kv.first_page)
 
     def free(self, rid: str) -> None:
         with self._lock:
-            self.runner.free(rid)
+            follower_op(lambda: self.runner.free(rid))
 
     def health(self) -> bool:
         return not self._stopped
