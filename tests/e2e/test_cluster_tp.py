@@ -103,11 +103,7 @@ def test_greedy_tokens_equal_single_process(cluster, reference):
     # 40 tokens: 3 pages of the one full layer + 1 live page of each of the 2 sliding layers; a page holds
     # 2 (K, V) x 16 positions x 32 dims x bf16 per head, and every decode rank pulls its own heads.
     heads_pulled = 2 if topo.decode.tp <= 2 else topo.decode.tp  # TP4: one replicated head per rank
-    assert out_metrics(outs[40]).kv_bytes == 5 * 2 * 16 * 32 * 2 * heads_pulled
-
-
-def out_metrics(out):
-    return out[-1].metrics
+    assert outs[40][-1].metrics.kv_bytes == 5 * 2 * 16 * 32 * 2 * heads_pulled
 
 
 def test_no_kv_page_left_and_status_lists_every_rank(cluster):
