@@ -5,6 +5,11 @@ ever hold (prompt + max_tokens, with the sliding group capped at one window), an
 never exceeds the pool. So a step can never run out of pages half-way, no running request is ever
 preempted, and "free pages" as seen by the router is simply capacity minus reservations.
 
+A request's pages exist before its KV does: they are allocated on import, then filled by a NIXL READ
+that the worker runs outside this class. While that READ may still be writing (`begin_pull` ..
+`end_pull`), releasing the request only marks it: the pages, and the budget they stand for, are given
+back once the READ has ended, so they are never handed to another request mid-write.
+
 This class is plain bookkeeping plus `step()`; it takes no locks and starts no threads, so it is tested
 directly. The decode actor (worker.py) serialises calls to it.
 """
@@ -62,6 +67,8 @@ class Scheduler:
     max_batch: int
     _budget: dict[str, dict[str, int]] = field(default_factory=dict)  # request -> pages per group
     _running: dict[str, _Running] = field(default_factory=dict)  # insertion order = join order
+    _pulling: set[str] = field(default_factory=set)  # a READ may be writing into these requests' pages
+    _release_after_pull: set[str] = field(default_factory=set)  # released while pulling
 
     @property
     def capacity(self) -> dict[str, int]:
@@ -101,11 +108,35 @@ class Scheduler:
         return need
 
     def release(self, request_id: str) -> None:
-        """Drop a reservation and whatever the request holds (idempotent)."""
+        """Drop a reservation and whatever the request holds (idempotent). During a pull this is only
+        recorded, and `end_pull` does it."""
+        if request_id in self._pulling:
+            self._release_after_pull.add(request_id)
+            return
         self._budget.pop(request_id, None)
         self._running.pop(request_id, None)
         if self.runner.has_sequence(request_id):
             self.runner.free(request_id)
+
+    def begin_pull(self, request_id: str) -> None:
+        """The request's imported pages are about to be written by a READ this class cannot see."""
+        if not self.runner.has_sequence(request_id):
+            raise ValueError(f"request {request_id!r} pulls without imported KV")
+        self._pulling.add(request_id)
+
+    def end_pull(self, request_id: str) -> bool:
+        """Every READ into the request's pages has ended (completed, failed, or cancelled and confirmed
+        dead). True when the request was released meanwhile: its pages are freed now, and it must not
+        join."""
+        self._pulling.discard(request_id)
+        if request_id not in self._release_after_pull:
+            return False
+        self._release_after_pull.discard(request_id)
+        self.release(request_id)
+        return True
+
+    def is_pulling(self, request_id: str) -> bool:
+        return request_id in self._pulling
 
     def join(self, request_id: str, params: SamplingParams, last_token: int, generated: int,
              emit: Callable[[TokenOutput], None]) -> None:
@@ -114,6 +145,8 @@ class Scheduler:
             raise ValueError(f"request {request_id!r} joins without a reservation")
         if not self.runner.has_sequence(request_id):
             raise ValueError(f"request {request_id!r} joins without imported KV")
+        if request_id in self._pulling:
+            raise ValueError(f"request {request_id!r} joins while its KV pull may still be running")
         self._running[request_id] = _Running(request_id, params, last_token, generated, emit)
 
     def abort(self, request_id: str) -> bool:

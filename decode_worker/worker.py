@@ -8,24 +8,27 @@ two meet under one engine lock; the step thread hands tokens to the streams thro
 slow consumer costs one Ray message per batch of tokens rather than per token.
 
 With `decode.tp` > 1 this actor is rank 0 of the worker's group and starts the other ranks itself
-(ranks.py): the Scheduler drives a `GroupRunner` that runs every import, decode step and free on all ranks
-in lockstep, and each rank pulls only its own KV heads from whichever prefill ranks hold them.
+(ranks.py, over engine/rank_group.py): the Scheduler drives a `GroupRunner` that runs every import,
+decode step and free on all ranks in lockstep, and each rank pulls only its own KV heads from whichever
+prefill ranks hold them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from kvrelay.decode_worker.ranks import DecodeRank, Followers, GroupRunner, join_group, spawn_followers
+from kvrelay.decode_worker.ranks import DecodeRank, GroupRunner, decode_join
 from kvrelay.decode_worker.scheduler import AdmissionRefused, Scheduler
-from kvrelay.engine.kv_transfer import (KVHandle, KVImporter, KVLeaseExpired, TransferStats, configure_ucx,
-                                        layout_of)
+from kvrelay.engine.kv_transfer import (KVHandle, KVImporter, KVLeaseExpired, KVReadInFlight, TransferStats,
+                                        configure_ucx, layout_of)
+from kvrelay.engine.rank_group import Followers, lead_group, node_name
+from kvrelay.engine.rank_group import load_runner as _load_runner
 from kvrelay.engine.sampling import SamplingParams, TokenOutput
 
 _ABORTED = object()  # put on a stream's queue by `abort`: end the stream without a finish reason
@@ -88,29 +91,9 @@ def pool_tokens(topology) -> int:
 
 
 def load_runner(topology, kv_tokens: int, shard=None):
-    """The engine Runner this topology asks for (this rank's shard of it when `shard` is a TP rank's
-    ParallelContext), with a pool of `kv_tokens` positions per group.
-    (prefill_worker/worker.py has the same few lines: the two workers never import each other.)"""
-    import torch
-
-    from kvrelay.engine.runner import Runner
-
-    page_size = topology.decode.page_size
-    extra = {} if shard is None else {"shard": shard}
-    return Runner.load(topology.model.name, dummy=topology.model.dummy, seed=topology.model.seed,
-                       device="cuda" if topology.device == "cuda" else "cpu", dtype=torch.bfloat16,
-                       quant=topology.model.quant, page_size=page_size,
-                       num_pages=-(-kv_tokens // page_size), **extra)
-
-
-def node_name() -> str:
-    try:
-        import ray
-
-        node = ray.get_runtime_context().get_node_id()[:12]
-    except Exception:  # outside Ray (unit tests)
-        node = "local"
-    return f"{socket.gethostname()}/{node}"
+    """This worker's Runner (this rank's shard of it when `shard` is a TP rank's ParallelContext)."""
+    return _load_runner(topology.model, device=topology.device, page_size=topology.decode.page_size,
+                        kv_tokens=kv_tokens, shard=shard)
 
 
 class DecodeWorker:
@@ -122,18 +105,13 @@ class DecodeWorker:
         if self.tp_size == 1:
             self.runner = load_runner(topology, kv_tokens=pool_tokens(topology))
         else:
-            from kvrelay.engine.parallel import free_port
-
-            port = free_port("127.0.0.1")
             kv_tokens = pool_tokens(topology)  # before any rank allocates: followers reuse this count
-            self.group = Followers(spawn_followers(DecodeRank, topology, rank, port, kv_tokens))
-            try:
-                ctx = self.group.join(lambda: join_group(topology, 0, port))
-                self.runner = GroupRunner(load_runner(topology, kv_tokens=kv_tokens, shard=ctx), self.group)
-                self.group.wait_ready()
-            except BaseException:
-                self.group.shutdown()
-                raise
+            self.group, runner = lead_group(
+                DecodeRank, device=topology.device, tp_size=self.tp_size, max_concurrency=16,
+                args=lambda r, port: (topology, rank, r, port, kv_tokens),
+                join=lambda port: decode_join(topology, 0, port),
+                load=lambda ctx: load_runner(topology, kv_tokens=kv_tokens, shard=ctx))
+            self.runner = GroupRunner(runner, self.group)
         layout, pools = layout_of(self.runner.kv)
         self.importer = KVImporter(layout, pools, name_prefix=f"decode{rank}")
         self.scheduler = Scheduler(self.runner, max_batch=topology.decode.max_batch)
@@ -143,20 +121,44 @@ class DecodeWorker:
         self._step_error: BaseException | None = None
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._ops = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="decode-ops")
         self._thread = threading.Thread(target=self._step_loop, name="decode-steps", daemon=True)
         self._thread.start()
         self.steps = 0
         self.completed = 0
 
+    # ---- engine calls off the event loop -----------------------------------------------------
+    async def _locked(self, fn, *args):
+        """`fn(*args)` under the engine lock, on the ops thread: with TP, imports and frees wait on Ray
+        round trips to the follower ranks (GroupRunner), and waiting out a running step must not stall
+        the streams either. One thread, since these calls serialise on the lock anyway, and so they run
+        in the order they were made."""
+        def run():
+            with self._lock:
+                return fn(*args)
+
+        return await asyncio.get_running_loop().run_in_executor(self._ops, run)
+
     # ---- admission ---------------------------------------------------------------------------
     async def reserve(self, request_id: str, prompt_tokens: int, max_tokens: int) -> dict[str, int]:
         """Commit pages for the request's worst case; raises AdmissionRefused (with `retryable`)."""
-        with self._lock:
-            return self.scheduler.reserve(request_id, prompt_tokens, max_tokens)
+        return await self._locked(self.scheduler.reserve, request_id, prompt_tokens, max_tokens)
 
     async def unreserve(self, request_id: str) -> None:
-        with self._lock:
-            self.scheduler.release(request_id)
+        await self._locked(self.scheduler.release, request_id)
+
+    def _import(self, request_id: str, handle: KVHandle, generated: int, params: SamplingParams):
+        """Under the engine lock: reserve if the client did not, allocate the pages, and mark them as
+        being written by a READ from here on."""
+        if not self.scheduler.has_reservation(request_id):
+            self.scheduler.reserve(request_id, handle.num_tokens, params.max_tokens - generated + 1)
+        self.importer.check(handle)
+        kv = self.runner.import_sequence(request_id, handle.num_tokens)
+        if kv.first_page != handle.first_blocks():
+            raise RuntimeError(f"request {request_id}: page windows differ (prefill "
+                               f"{handle.first_blocks()}, decode {kv.first_page})")
+        self.scheduler.begin_pull(request_id)
+        return kv
 
     # ---- the stream --------------------------------------------------------------------------
     async def generate(self, request_id: str, handle: KVHandle, first_token: int, generated: int,
@@ -169,27 +171,29 @@ class DecodeWorker:
         queue: asyncio.Queue = asyncio.Queue()
         joined = False
         try:
-            with self._lock:
-                if not self.scheduler.has_reservation(request_id):
-                    self.scheduler.reserve(request_id, handle.num_tokens, params.max_tokens - generated + 1)
-                self.importer.check(handle)
-                kv = self.runner.import_sequence(request_id, handle.num_tokens)
-            if kv.first_page != handle.first_blocks():
-                raise RuntimeError(f"request {request_id}: page windows differ (prefill "
-                                   f"{handle.first_blocks()}, decode {kv.first_page})")
-            stats = await self._pull(handle, request_id, kv.pages)
+            # Shielded: a stream cancelled mid-pull leaves the task running, so the pages are freed only
+            # once every rank's READ has ended (the release below is deferred until then).
+            stats, dropped = await asyncio.shield(asyncio.ensure_future(
+                self._pull(handle, request_id, generated, params)))
+            if dropped:  # aborted during the pull; its pages are free again now
+                await _quietly(prefill.release.remote(handle.lease_id))
+                return
             # Every rank's READ has finished (the prefill side frees only after this release, so no
-            # rank can read a page that was handed to another prompt). The pull is only trustworthy if the lease was still valid when released: an expired lease
-            # may have had its pages reused by another prompt during the READ.
+            # rank can read a page that was handed to another prompt). The pull is only trustworthy if
+            # the lease was still valid when released: an expired lease may have had its pages reused
+            # by another prompt during the READ.
             if not await prefill.release.remote(handle.lease_id):
                 raise KVLeaseExpired(f"request {request_id}: lease {handle.lease_id} expired before the "
                                      f"pull was confirmed; re-run prefill")
             self._streams[request_id] = queue
-            with self._lock:
+
+            def join() -> None:
                 self.scheduler.join(request_id, params, first_token, generated,
                                     lambda out: self._emit(request_id, out))
-                joined = True
                 self._wake.notify()
+
+            await self._locked(join)
+            joined = True
             pull = PullMetrics(stats.nbytes, stats.seconds, time.perf_counter() - t0)
             while True:
                 item = await queue.get()
@@ -207,17 +211,38 @@ class DecodeWorker:
                     return
         finally:
             # Normal end: the scheduler already freed the pages. Errors, aborts and a consumer that went
-            # away (the generator is closed) land here too and must give every page back.
+            # away (the generator is closed) land here too and must give every page back (after the
+            # READ, if one may still be writing into them: the scheduler defers it).
             self._streams.pop(request_id, None)
-            with self._lock:
-                if joined:
-                    self.scheduler.abort(request_id)
-                    self._wake.notify()
-                else:
-                    self.scheduler.release(request_id)
+            await self._locked(self._end, request_id, joined)
 
-    async def _pull(self, handle: KVHandle, request_id: str, pages) -> TransferStats:
-        """This rank's READ, and every follower's READ of its own heads, concurrently."""
+    def _end(self, request_id: str, joined: bool) -> None:
+        if joined:
+            self.scheduler.abort(request_id)
+            self._wake.notify()
+        else:
+            self.scheduler.release(request_id)
+
+    async def _pull(self, handle: KVHandle, request_id: str, generated: int,
+                    params: SamplingParams) -> tuple[TransferStats, bool]:
+        """Allocate the pages, run every rank's READ of its heads into them, then close the pull window:
+        (stats, whether the request was released meanwhile, its pages now freed). One task from the
+        allocation on, so no cancellation can separate a `begin_pull` from its `end_pull`."""
+        kv = await self._locked(self._import, request_id, handle, generated, params)
+        try:
+            stats = await self._read(handle, request_id, kv.pages)
+        except KVReadInFlight:
+            # A READ that could be neither finished nor cancelled may still write into these pages, so
+            # they stay allocated (in their pull state) for good rather than be handed to another request.
+            raise
+        except Exception:
+            await self._locked(self.scheduler.end_pull, request_id)
+            raise
+        return stats, await self._locked(self.scheduler.end_pull, request_id)
+
+    async def _read(self, handle: KVHandle, request_id: str, pages) -> TransferStats:
+        """This rank's READ, and every follower's READ of its own heads, concurrently; returns once all
+        of them have ended, whether or not one failed."""
         local = asyncio.to_thread(self.importer.pull, handle, pages)
         if self.group is None:
             return await local
@@ -240,9 +265,12 @@ class DecodeWorker:
             self._loop.call_soon_threadsafe(queue.put_nowait, out)
 
     async def abort(self, request_id: str) -> bool:
-        with self._lock:
+        def abort() -> bool:
             found = self.scheduler.abort(request_id)
             self._wake.notify()
+            return found
+
+        found = await self._locked(abort)
         queue = self._streams.get(request_id)
         if queue is not None:
             queue.put_nowait(_ABORTED)
@@ -293,5 +321,14 @@ class DecodeWorker:
             self._stop = True
             self._wake.notify()
         self.importer.close()
-        if self.group is not None:
-            self.group.shutdown()
+        if self.group is not None:  # blocks on Ray: off the event loop
+            await asyncio.get_running_loop().run_in_executor(None, self.group.shutdown)
+        self._ops.shutdown(wait=False)
+
+
+async def _quietly(ref) -> None:
+    """A courtesy call whose failure changes nothing for this request (the peer may be gone)."""
+    try:
+        await ref
+    except Exception:
+        pass

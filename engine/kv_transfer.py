@@ -82,6 +82,11 @@ class KVLeaseExpired(KVTransferError):
     """The prefill side's lease on the pages ran out (or was released) before the pull finished."""
 
 
+class KVReadInFlight(KVTransferError):
+    """A READ was abandoned but NIXL could neither cancel it nor see it end: it may still write into the
+    destination pages, which must therefore never be given to another sequence."""
+
+
 def configure_ucx(ucx_tls: str | None = None, net_devices: str | None = None) -> None:
     """Set UCX's transports/devices for this process. UCX reads them once, when the first agent starts,
     so this must run before any `nixl_agent` is created; explicit environment settings win."""
@@ -377,7 +382,7 @@ class KVImporter:
     """Decode side: pulls leased pages from exporters into the local pool with NIXL READ."""
 
     def __init__(self, layout: KVLayout, pools: Mapping[str, Sequence[torch.Tensor]], *,
-                 name_prefix: str = "decode", poll_interval: float = 0.0002):
+                 name_prefix: str = "decode", poll_interval: float = 0.0002, settle_seconds: float = 10.0):
         _check_pools(layout, pools)
         self.layout = layout
         self._pools = {g: list(pools.get(g, ())) for g in GROUPS}
@@ -385,6 +390,7 @@ class KVImporter:
         self._reg = _register(self._agent, self._pools)
         self._remotes: dict[str, str] = {}  # exporter agent name -> name NIXL returned on add
         self._poll = poll_interval
+        self._settle_s = settle_seconds
         self._lock = threading.Lock()  # one NIXL request at a time keeps the agent's state simple
 
     def check(self, handle: KVHandle) -> None:
@@ -411,7 +417,9 @@ class KVImporter:
     def pull(self, handle: KVHandle, dst_pages: Mapping[str, Sequence[int]]) -> TransferStats:
         """READ this rank's KV heads of the handle's pages into `dst_pages[group]` (same count and
         logical order), from whichever prefill ranks hold them. Raises KVLayoutMismatch,
-        KVLeaseExpired or KVTransferError; on return the bytes are in place."""
+        KVLeaseExpired or KVTransferError; on return the bytes are in place. Returns or raises only once
+        no READ of this call can still write into `dst_pages` (KVReadInFlight when that cannot be
+        confirmed), so the caller may free or reuse them then."""
         self.check(handle)
         sources = handle.sources()
         plan, slices = self.plan(len(sources))
@@ -465,14 +473,26 @@ class KVImporter:
                     pending = [(src, x) for src, x in pending
                                if self._settled(handle, src, self._agent.check_xfer_state(x)) == "PROC"]
             finally:
-                for _, xfer, _ in xfers:
-                    try:
-                        self._agent.release_xfer_handle(xfer)
-                    except Exception:  # an abandoned in-flight READ may refuse release; the agent reaps it
-                        pass
+                self._retire(handle, [(src, x) for src, x, _ in xfers])
         nbytes = int(sum(int(lr[:, 1].sum()) for _, lr, _ in jobs))
         return TransferStats(nbytes=nbytes, seconds=time.perf_counter() - t0,
                              descriptors=sum(len(lr) for _, lr, _ in jobs))
+
+    def _retire(self, handle: KVHandle, xfers: list) -> None:
+        """Release every transfer handle of a pull. NIXL cancels a READ that is still active, or refuses
+        while it cannot; such a READ may still be writing into pages the caller is about to free, so the
+        release is retried until it ends (bounded)."""
+        deadline = time.monotonic() + self._settle_s
+        for src, xfer in xfers:
+            while True:
+                try:
+                    self._agent.release_xfer_handle(xfer)
+                    break
+                except Exception:
+                    if time.monotonic() > deadline:
+                        raise KVReadInFlight(f"request {handle.request_id}: READ from {src.agent_name} could "
+                                             f"not be cancelled and did not end within {self._settle_s:g} s")
+                    time.sleep(self._poll)
 
     @staticmethod
     def _settled(handle: KVHandle, src: KVShard, state: str) -> str:

@@ -7,22 +7,24 @@ therefore never touches the Runner itself (a prefill may be mid-forward); it que
 whoever holds the engine next frees it.
 
 With `prefill.tp` > 1 this actor is rank 0 of the worker's group and starts the other ranks itself
-(ranks.py): every prefill and free runs on all of them in lockstep, the handle lists every rank's pages
-under one lease, and the pages are freed on all ranks once that lease is released or reclaimed.
+(ranks.py, over engine/rank_group.py): every prefill and free runs on all of them in lockstep, the
+handle lists every rank's pages under one lease, and the pages are freed on all ranks once that lease
+is released or reclaimed.
 """
 
 from __future__ import annotations
 
 import collections
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass
 
 from kvrelay.engine.kv_transfer import KVExporter, KVHandle, configure_ucx, layout_of
+from kvrelay.engine.rank_group import Followers, join_group, lead_group, node_name
+from kvrelay.engine.rank_group import load_runner as _load_runner
 from kvrelay.engine.sampling import SamplingParams, TokenOutput, finish_reason
-from kvrelay.prefill_worker.ranks import Followers, PrefillRank, join_group, spawn_followers
+from kvrelay.prefill_worker.ranks import PrefillRank
 
 
 @dataclass(frozen=True)
@@ -59,29 +61,10 @@ def pool_tokens(topology) -> int:
 
 
 def load_runner(topology, kv_tokens: int, shard=None):
-    """The engine Runner this topology asks for (this rank's shard of it when `shard` is a TP rank's
-    ParallelContext), with a pool of `kv_tokens` positions per group.
-    (decode_worker/worker.py has the same few lines: the two workers never import each other.)"""
-    import torch
-
-    from kvrelay.engine.runner import Runner
-
-    page_size = topology.decode.page_size  # both pools must share it for pages to be copyable
-    extra = {} if shard is None else {"shard": shard}
-    return Runner.load(topology.model.name, dummy=topology.model.dummy, seed=topology.model.seed,
-                       device="cuda" if topology.device == "cuda" else "cpu", dtype=torch.bfloat16,
-                       quant=topology.model.quant, page_size=page_size,
-                       num_pages=-(-kv_tokens // page_size), **extra)
-
-
-def node_name() -> str:
-    try:
-        import ray
-
-        node = ray.get_runtime_context().get_node_id()[:12]
-    except Exception:  # outside Ray (unit tests)
-        node = "local"
-    return f"{socket.gethostname()}/{node}"
+    """This worker's Runner (this rank's shard of it when `shard` is a TP rank's ParallelContext)."""
+    # decode's page size: both pools must share it for pages to be copyable.
+    return _load_runner(topology.model, device=topology.device, page_size=topology.decode.page_size,
+                        kv_tokens=kv_tokens, shard=shard)
 
 
 class PrefillWorker:
@@ -95,18 +78,11 @@ class PrefillWorker:
         if self.tp_size == 1:
             self.runner = load_runner(topology, kv_tokens=pool_tokens(topology))
         else:
-            from kvrelay.engine.parallel import free_port
-
-            port = free_port("127.0.0.1")
-            self.group = Followers(spawn_followers(PrefillRank, topology, rank, port))
-            try:
-                # Followers build their Runner right after joining; the leader loads its own meanwhile.
-                self.ctx = self.group.join(lambda: join_group(topology, 0, port))
-                self.runner = load_runner(topology, kv_tokens=pool_tokens(topology), shard=self.ctx)
-                self.group.wait_ready()
-            except BaseException:
-                self.group.shutdown()
-                raise
+            self.group, self.runner = lead_group(
+                PrefillRank, device=topology.device, tp_size=self.tp_size, max_concurrency=4,
+                args=lambda r, port: (topology, rank, r, port),
+                join=lambda port: join_group(topology.device, 0, self.tp_size, port),
+                load=lambda ctx: load_runner(topology, kv_tokens=pool_tokens(topology), shard=ctx))
         layout, pools = layout_of(self.runner.kv)
         lease = topology.kv_transfer.lease_seconds if lease_seconds is None else lease_seconds
         self.exporter = KVExporter(layout, pools, lease_seconds=lease, grace_seconds=min(5.0, lease),

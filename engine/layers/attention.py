@@ -51,6 +51,9 @@ class Attention:
         out_b = get("out.bias", ()) if shard.rank == 0 else None
         self.out = Linear(out_w, out_b, quant)
         self.sinks = weights.get(p + "sinks", slices=(slice(h.q0, h.q1),), dtype=torch.float32, device=device)
+        from kvrelay.kernels import select
+
+        self.fused_rotary = select.use_gpu_kernels(device) and torch.device(device).type != "meta"
 
     def __call__(
         self,
@@ -68,8 +71,13 @@ class Attention:
         h, d = self.heads, self.head_dim
         qkv = self.qkv(x)
         q, k, v = qkv.split([h.num_q * d, h.num_kv * d, h.num_kv * d], dim=-1)
-        q = apply_rotary(q.view(-1, h.num_q, d), cos, sin)
-        k = apply_rotary(k.view(-1, h.num_kv, d), cos, sin)
+        if self.fused_rotary:  # GPU: q and k rotated in one Triton launch (decode steps are launch-bound)
+            from kvrelay.kernels.fused import rotary_qk
+
+            q, k = rotary_qk(qkv, cos, sin, h.num_q, h.num_kv, d)
+        else:
+            q = apply_rotary(q.view(-1, h.num_q, d), cos, sin)
+            k = apply_rotary(k.view(-1, h.num_kv, d), cos, sin)
         # The cache holds K after rotary (positions are absolute), so attention never re-rotates.
         write_kv(pool, k, v.view(-1, h.num_kv, d), write_pages, write_offsets)
         o = attn.run(q, pool, group, self.sinks, self.sm_scale, self.window)

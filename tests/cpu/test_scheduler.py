@@ -158,3 +158,138 @@ def test_reaching_max_context_finishes_with_length(solo_runner):
     admit(sched, "a", prompt_of(8), params, sink)
     run_to_end(sched)
     assert len(sink["a"]) == 4 and sink["a"][-1].finish_reason == "length"  # 8 prompt + 4 = 12
+
+
+def test_release_during_a_pull_waits_for_its_end():
+    sched = Scheduler(new_runner(num_pages=64), max_batch=4)
+    sched.reserve("r", 10, 4)
+    sched.runner.import_sequence("r", 10)
+    sched.begin_pull("r")
+    sched.release("r")  # what an abort or a closed stream does while the READ still runs
+    assert sched.runner.has_sequence("r") and sched.has_reservation("r") and sched.is_pulling("r")
+    with pytest.raises(ValueError, match="pull may still be running"):
+        sched.join("r", GREEDY, 1, 1, lambda out: None)
+    assert sched.end_pull("r") is True  # released now
+    assert not sched.runner.has_sequence("r") and not sched.has_reservation("r")
+    assert sched.stats().pages_in_use == {"full": 0, "sliding": 0}
+    sched.reserve("s", 10, 4)  # an undisturbed pull ends without releasing anything
+    sched.runner.import_sequence("s", 10)
+    sched.begin_pull("s")
+    assert sched.end_pull("s") is False and sched.runner.has_sequence("s")
+
+
+# ---- the decode actor's pull window (its methods called directly, no Ray) -----------------------
+DECODE_TOPOLOGY = """
+model: {name: tiny, dummy: true, seed: 0, max_context: 256}
+prefill: {workers: 1, max_prompt_tokens: 128}
+decode: {workers: 1, max_batch: 2, page_size: 16}
+router: {host: 127.0.0.1, grpc_port: 0, http_port: 0}
+device: cpu
+"""
+
+
+class _Prefill:
+    """Stands in for the prefill actor handle: only `release.remote` is called on it."""
+
+    class _Release:
+        def __init__(self):
+            self.calls: list[int] = []
+
+        def remote(self, lease_id: int):
+            self.calls.append(lease_id)
+
+            async def answer():
+                return True
+
+            return answer()
+
+    def __init__(self):
+        self.release = self._Release()
+
+
+def _handle(layout, rid: str, num_tokens: int):
+    """A handle for `num_tokens` positions whose pages are never read (the test replaces the READ)."""
+    import time
+
+    from kvrelay.engine.kv_transfer import KVHandle, PageGroupDescriptor, live_blocks
+
+    groups = []
+    for g in ("full", "sliding"):
+        live = live_blocks(g, num_tokens, layout.page_size, layout.sliding_window)
+        layers = layout.group_layers(g)
+        groups.append(PageGroupDescriptor(g, layers, (0,) * len(layers), 1, 0, live.start, tuple(range(len(live)))))
+    return KVHandle(rid, 1, "fake-prefill", b"", "DRAM", layout, layout.layout_hash, num_tokens, tuple(groups),
+                    time.time() + 60, time.time() + 65)
+
+
+@pytest.fixture(scope="module")
+def decode_worker():
+    import os
+
+    from kvrelay.cluster.topology import parse_topology
+    from kvrelay.decode_worker.worker import DecodeWorker
+
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    worker = DecodeWorker(parse_topology(DECODE_TOPOLOGY, source="test"))
+    yield worker
+    import asyncio
+
+    asyncio.run(worker.shutdown())
+
+
+@pytest.mark.parametrize("how", ["abort", "stream closed"])
+def test_pages_outlive_an_aborted_pull_until_the_read_ends(decode_worker, how):
+    """An abort (or the consumer going away) while NIXL is still READing into the request's pages must
+    not free them: another request could be given them and then be overwritten by the late READ."""
+    import asyncio
+    import threading
+
+    from kvrelay.engine.kv_transfer import TransferStats
+
+    w = decode_worker
+    started, gate = threading.Event(), threading.Event()
+    real_pull = w.importer.pull
+
+    def slow_pull(handle, pages):
+        started.set()
+        assert gate.wait(30), "test never opened the gate"
+        return TransferStats(0, 0.0, 0)
+
+    def in_use() -> int:
+        return sum(w.scheduler.stats().pages_in_use.values())
+
+    async def go():
+        rid = f"victim-{how}"
+        prefill = _Prefill()
+        await w.reserve(rid, 40, 8)
+        stream = w.generate(rid, _handle(w.importer.layout, rid, 40), 7, 1, SamplingParams(max_tokens=8), prefill)
+        first = asyncio.ensure_future(stream.__anext__())
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        held = in_use()
+        assert held > 0
+        if how == "abort":
+            assert await w.abort(rid) is True
+        else:
+            first.cancel()
+            await asyncio.sleep(0.05)
+            await stream.aclose()
+        await asyncio.sleep(0.1)
+        # The READ has not ended: the pages are still this request's and counted against the budget.
+        assert w.runner.has_sequence(rid) and in_use() == held and w.scheduler.has_reservation(rid)
+        gate.set()
+        if how == "abort":
+            with pytest.raises(StopAsyncIteration):
+                await asyncio.wait_for(first, 10)  # ends quietly, no token after an abort
+        deadline = asyncio.get_running_loop().time() + 10
+        while w.runner.has_sequence(rid) or w.scheduler.has_reservation(rid):
+            assert asyncio.get_running_loop().time() < deadline, "pages never freed after the READ ended"
+            await asyncio.sleep(0.02)
+        assert in_use() == 0
+
+    w.importer.pull = slow_pull
+    try:
+        asyncio.run(asyncio.wait_for(go(), 30))
+    finally:
+        gate.set()
+        w.importer.pull = real_pull

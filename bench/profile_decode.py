@@ -1,0 +1,94 @@
+"""Where a decode step's GPU time goes: one batch of sequences at a given context, eager (no CUDA graph,
+so each kernel shows up by name), profiled with torch.profiler; prints the kernels by total CUDA time and
+the sum against the step's wall time. A large gap between the two means launch-bound; a few kernels far
+above their share of the bytes they read are the ones to fuse or retune.
+
+usage (H200): python -m kvrelay.bench.profile_decode --model gpt-oss-20b --dummy --quant fp8-block128 \
+                 --device cuda --batch 1 --context 2048 [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from kvrelay.bench.common import add_common_args, build_runner, env_info, resolve_config
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m kvrelay.bench.profile_decode", description=__doc__.split("\n")[0])
+    add_common_args(p)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--top", type=int, default=25)
+    args = p.parse_args(argv)
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = resolve_config(args.model)
+    per_seq = -(-(args.context + 8) // args.page_size)
+    runner, build_s, _ = build_runner(args, num_pages={"full": per_seq * args.batch + 8,
+                                                       "sliding": (cfg.sliding_window // args.page_size + 3)
+                                                       * args.batch + 8},
+                                      extra={"cuda_graphs": False})
+    sids = [f"s{i}" for i in range(args.batch)]
+    for sid in sids:
+        runner.import_sequence(sid, args.context)
+    for pool in runner.kv_pools.values():
+        pool.normal_(0, 1)  # random KV: the attention kernels read real bytes, values do not matter here
+    tokens = [1] * args.batch
+    cuda = torch.device(args.device).type == "cuda"
+
+    def step() -> None:
+        runner.decode(sids, tokens)
+        # decode appends a position; keep the context fixed so every profiled step is the same work
+        for sid in sids:
+            runner.free(sid)
+            runner.import_sequence(sid, args.context)
+
+    for _ in range(3):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    runner.decode(sids, tokens)
+    if cuda:
+        torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    for sid in sids:
+        runner.free(sid)
+        runner.import_sequence(sid, args.context)
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        runner.decode(sids, tokens)
+        if cuda:
+            torch.cuda.synchronize()
+    # Self device time is non-zero only for the kernels themselves (an aten op's time is its kernels').
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if (getattr(e, attr, 0) or 0) > 0]
+    events.sort(key=lambda e: getattr(e, attr), reverse=True)
+    total_us = sum(getattr(e, attr) for e in events)
+    rows = [{"kernel": e.key[:90], "calls": e.count, "total_us": round(getattr(e, attr), 1),
+             "share": round(getattr(e, attr) / total_us, 3) if total_us else 0.0} for e in events[: args.top]]
+    print(f"{args.model} {args.quant} decode batch {args.batch} context {args.context}: eager step "
+          f"{wall_ms:.2f} ms wall, {total_us / 1e3:.2f} ms of kernel time in {sum(e.count for e in events)} "
+          f"launches (model built in {build_s:.1f} s)")
+    print(f"{'kernel':90s} {'calls':>6s} {'us':>9s} {'share':>6s}")
+    for r in rows:
+        print(f"{r['kernel']:90s} {r['calls']:6d} {r['total_us']:9.1f} {r['share']:6.1%}")
+    result = {"env": env_info(args.device, "kvrelay.bench.profile_decode", argv), "wall_ms": wall_ms,
+              "kernel_ms": total_us / 1e3, "launches": sum(e.count for e in events), "top": rows,
+              "batch": args.batch, "context": args.context, "model": args.model, "quant": args.quant}
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"profile-decode-{args.model}-b{args.batch}.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
