@@ -16,7 +16,7 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 # The tiny test model (window 8, vocab 1024): prompts straddle the sliding window in a few tokens.
 TOPOLOGY = """
 model: {name: tiny, dummy: true, seed: 0, max_context: 2048}
-prefill: {workers: 1, max_prompt_tokens: 1024}
+prefill: {workers: 2, max_prompt_tokens: 1024}  # two, so a killed one has a stand-in
 decode: {workers: 2, max_batch: 32, page_size: 16}
 router: {host: 127.0.0.1, grpc_port: 0, http_port: 0}
 kv_transfer: {lease_seconds: 30}

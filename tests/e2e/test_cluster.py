@@ -1,7 +1,8 @@
 """The whole disaggregated path on CPU: gRPC -> router -> prefill actor -> NIXL READ -> decode actor.
 
 Every stream is checked token for token against single-process `LLM.generate` on the same weights.
-The test that kills a decode worker runs last: it leaves the module's cluster one worker short.
+The tests that kill a prefill and then a decode worker run last: each leaves the module's cluster one
+worker short.
 """
 
 from __future__ import annotations
@@ -150,6 +151,27 @@ def test_expired_lease_is_a_clear_error(running):
         assert st.leases == 0 and st.expired_leases == 1 and not any(st.pages_in_use.values())
     finally:
         ray.kill(short)
+    assert_no_pages_left(running)
+
+
+def test_killed_prefill_worker_is_retried_on_the_other(running, reference):
+    import ray
+
+    # The prefill worker the router's client picks next (fewest queued tokens, least recently picked)
+    # dies before answering: its prefill call fails with RayActorError, as for a death mid-prompt.
+    live = [w for w in running.client.prefill if not w.dead]
+    assert len(live) == 2
+    victim = min(live, key=lambda w: (w.queued_tokens, w.last_pick)).rank
+    ray.kill(running.cluster.prefill[victim], no_restart=True)
+    prompt, k = prompt_of(30, 11), 16
+    t0 = time.monotonic()
+    tokens, finish = grpc_tokens(running.grpc_target, prompt, k, request_id="prefill-victim")
+    assert time.monotonic() - t0 < 60
+    assert (tokens, finish) == (solo(reference, prompt, k), 2)
+    assert ("prefill", victim) in running.client.dead_workers()
+    rows = {(r["role"], r["rank"]): r for r in running.cluster.statuses()}
+    assert "error" in rows[("prefill", victim)] and rows[("prefill", 1 - victim)]["healthy"]
+    assert rows[("prefill", 1 - victim)]["completed"] >= 1
     assert_no_pages_left(running)
 
 
