@@ -245,8 +245,20 @@ def _check_pools(layout: KVLayout, pools: Mapping[str, Sequence[torch.Tensor]]) 
                                  f"[pages, *{want}] {dtype} contiguous")
 
 
+def _nixl_api():
+    """NIXL's Python API. `nixl` (the meta package) picks the build matching the machine's CUDA; we
+    depend on the CUDA 13 build directly (`nixl-cu13`, which also runs UCX on CPU-only machines), so
+    import it by its own name when the meta package is absent."""
+    try:
+        from nixl import _api
+    except ImportError:
+        from nixl_cu13 import _api
+    return _api
+
+
 def _new_agent(prefix: str):
-    from nixl._api import nixl_agent, nixl_agent_config
+    _api = _nixl_api()
+    nixl_agent, nixl_agent_config = _api.nixl_agent, _api.nixl_agent_config
 
     # The listener thread stays off: metadata travels inside the KVHandle, so NIXL needs no socket of
     # its own (fewer ports, and nothing can bind a non-loopback address behind our back).
