@@ -39,8 +39,7 @@ def test_seeded_sampling_is_reproducible(capsys):
 
 
 def test_harmony_prompt_on_full_vocab_dummy(capsys, monkeypatch):
-    if not (TOKENIZER / "o200k_base.tiktoken").is_file():
-        pytest.skip("o200k_base vocabulary not available")
+    assert (TOKENIZER / "o200k_base.tiktoken").is_file(), f"the o200k vocabulary must be at {TOKENIZER}"
     monkeypatch.setenv("TIKTOKEN_ENCODINGS_BASE", str(TOKENIZER))
     rc, out, _ = _run(capsys, "--model", "gpt-oss-tiny", "--dummy", "--prompt", "Hello", "--max-new-tokens", "3",
                       "--json")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402  (test dependency)
 
 from kvrelay.engine.config import load_model_config  # noqa: E402
 from kvrelay.engine.runner import Runner  # noqa: E402

@@ -165,8 +165,9 @@ def test_engine_errors_reach_the_request() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_llm():
-    llm_mod = pytest.importorskip("kvrelay.engine.llm", reason="engine/llm.py has not landed yet")
-    return llm_mod.LLM(str(TINY), device="cpu")
+    from kvrelay.engine.llm import LLM
+
+    return LLM(str(TINY), device="cpu")
 
 
 def test_router_over_real_tiny_llm(tiny_llm) -> None:
