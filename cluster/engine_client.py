@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 
 from prometheus_client import Counter, Histogram
 
-from kvrelay.engine.kv_transfer import KVLeaseExpired
+from kvrelay.engine.kv_transfer import KVLayoutMismatch, KVTransferError
 from kvrelay.engine.sampling import SamplingParams, TokenOutput
 
 log = logging.getLogger("kvrelay.requests")
@@ -230,19 +230,24 @@ class DisaggregatedEngineClient:
                 return
             stream = decode.actor.generate.options(num_returns="streaming").remote(
                 attempt_id, handle, res.first.token_id, done + 1, params, prefill.actor)
-            async with contextlib.aclosing(self._chunks(stream, decode)) as chunks:
-                async for chunk in chunks:
-                    if chunk.pull is not None:
-                        handle = None  # decode owns the lease now (it released it after the pull)
-                        acc.kv_bytes += chunk.pull.kv_bytes
-                        acc.kv_transfer_s += chunk.pull.kv_transfer_s
-                        KV_BYTES.inc(chunk.pull.kv_bytes)
-                        KV_TRANSFER_S.observe(chunk.pull.kv_transfer_s)
-                    for tok in chunk.tokens:
-                        finished = tok.finish_reason is not None
-                        yield tok
-                    if finished:
-                        return
+            try:
+                async with contextlib.aclosing(self._chunks(stream, decode)) as chunks:
+                    async for chunk in chunks:
+                        if chunk.pull is not None:
+                            handle = None  # decode owns the lease now (it released it after the pull)
+                            acc.kv_bytes += chunk.pull.kv_bytes
+                            acc.kv_transfer_s += chunk.pull.kv_transfer_s
+                            KV_BYTES.inc(chunk.pull.kv_bytes)
+                            KV_TRANSFER_S.observe(chunk.pull.kv_transfer_s)
+                        for tok in chunk.tokens:
+                            finished = tok.finish_reason is not None
+                            yield tok
+                        if finished:
+                            return
+            except _Retry:
+                if handle is not None:  # the KV was never confirmed pulled: is its prefill worker gone?
+                    await self._alive(prefill)
+                raise
         finally:
             self._active.pop(request_id, None)
             # Whatever went wrong, leave no pages behind on either side.
@@ -255,7 +260,7 @@ class DisaggregatedEngineClient:
                 await _quietly(decode.actor.unreserve.remote(attempt_id))
 
     async def _chunks(self, stream, decode: _Worker):
-        """Chunks of a decode stream; a dead worker becomes `_Retry`, a lease that ran out too."""
+        """Chunks of a decode stream; a dead worker becomes `_Retry`, a KV transfer that failed too."""
         import ray
 
         while True:
@@ -281,7 +286,10 @@ class DisaggregatedEngineClient:
                 decode.dead = True
                 raise _Retry(f"decode worker {decode.rank} died ({type(e).__name__})") from None
             except ray.exceptions.RayTaskError as e:
-                if isinstance(e.cause, KVLeaseExpired):  # prefill again and pull fresh pages
+                # An expired lease, a READ that failed (the prefill worker died under it) or a prefill
+                # worker gone before the pull was confirmed: prefill again and pull fresh pages. A layout
+                # mismatch would only recur.
+                if isinstance(e.cause, KVTransferError) and not isinstance(e.cause, KVLayoutMismatch):
                     raise _Retry(str(e.cause)) from None
                 raise e.cause if isinstance(e.cause, Exception) else e from None
             yield chunk

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 from kvrelay.decode_worker.ranks import DecodeRank, GroupRunner, decode_join
 from kvrelay.decode_worker.scheduler import AdmissionRefused, Scheduler
-from kvrelay.engine.kv_transfer import (KVHandle, KVImporter, KVLeaseExpired, KVReadInFlight, TransferStats,
-                                        configure_ucx, layout_of)
+from kvrelay.engine.kv_transfer import (KVHandle, KVImporter, KVLeaseExpired, KVReadInFlight, KVTransferError,
+                                        TransferStats, configure_ucx, layout_of)
 from kvrelay.engine.rank_group import Followers, lead_group, node_name
 from kvrelay.engine.rank_group import load_runner as _load_runner
 from kvrelay.engine.sampling import SamplingParams, TokenOutput
@@ -182,7 +182,7 @@ class DecodeWorker:
             # rank can read a page that was handed to another prompt). The pull is only trustworthy if
             # the lease was still valid when released: an expired lease may have had its pages reused
             # by another prompt during the READ.
-            if not await prefill.release.remote(handle.lease_id):
+            if not await self._release_lease(prefill, handle):
                 raise KVLeaseExpired(f"request {request_id}: lease {handle.lease_id} expired before the "
                                      f"pull was confirmed; re-run prefill")
             self._streams[request_id] = queue
@@ -215,6 +215,18 @@ class DecodeWorker:
             # READ, if one may still be writing into them: the scheduler defers it).
             self._streams.pop(request_id, None)
             await self._locked(self._end, request_id, joined)
+
+    @staticmethod
+    async def _release_lease(prefill, handle: KVHandle) -> bool:
+        """Unpin the pulled pages; False if the lease had expired. A prefill worker that died meanwhile
+        cannot confirm the READ saw its pages intact, which the client fixes like an expiry: re-prefill."""
+        import ray
+
+        try:
+            return await prefill.release.remote(handle.lease_id)
+        except ray.exceptions.RayActorError as e:
+            raise KVTransferError(f"request {handle.request_id}: prefill worker gone before the pull was "
+                                  f"confirmed ({type(e).__name__}); re-run prefill") from None
 
     def _end(self, request_id: str, joined: bool) -> None:
         if joined:

@@ -237,3 +237,29 @@ def test_release_after_expiry_reports_false():
 def test_pin_rejects_short_page_table(peer):
     with pytest.raises(ValueError, match="need"):
         peer.call("pin", "bad", {"full": [0], "sliding": [0]}, 9, None)
+
+
+def test_an_abandoned_read_is_waited_out_before_the_pages_are_given_back():
+    """NIXL refuses to release a READ it cannot cancel; the importer must not return (and let the caller
+    free the destination pages) until that READ has ended, and must say so when it never does."""
+    from kvrelay.engine.kv_transfer import KVHandle, KVImporter, KVReadInFlight, KVShard
+
+    class Agent:
+        def __init__(self, refusals: int):
+            self.refusals = refusals
+
+        def release_xfer_handle(self, xfer):
+            if self.refusals:
+                self.refusals -= 1
+                raise RuntimeError("NIXL_ERR_REPOST_ACTIVE")  # still writing, not cancellable
+
+    imp = object.__new__(KVImporter)  # only the retirement logic; no NIXL agent needed
+    imp._poll, imp._settle_s = 0.001, 5.0
+    handle = KVHandle("r", 1, "p", b"", "DRAM", LAYOUT, LAYOUT.layout_hash, 4, (), 0.0, 0.0)
+    src = KVShard(0, "p", b"", "DRAM", ())
+    imp._agent = Agent(refusals=3)
+    imp._retire(handle, [(src, object())])
+    assert imp._agent.refusals == 0  # retried until the READ ended and the handle went
+    imp._agent, imp._settle_s = Agent(refusals=10**9), 0.05
+    with pytest.raises(KVReadInFlight, match="could not be cancelled"):
+        imp._retire(handle, [(src, object())])
