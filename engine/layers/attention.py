@@ -10,7 +10,7 @@ import torch
 from kvrelay.engine import parallel
 from kvrelay.engine.layers.linear import Linear, Shard, WeightGetter
 from kvrelay.engine.parallel import HeadRange
-from kvrelay.kernels.reference import PagedKV, apply_rotary, write_kv
+from kvrelay.kernels.reference import apply_rotary, write_kv
 
 
 def head_range(cfg, shard: Shard) -> HeadRange:

@@ -13,7 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 HERE = Path(__file__).resolve()

@@ -46,7 +46,6 @@ def make_paged_batch(kv_lens, q_lens, kv_heads, head_dim, page, device, dtype=to
 
 def gather_kv(b: PagedBatch, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V of one sequence as [kv_len, kv_heads, D] float32."""
-    page = b.pool.shape[2]
     p0, p1 = int(b.kv_indptr[seq]), int(b.kv_indptr[seq + 1])
     pages = b.kv_indices[p0:p1].long()
     kv = b.pool[pages].float()  # [n, 2, page, H, D]
