@@ -26,7 +26,7 @@ _FINISH = {
 
 
 def sampling_to_proto(s: SamplingOptions) -> pb.SamplingParams:
-    out = pb.SamplingParams(stop_token_ids=list(s.stop_token_ids), logprobs=s.logprobs)
+    out = pb.SamplingParams(stop_token_ids=list(s.stop_token_ids), logprobs=s.logprobs, stop=list(s.stop))
     for name in ("temperature", "top_p", "top_k", "seed", "max_tokens"):
         value = getattr(s, name)
         if value is not None:

@@ -57,6 +57,7 @@ def sampling_from_proto(s: pb.SamplingParams) -> SamplingOptions:
         max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
         stop_token_ids=tuple(s.stop_token_ids),
         logprobs=s.logprobs,
+        stop=tuple(s.stop),
     )
 
 

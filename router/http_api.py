@@ -25,7 +25,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvrelay.router import harmony
 from kvrelay.router.http_models import ChatCompletionRequest, CompletionRequest
-from kvrelay.router.parser import Detokenizer
 from kvrelay.router.service import Prepared, RouterCore
 from kvrelay.router.types import (
     ContentDelta,
@@ -123,7 +122,8 @@ def create_app(core: RouterCore) -> FastAPI:
             return bad
         sampling = body.sampling()
         prompt = _prompt_ids(body.prompt)
-        prep = core.prepare_generate(GenerateRequest(tuple(prompt), sampling, body.request_id or ""), prompt_field="prompt")
+        prep = core.prepare_generate(GenerateRequest(tuple(prompt), sampling, body.request_id or ""), prompt_field="prompt",
+                                     text=True)
         comp = CompletionStream(core, prep, return_token_ids=body.return_token_ids,
                                 include_usage=bool(body.stream_options and body.stream_options.include_usage))
         if body.stream:
@@ -264,21 +264,14 @@ class ChatStream(_Stream):
 
 
 class CompletionStream(_Stream):
+    """The completion text comes from the core as ContentDeltas (already cut at a stop string, with
+    held-back text released in later steps), so nothing is decoded here."""
+
     object_name = "text_completion"
 
     def __init__(self, core: RouterCore, prep: Prepared, *, return_token_ids: bool, include_usage: bool) -> None:
         super().__init__(core, prep, include_usage=include_usage)
         self.return_token_ids = return_token_ids
-        self.detok = Detokenizer(harmony.load_encoding())
-        self.offset = 0
-
-    def _text(self, step: TokenStep) -> str:
-        """New text for this step; a stop token that ended the stream is not part of the text."""
-        hides = step.finish_reason == "stop" and step.token_id in self.prep.params.stop_token_ids
-        text = "" if step.token_id is None or hides else self.detok.feed([step.token_id])
-        if step.finish_reason is not None:
-            text += self.detok.flush()
-        return text
 
     def _choice(self, text: str, token_ids: list[int], logprobs: list[float], offsets: list[int],
                 finish: str | None) -> dict[str, Any]:
@@ -299,12 +292,10 @@ class CompletionStream(_Stream):
         async for step in self.steps():
             if step.token_id is not None:
                 ids.append(step.token_id)
-                offsets.append(self.offset)
+                offsets.append(step.text_offset or 0)
                 if step.logprob is not None:
                     lps.append(step.logprob)
-            piece = self._text(step)
-            self.offset += len(piece)
-            text.append(piece)
+            text.append(_content(step))
             finish, usage = step.finish_reason or finish, step.usage or usage
         return self.envelope([self._choice("".join(text), ids, lps, offsets, finish)], usage, chunk=False)
 
@@ -312,9 +303,11 @@ class CompletionStream(_Stream):
         async for step in self.steps():
             ids = [step.token_id] if step.token_id is not None else []
             lps = [step.logprob] if step.logprob is not None else []
-            offsets = [self.offset] * len(ids)
-            piece = self._text(step)
-            self.offset += len(piece)
-            yield self.envelope([self._choice(piece, ids, lps, offsets, step.finish_reason)], chunk=True)
+            offsets = [step.text_offset or 0] * len(ids)
+            yield self.envelope([self._choice(_content(step), ids, lps, offsets, step.finish_reason)], chunk=True)
             if step.finish_reason is not None and self.include_usage:
                 yield self.envelope([], step.usage, chunk=True)
+
+
+def _content(step: TokenStep) -> str:
+    return "".join(d.text for d in step.deltas if isinstance(d, ContentDelta))

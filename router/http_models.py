@@ -69,8 +69,8 @@ class _Sampling(_Body):
     top_k: Optional[int] = None
     seed: Optional[int] = None
     max_tokens: Optional[int] = None
-    stop: Union[str, list[str], None] = None
-    stop_token_ids: Optional[list[int]] = None  # vLLM's extension; the engine stops on ids only
+    stop: Union[str, list[str], None] = None  # OpenAI: one string or a list; matched by the router
+    stop_token_ids: Optional[list[int]] = None  # vLLM's extension
     n: Optional[int] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -79,8 +79,14 @@ class _Sampling(_Body):
     def common_checks(self) -> None:
         if self.n not in (None, 1):
             raise ValidationError("n", f"only n=1 is supported, got {self.n}")
-        if self.stop:
-            raise ValidationError("stop", "stop strings are not supported; use stop_token_ids")
+
+    def stop_strings(self) -> tuple[str, ...]:
+        """`stop` as a tuple; the limits are checked by the shared validation (same message as gRPC)."""
+        if isinstance(self.stop, str):
+            if not self.stop:
+                raise ValidationError("stop", "stop strings must not be empty")
+            return (self.stop,)
+        return tuple(self.stop or ())
 
 
 class ChatCompletionRequest(_Sampling):
@@ -110,6 +116,7 @@ class ChatCompletionRequest(_Sampling):
             max_tokens=max_tokens,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             logprobs=self.logprobs,
+            stop=self.stop_strings(),
         )
         return ChatRequest(
             messages=tuple(_message(i, m) for i, m in enumerate(self.messages)),
@@ -140,6 +147,7 @@ class CompletionRequest(_Sampling):
             max_tokens=16 if self.max_tokens is None else self.max_tokens,  # OpenAI's default
             stop_token_ids=tuple(self.stop_token_ids or ()),
             logprobs=self.logprobs is not None,
+            stop=self.stop_strings(),
         )
 
 

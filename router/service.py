@@ -1,8 +1,11 @@
 """The protocol-independent router: validate, render, stream from the engine, parse, clean up.
 
 Front-ends call `prepare_*` (raises `ValidationError` before any byte is streamed) and then iterate
-`stream(...)`. However the stream ends -- finished, client cancelled, front-end error -- `stream`
-closes the engine iterator and, unless the engine itself reported a finish, calls `engine.abort`.
+`stream(...)`. However the stream ends -- finished, client cancelled, front-end error, or the router
+itself stopping it (harmony `<|return|>`/`<|call|>` the engine did not stop on, a stop string) --
+`stream` closes the engine iterator and, unless the engine itself reported a finish, calls
+`engine.abort`. When the router stops a request, that happens before the last step is yielded, so the
+KV pages are freed while the final chunk is still being written to the client.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ from typing import AsyncIterator, Callable
 from kvrelay.engine.sampling import SamplingParams
 from kvrelay.router import harmony, validation
 from kvrelay.router.engine_client import EngineClient
-from kvrelay.router.parser import HarmonyStreamParser, new_call_id
-from kvrelay.router.types import ChatRequest, Delta, FinishReason, GenerateRequest, TokenStep, Usage
+from kvrelay.router.parser import Detokenizer, HarmonyStreamParser, new_call_id
+from kvrelay.router.stop import StopStrings
+from kvrelay.router.types import ChatRequest, ContentDelta, Delta, FinishReason, GenerateRequest, TokenStep, Usage
 from kvrelay.router.validation import ValidationError
 
 log = logging.getLogger(__name__)
@@ -39,6 +43,8 @@ class Prepared:
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     chat: bool
+    stop: tuple[str, ...] = ()  # stop strings; the engine only knows ids, so the router matches them
+    text: bool = False  # Generate: decode the output into ContentDeltas (chat always has text)
 
 
 class RouterCore:
@@ -75,14 +81,18 @@ class RouterCore:
             raise ValidationError("request_id", f"{requested!r} is already in flight")
         return requested
 
-    def prepare_generate(self, req: GenerateRequest, *, prompt_field: str = "prompt_token_ids") -> Prepared:
+    def prepare_generate(
+        self, req: GenerateRequest, *, prompt_field: str = "prompt_token_ids", text: bool = False
+    ) -> Prepared:
+        """`text`: the caller wants the completion text (HTTP completions). Stop strings imply it."""
         rid = self._request_id(req.request_id)
         validation.check_prompt(req.prompt_token_ids, prompt_field, self.max_context, self.vocab_size)
         resolved = validation.resolve_sampling(
             req.sampling, prompt_len=len(req.prompt_token_ids), max_context=self.max_context,
             vocab_size=self.vocab_size,
         )
-        return Prepared(rid, tuple(req.prompt_token_ids), _engine_params(resolved, ()), chat=False)
+        return Prepared(rid, tuple(req.prompt_token_ids), _engine_params(resolved, ()), chat=False,
+                        stop=resolved.stop, text=text or bool(resolved.stop))
 
     def prepare_chat(self, req: ChatRequest) -> Prepared:
         rid = self._request_id(req.request_id)
@@ -104,36 +114,25 @@ class RouterCore:
         resolved = validation.resolve_sampling(
             req.sampling, prompt_len=len(prompt), max_context=self.max_context, vocab_size=self.vocab_size
         )
-        return Prepared(rid, tuple(prompt), _engine_params(resolved, harmony.CHAT_STOP_TOKEN_IDS), chat=True)
+        return Prepared(rid, tuple(prompt), _engine_params(resolved, harmony.CHAT_STOP_TOKEN_IDS), chat=True,
+                        stop=resolved.stop, text=True)
 
     # ---- streaming ------------------------------------------------------------------------------
 
     async def stream(self, prep: Prepared) -> AsyncIterator[TokenStep]:
-        """One TokenStep per engine token; the last carries finish_reason and usage."""
-        parser = HarmonyStreamParser(harmony.load_encoding(), id_factory=self._call_id) if prep.chat else None
+        """One TokenStep per engine token; the last carries finish_reason and usage.
+
+        With stop strings, the step of the token that completed one is the last: its usage counts
+        every token generated up to and including it, and its deltas end before the stop string.
+        """
+        output = _Output(prep, self._call_id)
         self._in_flight.add(prep.request_id)
-        engine_done = False
+        engine_done = released = False
         produced = 0
         tokens = self.engine.generate(prep.request_id, list(prep.prompt_ids), prep.params)
-        try:
-            async for out in tokens:
-                produced += 1
-                deltas: list[Delta] = parser.feed(out.token_id) if parser else []
-                engine_done = out.finish_reason is not None
-                if not engine_done and not (parser and parser.stopped):
-                    yield TokenStep(out.token_id, out.logprob, tuple(deltas))
-                    continue
-                if parser:
-                    deltas += parser.finish()
-                reason = _finish_reason(out.finish_reason, parser)
-                yield TokenStep(out.token_id, out.logprob, tuple(deltas), reason, Usage(len(prep.prompt_ids), produced))
-                return
-            # The engine ran dry without naming a reason; close the stream ourselves.
-            engine_done = True
-            tail = tuple(parser.finish()) if parser else ()
-            yield TokenStep(None, None, tail, _finish_reason(None, parser), Usage(len(prep.prompt_ids), produced))
-        finally:
-            self._in_flight.discard(prep.request_id)
+
+        async def release() -> None:
+            nonlocal released
             aclose = getattr(tokens, "aclose", None)
             if aclose is not None:
                 try:
@@ -143,6 +142,87 @@ class RouterCore:
             if not engine_done:
                 log.info("request %s ended early after %d tokens; aborting it in the engine", prep.request_id, produced)
                 await self.engine.abort(prep.request_id)
+            released = True
+
+        try:
+            async for out in tokens:
+                produced += 1
+                engine_done = out.finish_reason is not None
+                offset = output.offset
+                deltas = output.feed(out.token_id, out.finish_reason)
+                if not engine_done and not output.stopped:
+                    yield TokenStep(out.token_id, out.logprob, tuple(deltas), text_offset=offset)
+                    continue
+                deltas += output.finish()
+                reason = output.finish_reason(out.finish_reason)
+                if not engine_done:
+                    await release()  # the router stopped it: free the KV now, not after the client write
+                yield TokenStep(out.token_id, out.logprob, tuple(deltas), reason, Usage(len(prep.prompt_ids), produced),
+                                text_offset=offset)
+                return
+            # The engine ran dry without naming a reason; close the stream ourselves.
+            engine_done = True
+            tail = tuple(output.finish())
+            yield TokenStep(None, None, tail, output.finish_reason(None), Usage(len(prep.prompt_ids), produced))
+        finally:
+            self._in_flight.discard(prep.request_id)
+            if not released:
+                await release()
+
+
+class _Output:
+    """Turns one request's tokens into client deltas: harmony parsing (chat) or plain decoding
+    (Generate with text), then stop-string matching over the content."""
+
+    def __init__(self, prep: Prepared, call_id: Callable[[], str]) -> None:
+        # Plain Generate without text never needs the tokenizer (a token-ids-only server has none).
+        self.parser = HarmonyStreamParser(harmony.load_encoding(), id_factory=call_id) if prep.chat else None
+        self.detok = Detokenizer(harmony.load_encoding()) if prep.text and not prep.chat else None
+        self.stops = StopStrings(prep.stop) if prep.stop else None
+        self.stop_ids = frozenset(prep.params.stop_token_ids)
+        self.offset: int | None = 0 if self.detok else None  # characters decoded so far (Generate)
+
+    @property
+    def stopped(self) -> bool:
+        """The router must end the stream: harmony's stop token, or a stop string."""
+        return bool((self.parser and self.parser.stopped) or (self.stops and self.stops.matched is not None))
+
+    def feed(self, token: int, engine_reason: str | None) -> list[Delta]:
+        if self.parser is not None:
+            deltas = self.parser.feed(token)
+        elif self.detok is not None:
+            # The stop token that ended a Generate stream is not part of the text (the harmony parser
+            # already drops chat's stop tokens).
+            hidden = engine_reason == "stop" and token in self.stop_ids
+            text = "" if hidden else self.detok.feed([token])
+            self.offset = (self.offset or 0) + len(text)
+            deltas = [ContentDelta(text)] if text else []
+        else:
+            return []
+        return self.stops.filter(deltas) if self.stops else deltas
+
+    def finish(self) -> list[Delta]:
+        """End of output: what the parser/decoder still held, then text held back by stop matching.
+        Nothing after a stop string (the parser may hold a header or split bytes past it)."""
+        if self.stops is not None and self.stops.matched is not None:
+            return []
+        if self.parser is not None:
+            tail = self.parser.finish()
+        elif self.detok is not None:
+            text = self.detok.flush()
+            tail = [ContentDelta(text)] if text else []
+        else:
+            tail = []
+        if self.stops is None:
+            return tail
+        tail = self.stops.filter(tail)
+        held = self.stops.flush()
+        return tail + [ContentDelta(held)] if held else tail
+
+    def finish_reason(self, engine_reason: str | None) -> FinishReason:
+        if self.stops is not None and self.stops.matched is not None:
+            return "stop"
+        return _finish_reason(engine_reason, self.parser)
 
 
 def _finish_reason(engine_reason: str | None, parser: HarmonyStreamParser | None) -> FinishReason:

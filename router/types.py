@@ -27,6 +27,7 @@ class SamplingOptions:
     max_tokens: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     logprobs: bool = False
+    stop: tuple[str, ...] = ()  # stop strings, matched by the router on the output text (see router.stop)
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,11 @@ class TokenStep:
 
     `token_id` is None only for a closing step that carries no token (the engine ended the stream
     without a finish reason, and the parser flushed what it still held).
+
+    Chat deltas are parsed harmony; a Generate request decoded to text (completions, or any request
+    with stop strings) carries its text as `ContentDelta`s, with `text_offset` the number of characters
+    of completion text decoded before this token (OpenAI's `logprobs.text_offset`). Text held back by
+    stop-string matching arrives in a later step's deltas, so join the deltas, never re-decode ids.
     """
 
     token_id: int | None
@@ -125,4 +131,5 @@ class TokenStep:
     deltas: tuple[Delta, ...] = ()
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    text_offset: int | None = None
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrelay.router.harmony import VOCAB_SIZE
+from kvrelay.router.stop import MAX_STOP_STRINGS
 from kvrelay.router.types import (
     CHANNELS,
     REASONING_EFFORTS,
@@ -51,6 +52,7 @@ class ResolvedSampling:
     seed: int | None
     stop_token_ids: tuple[int, ...]
     logprobs: bool
+    stop: tuple[str, ...] = ()  # router-side only: SamplingParams has no stop strings
 
 
 def check_token_ids(ids: tuple[int, ...] | list[int], field: str, vocab_size: int = VOCAB_SIZE) -> None:
@@ -86,6 +88,7 @@ def resolve_sampling(
     if s.seed is not None and s.seed < 0:
         raise ValidationError("seed", f"must be >= 0, got {s.seed}")
     check_token_ids(s.stop_token_ids, "stop_token_ids", vocab_size)
+    check_stop_strings(s.stop)
     room = max_context - prompt_len
     if s.max_tokens is None:
         max_tokens = room
@@ -107,7 +110,17 @@ def resolve_sampling(
         seed=s.seed,
         stop_token_ids=tuple(s.stop_token_ids),
         logprobs=s.logprobs,
+        stop=tuple(s.stop),
     )
+
+
+def check_stop_strings(stops: tuple[str, ...] | list[str], field: str = "stop") -> None:
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValidationError(field, f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(stops)}")
+    for i, text in enumerate(stops):
+        if not text:
+            # An empty string would match before the first character: every request would return "".
+            raise ValidationError(f"{field}[{i}]", "stop strings must not be empty")
 
 
 # ---- chat ---------------------------------------------------------------------------------------

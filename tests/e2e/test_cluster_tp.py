@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
 
 import pytest
@@ -43,13 +44,39 @@ def topology(prefill_tp: int, decode_tp: int):
                                decode=dataclasses.replace(topo.decode, tp=decode_tp, ep=decode_tp))
 
 
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    tokens: list[int]
+    margins: list[float]  # top-1 minus top-2 logit at each generated step (single process, bf16)
+    tops: list[float]  # |top-1 logit|, for the size of one bf16 step there
+
+
 @pytest.fixture(scope="module")
-def reference():
+def reference() -> dict[int, Reference]:
     from kvrelay.engine.llm import LLM
 
     llm = LLM("tiny", dummy=True, seed=0, page_size=16, kv_tokens=4096)
-    return {n: [o.token_id for o in llm.generate(prompt_of(n), SamplingParams(max_tokens=k, temperature=0))]
-            for n, k in PROMPTS.items()}
+    out = {}
+    for n, k in PROMPTS.items():
+        tokens = [o.token_id for o in llm.generate(prompt_of(n), SamplingParams(max_tokens=k, temperature=0))]
+        top2 = llm.runner.score(prompt_of(n) + tokens)[n - 1:n - 1 + k].topk(2, dim=-1).values
+        out[n] = Reference(tokens, (top2[:, 0] - top2[:, 1]).tolist(), top2[:, 0].abs().tolist())
+    return out
+
+
+def assert_same_greedy(got: list[int], ref: Reference, what: str) -> None:
+    """Sharded bf16 sums in another order (and batched vs solo GEMMs) may flip a near-tie, as between any two
+    bf16 implementations: tokens must match up to the first step whose reference top-2 margin is within
+    two bf16 steps of the top logit; after such a step the prefixes differ and comparing stops. A
+    divergence at a clear margin is a real error (e.g. a wrong head mapping)."""
+    assert len(got) == len(ref.tokens), what
+    for i, (g, w) in enumerate(zip(got, ref.tokens)):
+        if g != w:
+            bf16_step = 2.0 ** (math.floor(math.log2(max(ref.tops[i], 1e-6))) - 7)
+            assert ref.margins[i] <= 2 * bf16_step, (
+                f"{what}: token {i} is {g}, single process {w}, at a top-2 margin of {ref.margins[i]:.4f} "
+                f"(> 2 bf16 steps = {2 * bf16_step:.4f}): not a near-tie")
+            return
 
 
 @pytest.fixture(scope="module", params=[(2, 4), (4, 1)], ids=["tp2-to-tp4", "tp4-to-tp1"])
@@ -97,7 +124,7 @@ def test_greedy_tokens_equal_single_process(cluster, reference):
     outs = generate_all(cluster)
     print(f"3 requests in {time.monotonic() - t0:.2f} s")
     for n, out in outs.items():
-        assert [o.token_id for o in out] == reference[n], f"prompt of {n} tokens"
+        assert_same_greedy([o.token_id for o in out], reference[n], f"prompt of {n} tokens")
         assert out[-1].finish_reason == "length"
     topo = cluster.topology
     # 40 tokens: 3 pages of the one full layer + 1 live page of each of the 2 sliding layers; a page holds

@@ -24,47 +24,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvrelay/v1/router.proto\x12\nkvrelay.v1\"\xe4\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x10\n\x08logprobs\x18\x07 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokens\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"m\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\"\x9e\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.kvrelay.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.kvrelay.v1.Usage\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xb1\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0f\n\x07\x63hannel\x18\x03 \x01(\t\x12\x11\n\trecipient\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x06 \x01(\t\x12(\n\ntool_calls\x18\x07 \x03(\x0b\x32\x14.kvrelay.v1.ToolCall\x12\x11\n\treasoning\x18\x08 \x01(\t\"I\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x1e\n\x16parameters_json_schema\x18\x03 \x01(\t\"\x8d\x02\n\x0b\x43hatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.kvrelay.v1.ChatMessage\x12\x1f\n\x05tools\x18\x03 \x03(\x0b\x32\x10.kvrelay.v1.Tool\x12\x35\n\x10reasoning_effort\x18\x04 \x01(\x0e\x32\x1b.kvrelay.v1.ReasoningEffort\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\x1f\n\x17\x63onversation_start_date\x18\x06 \x01(\t\x12\x18\n\x10knowledge_cutoff\x18\x07 \x01(\t\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xed\x01\n\x0c\x43hatResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\treasoning\x18\x02 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x03 \x01(\t\x12-\n\ntool_calls\x18\x04 \x03(\x0b\x32\x19.kvrelay.v1.ToolCallDelta\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12/\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x18.kvrelay.v1.FinishReason\x12 \n\x05usage\x18\x08 \x01(\x0b\x32\x11.kvrelay.v1.Usage\"\x0f\n\rHealthRequest\"0\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\r\n\x05model\x18\x02 \x01(\t\"\x13\n\x11ListModelsRequest\":\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.kvrelay.v1.Model*}\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x03*\x85\x01\n\x0fReasoningEffort\x12 \n\x1cREASONING_EFFORT_UNSPECIFIED\x10\x00\x12\x18\n\x14REASONING_EFFORT_LOW\x10\x01\x12\x1b\n\x17REASONING_EFFORT_MEDIUM\x10\x02\x12\x19\n\x15REASONING_EFFORT_HIGH\x10\x03\x32\x9c\x02\n\x06Router\x12G\n\x08Generate\x12\x1b.kvrelay.v1.GenerateRequest\x1a\x1c.kvrelay.v1.GenerateResponse0\x01\x12;\n\x04\x43hat\x12\x17.kvrelay.v1.ChatRequest\x1a\x18.kvrelay.v1.ChatResponse0\x01\x12?\n\x06Health\x12\x19.kvrelay.v1.HealthRequest\x1a\x1a.kvrelay.v1.HealthResponse\x12K\n\nListModels\x12\x1d.kvrelay.v1.ListModelsRequest\x1a\x1e.kvrelay.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvrelay/v1/router.proto\x12\nkvrelay.v1\"\xf2\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x10\n\x08logprobs\x18\x07 \x01(\x08\x12\x0c\n\x04stop\x18\x08 \x03(\tB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokens\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"m\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\"\x9e\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.kvrelay.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.kvrelay.v1.Usage\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xb1\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0f\n\x07\x63hannel\x18\x03 \x01(\t\x12\x11\n\trecipient\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x06 \x01(\t\x12(\n\ntool_calls\x18\x07 \x03(\x0b\x32\x14.kvrelay.v1.ToolCall\x12\x11\n\treasoning\x18\x08 \x01(\t\"I\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x1e\n\x16parameters_json_schema\x18\x03 \x01(\t\"\x8d\x02\n\x0b\x43hatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.kvrelay.v1.ChatMessage\x12\x1f\n\x05tools\x18\x03 \x03(\x0b\x32\x10.kvrelay.v1.Tool\x12\x35\n\x10reasoning_effort\x18\x04 \x01(\x0e\x32\x1b.kvrelay.v1.ReasoningEffort\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\x1f\n\x17\x63onversation_start_date\x18\x06 \x01(\t\x12\x18\n\x10knowledge_cutoff\x18\x07 \x01(\t\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xed\x01\n\x0c\x43hatResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\treasoning\x18\x02 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x03 \x01(\t\x12-\n\ntool_calls\x18\x04 \x03(\x0b\x32\x19.kvrelay.v1.ToolCallDelta\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12/\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x18.kvrelay.v1.FinishReason\x12 \n\x05usage\x18\x08 \x01(\x0b\x32\x11.kvrelay.v1.Usage\"\x0f\n\rHealthRequest\"0\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\r\n\x05model\x18\x02 \x01(\t\"\x13\n\x11ListModelsRequest\":\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.kvrelay.v1.Model*}\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x03*\x85\x01\n\x0fReasoningEffort\x12 \n\x1cREASONING_EFFORT_UNSPECIFIED\x10\x00\x12\x18\n\x14REASONING_EFFORT_LOW\x10\x01\x12\x1b\n\x17REASONING_EFFORT_MEDIUM\x10\x02\x12\x19\n\x15REASONING_EFFORT_HIGH\x10\x03\x32\x9c\x02\n\x06Router\x12G\n\x08Generate\x12\x1b.kvrelay.v1.GenerateRequest\x1a\x1c.kvrelay.v1.GenerateResponse0\x01\x12;\n\x04\x43hat\x12\x17.kvrelay.v1.ChatRequest\x1a\x18.kvrelay.v1.ChatResponse0\x01\x12?\n\x06Health\x12\x19.kvrelay.v1.HealthRequest\x1a\x1a.kvrelay.v1.HealthResponse\x12K\n\nListModels\x12\x1d.kvrelay.v1.ListModelsRequest\x1a\x1e.kvrelay.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvrelay.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1729
-  _globals['_FINISHREASON']._serialized_end=1854
-  _globals['_REASONINGEFFORT']._serialized_start=1857
-  _globals['_REASONINGEFFORT']._serialized_end=1990
+  _globals['_FINISHREASON']._serialized_start=1743
+  _globals['_FINISHREASON']._serialized_end=1868
+  _globals['_REASONINGEFFORT']._serialized_start=1871
+  _globals['_REASONINGEFFORT']._serialized_end=2004
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=268
-  _globals['_USAGE']._serialized_start=270
-  _globals['_USAGE']._serialized_end=349
-  _globals['_GENERATEREQUEST']._serialized_start=351
-  _globals['_GENERATEREQUEST']._serialized_end=460
-  _globals['_GENERATERESPONSE']._serialized_start=463
-  _globals['_GENERATERESPONSE']._serialized_end=621
-  _globals['_TOOLCALL']._serialized_start=623
-  _globals['_TOOLCALL']._serialized_end=678
-  _globals['_CHATMESSAGE']._serialized_start=681
-  _globals['_CHATMESSAGE']._serialized_end=858
-  _globals['_TOOL']._serialized_start=860
-  _globals['_TOOL']._serialized_end=933
-  _globals['_CHATREQUEST']._serialized_start=936
-  _globals['_CHATREQUEST']._serialized_end=1205
-  _globals['_TOOLCALLDELTA']._serialized_start=1207
-  _globals['_TOOLCALLDELTA']._serialized_end=1282
-  _globals['_CHATRESPONSE']._serialized_start=1285
-  _globals['_CHATRESPONSE']._serialized_end=1522
-  _globals['_HEALTHREQUEST']._serialized_start=1524
-  _globals['_HEALTHREQUEST']._serialized_end=1539
-  _globals['_HEALTHRESPONSE']._serialized_start=1541
-  _globals['_HEALTHRESPONSE']._serialized_end=1589
-  _globals['_LISTMODELSREQUEST']._serialized_start=1591
-  _globals['_LISTMODELSREQUEST']._serialized_end=1610
-  _globals['_MODEL']._serialized_start=1612
-  _globals['_MODEL']._serialized_end=1670
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1672
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1727
-  _globals['_ROUTER']._serialized_start=1993
-  _globals['_ROUTER']._serialized_end=2277
+  _globals['_SAMPLINGPARAMS']._serialized_end=282
+  _globals['_USAGE']._serialized_start=284
+  _globals['_USAGE']._serialized_end=363
+  _globals['_GENERATEREQUEST']._serialized_start=365
+  _globals['_GENERATEREQUEST']._serialized_end=474
+  _globals['_GENERATERESPONSE']._serialized_start=477
+  _globals['_GENERATERESPONSE']._serialized_end=635
+  _globals['_TOOLCALL']._serialized_start=637
+  _globals['_TOOLCALL']._serialized_end=692
+  _globals['_CHATMESSAGE']._serialized_start=695
+  _globals['_CHATMESSAGE']._serialized_end=872
+  _globals['_TOOL']._serialized_start=874
+  _globals['_TOOL']._serialized_end=947
+  _globals['_CHATREQUEST']._serialized_start=950
+  _globals['_CHATREQUEST']._serialized_end=1219
+  _globals['_TOOLCALLDELTA']._serialized_start=1221
+  _globals['_TOOLCALLDELTA']._serialized_end=1296
+  _globals['_CHATRESPONSE']._serialized_start=1299
+  _globals['_CHATRESPONSE']._serialized_end=1536
+  _globals['_HEALTHREQUEST']._serialized_start=1538
+  _globals['_HEALTHREQUEST']._serialized_end=1553
+  _globals['_HEALTHRESPONSE']._serialized_start=1555
+  _globals['_HEALTHRESPONSE']._serialized_end=1603
+  _globals['_LISTMODELSREQUEST']._serialized_start=1605
+  _globals['_LISTMODELSREQUEST']._serialized_end=1624
+  _globals['_MODEL']._serialized_start=1626
+  _globals['_MODEL']._serialized_end=1684
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1686
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1741
+  _globals['_ROUTER']._serialized_start=2007
+  _globals['_ROUTER']._serialized_end=2291
 # @@protoc_insertion_point(module_scope)

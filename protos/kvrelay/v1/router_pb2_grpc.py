@@ -60,7 +60,7 @@ class RouterServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Token ids in, token ids out. No harmony processing: only the caller's stop ids apply.
+        """Token ids in, token ids out. No harmony processing: only the caller's stop ids and stop strings apply.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
