@@ -479,3 +479,11 @@ def is_oom(exc: BaseException) -> bool:
     import torch
 
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def run_cli(main: Callable[[], dict]) -> int:
+    """Entry point shared by the benchmarks: run, print the total time, exit 1 when no point was measured."""
+    t0 = time.perf_counter()
+    payload = main()
+    print(f"total {time.perf_counter() - t0:.1f} s")
+    return 0 if payload.get("points") else 1

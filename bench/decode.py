@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import time
 
 from kvrelay.bench import common as C
 
@@ -288,12 +287,5 @@ def _plot(payload: dict):
     return fig
 
 
-def cli() -> int:
-    t0 = time.perf_counter()
-    payload = main()
-    print(f"total {time.perf_counter() - t0:.1f} s")
-    return 0 if payload.get("points") else 1
-
-
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(C.run_cli(main))
