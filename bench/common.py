@@ -422,10 +422,18 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--usd-per-gpu-hour", type=float, default=USD_PER_GPU_HOUR)
 
 
+def stamp() -> str:
+    """Local time as the result files name it: 20261129-124638."""
+    return _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def slug(text: str) -> str:
+    """`text` made safe for a file name (a model path keeps its last component)."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(text).name or text)
+
+
 def result_stem(kind: str, args) -> str:
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    model = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(args.model).name or args.model)
-    return f"{kind}-{model}-{args.quant}-{torch_device_type(args.device)}-{stamp}"
+    return f"{kind}-{slug(args.model)}-{args.quant}-{torch_device_type(args.device)}-{stamp()}"
 
 
 def torch_device_type(device: str) -> str:
@@ -481,9 +489,10 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
-def run_cli(main: Callable[[], dict]) -> int:
-    """Entry point shared by the benchmarks: run, print the total time, exit 1 when no point was measured."""
+def run_cli(main: Callable[[], dict], ok: Callable[[dict], bool] | None = None) -> int:
+    """Entry point shared by the benchmarks: run, print the total time, exit 1 when no point was measured
+    (or when `ok(payload)` says the run produced nothing usable)."""
     t0 = time.perf_counter()
     payload = main()
     print(f"total {time.perf_counter() - t0:.1f} s")
-    return 0 if payload.get("points") else 1
+    return 0 if payload.get("points") and (ok is None or ok(payload)) else 1

@@ -61,7 +61,7 @@ class RequestMetrics:
     prefill_s: float
     kv_bytes: int
     kv_transfer_s: float
-    ttft_s: float
+    ttft_s: float  # from the request reaching the engine client to its first token here
     tpot_s: float  # mean gap between output tokens after the first
     decode_tokens_per_s: float
     retries: int
@@ -70,6 +70,13 @@ class RequestMetrics:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
+
+    def timings(self) -> dict[str, float | int]:
+        """The TTFT breakdown clients see (HTTP `kvrelay_timings`): queue + prefill compute + delivery =
+        TTFT; the KV handoff happens after the first token and delays only the second."""
+        return {"queue_s": self.queue_s, "prefill_compute_s": self.prefill_s, "kv_handoff_s": self.kv_transfer_s,
+                "kv_bytes": self.kv_bytes, "ttft_s": self.ttft_s,
+                "delivery_s": max(0.0, self.ttft_s - self.queue_s - self.prefill_s), "tpot_s": self.tpot_s}
 
 
 @dataclass(frozen=True)
@@ -106,7 +113,8 @@ class _Acc:
 class DisaggregatedEngineClient:
     def __init__(self, prefill_actors: Sequence[object], decode_actors: Sequence[object], *,
                  model_name: str, max_context: int, vocab_size: int | None = None, max_retries: int = 2,
-                 admission_timeout_s: float = 60.0, stall_check_s: float = 10.0):
+                 admission_timeout_s: float = 60.0, stall_check_s: float = 10.0, colocated: bool = False,
+                 policy: str = "least-loaded"):
         self.prefill = [_Worker("prefill", i, a) for i, a in enumerate(prefill_actors)]
         self.decode = [_Worker("decode", i, a) for i, a in enumerate(decode_actors)]
         self._model_name = model_name
@@ -116,6 +124,13 @@ class DisaggregatedEngineClient:
         self.max_retries = max_retries
         self.admission_timeout_s = admission_timeout_s
         self.stall_check_s = stall_check_s
+        # Colocated: prefill[i] and decode[i] are one actor, so a request's pair is always (i, i) and its
+        # KV never leaves the GPU (decode_worker/colocated.py).
+        self.colocated = colocated
+        if policy not in ("least-loaded", "round-robin"):
+            raise ValueError(f"router.policy: {policy!r} is not 'least-loaded' or 'round-robin'")
+        self.policy = policy
+        self._turn = itertools.count()
         self._active: dict[str, tuple[_Worker, str]] = {}  # request -> (decode worker, attempt id)
         self._aborted: set[str] = set()
         self._draining = False
@@ -210,7 +225,7 @@ class DisaggregatedEngineClient:
         finished = False
         self._active[request_id] = (decode, attempt_id)
         try:
-            prefill = self._pick_prefill()
+            prefill = self.prefill[decode.rank] if self.colocated else self._pick_prefill()
             acc.prefill_worker = prefill.rank
             prefill.queued_tokens += len(full)
             try:
@@ -307,7 +322,10 @@ class DisaggregatedEngineClient:
         live = [w for w in self.prefill if not w.dead]
         if not live:
             raise EngineUnavailable("no live prefill worker")
-        w = min(live, key=lambda w: (w.queued_tokens, w.last_pick))
+        if self.policy == "round-robin":
+            w = live[next(self._turn) % len(live)]
+        else:  # least-loaded: fewest prompt tokens in flight, then the longest unused
+            w = min(live, key=lambda w: (w.queued_tokens, w.last_pick))
         w.last_pick = time.monotonic()
         return w
 
@@ -334,8 +352,13 @@ class DisaggregatedEngineClient:
         live = [w for w in self.decode if not w.dead]
         if not live:
             raise EngineUnavailable("no live decode worker")
-        loads = await asyncio.gather(*(self._load(w) for w in live))
-        ranked = sorted((ld for ld in loads if ld is not None), key=lambda x: (-x[0], x[1], x[2].rank))
+        if len(live) == 1 or self.policy == "round-robin":
+            # Nothing to rank (or no ranking wanted): skip the load round trips, try in turn.
+            k = next(self._turn) % len(live)
+            ranked = [(0, 0, w) for w in live[k:] + live[:k]]
+        else:  # least-loaded: most free KV budget, then fewest admitted requests
+            loads = await asyncio.gather(*(self._load(w) for w in live))
+            ranked = sorted((ld for ld in loads if ld is not None), key=lambda x: (-x[0], x[1], x[2].rank))
         reasons.clear()
         for _, _, w in ranked:
             try:

@@ -20,25 +20,42 @@ from kvrelay.cluster.topology import Topology
 log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode")
+COLOCATED = "colocated"  # one actor per GPU serving both roles (decode_worker/colocated.py)
+
+
+def roles(topology: Topology) -> tuple[str, ...]:
+    """The kinds of worker actor a topology starts."""
+    return (COLOCATED,) if topology.colocate else ROLES
+
+
+def section(topology: Topology, role: str):
+    """The topology section that sizes a role's workers (a colocated worker counts as a decode one)."""
+    return topology.decode if role == COLOCATED else getattr(topology, role)
 
 
 def actor_name(role: str, rank: int) -> str:
     return f"kvrelay-{role}-{rank}"
 
 
+def on_loopback(topology: Topology) -> bool:
+    """Everything stays on 127.0.0.1: the CPU preset, and any single-machine topology whose router
+    serves loopback only (a private Ray, nothing to reach from elsewhere: GPU tests, local benchmarks)."""
+    return topology.device == "cpu" or (topology.ray.address is None and topology.router.host.startswith("127."))
+
+
 def worker_env(topology: Topology) -> dict[str, str]:
     """Environment for every worker process (UCX reads it when the first NIXL agent starts)."""
     env = {"UCX_TLS": topology.kv_transfer.ucx_tls}
-    if topology.device == "cpu":
+    if on_loopback(topology):
         env.update(UCX_NET_DEVICES="lo", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     return env
 
 
 def loopback_env(topology: Topology) -> None:
-    """On the CPU preset, pin Ray and UCX to loopback. Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once,
+    """Pin Ray and UCX to loopback (see on_loopback). Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once,
     when it is first imported, so this must run before any `import ray` in the process; with it, every
     Ray listener (GCS, raylet, object manager, workers) binds 127.0.0.1."""
-    if topology.device == "cpu":
+    if on_loopback(topology):
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
@@ -58,7 +75,7 @@ def init_ray(topology: Topology, *, address: str | None = None) -> bool:
     import ray
     from ray._private import ray_constants
 
-    if topology.device == "cpu" and ray_constants.ENABLE_RAY_CLUSTER:
+    if on_loopback(topology) and ray_constants.ENABLE_RAY_CLUSTER:
         log.warning("ray was imported before RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 was set; some Ray "
                     "listeners may bind a non-loopback address (set it in the environment)")
 
@@ -68,13 +85,13 @@ def init_ray(topology: Topology, *, address: str | None = None) -> bool:
     local = address is None
     kwargs: dict[str, Any] = dict(namespace=topology.ray.namespace, include_dashboard=False,
                                   runtime_env={"env_vars": worker_env(topology)}, log_to_driver=True)
-    if topology.device == "cpu":
+    if on_loopback(topology):
         kwargs["_node_ip_address"] = "127.0.0.1"
     if local:
         if topology.device == "cpu":
             # Logical CPUs: one per rank plus slack; the ranks are mostly waiting on each other.
-            kwargs["num_cpus"] = sum(len(bundles(topology, role)) * getattr(topology, role).workers
-                                     for role in ROLES) + 2
+            kwargs["num_cpus"] = sum(len(bundles(topology, role)) * section(topology, role).workers
+                                     for role in roles(topology)) + 2
         ray.init(**kwargs)
     else:
         kwargs.pop("include_dashboard")
@@ -92,7 +109,7 @@ class WorkerSlot:
 
 def bundles(topology: Topology, role: str) -> list[dict[str, float]]:
     """One bundle per rank of a worker ("EPn TPn" is n ranks, so tp counts them for decode too)."""
-    tp = getattr(topology, role).tp
+    tp = section(topology, role).tp
     if topology.device == "cpu":
         return [{"CPU": 1} for _ in range(tp)]
     return [{"GPU": 1, "CPU": 1} for _ in range(tp)]
@@ -101,7 +118,7 @@ def bundles(topology: Topology, role: str) -> list[dict[str, float]]:
 def rank_names(topology: Topology, role: str, worker: int) -> list[str]:
     """Actor names of a worker's ranks, rank 0 first (the followers take the leader's name + -tpN)."""
     lead = actor_name(role, worker)
-    return [lead] + [f"{lead}-tp{r}" for r in range(1, getattr(topology, role).tp)]
+    return [lead] + [f"{lead}-tp{r}" for r in range(1, section(topology, role).tp)]
 
 
 def check_supported(topology: Topology) -> None:
@@ -123,8 +140,8 @@ def place(topology: Topology, timeout_s: float = 120.0) -> list[WorkerSlot]:
     from ray.util.placement_group import placement_group
 
     slots = []
-    for role in ROLES:
-        for rank in range(getattr(topology, role).workers):
+    for role in roles(topology):
+        for rank in range(section(topology, role).workers):
             b = bundles(topology, role)
             pg = placement_group(b, strategy="STRICT_PACK", name=f"{actor_name(role, rank)}-pg")
             slots.append(WorkerSlot(role, rank, pg, len(b)))
@@ -151,6 +168,6 @@ def actor_options(topology: Topology, slot: WorkerSlot) -> dict[str, Any]:
     if slot.role == "prefill":
         # release/status/health must answer while a prompt runs (worker.py serialises prefills itself).
         opts["max_concurrency"] = 16
-    else:
+    else:  # decode or colocated
         opts["max_concurrency"] = 1000  # async actor: one coroutine per open stream
     return opts

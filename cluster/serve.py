@@ -34,6 +34,7 @@ class Cluster:
 
         placement.prepare_ray_env(topology, address)  # before the first `import ray`
         import ray
+        from kvrelay.decode_worker.colocated import ColocatedWorker
         from kvrelay.decode_worker.worker import DecodeWorker
         from kvrelay.prefill_worker.worker import PrefillWorker
 
@@ -42,18 +43,31 @@ class Cluster:
         cluster.started_ray = placement.init_ray(topology, address=address)
         try:
             cluster.slots = placement.place(topology, timeout_s=startup_timeout_s)
-            remote = {"prefill": ray.remote(PrefillWorker), "decode": ray.remote(DecodeWorker)}
+            remote = {"prefill": ray.remote(PrefillWorker), "decode": ray.remote(DecodeWorker),
+                      placement.COLOCATED: ray.remote(ColocatedWorker)}
             for slot in cluster.slots:
                 actor = remote[slot.role].options(**placement.actor_options(topology, slot)).remote(
                     topology, slot.rank)
-                getattr(cluster, slot.role).append(actor)
-            # The first call on each actor waits for its constructor (model load, pool, NIXL agent; a TP
-            # worker's rank 0 returns only once its other ranks have joined and loaded too).
-            ray.get([a.health.remote() for a in cluster.prefill + cluster.decode], timeout=startup_timeout_s)
+                if slot.role == placement.COLOCATED:  # one actor, both roles
+                    cluster.prefill.append(actor)
+                    cluster.decode.append(actor)
+                else:
+                    getattr(cluster, slot.role).append(actor)
+            # The first call on each actor waits for its constructor (model load, pool sizing, graph
+            # capture, NIXL agent; a TP worker's rank 0 returns only once its other ranks are ready).
+            ray.get([a.health.remote() for a in cluster.actors()], timeout=startup_timeout_s)
         except BaseException:
             cluster.shutdown()
             raise
         return cluster
+
+    def actors(self) -> list:
+        """Every worker actor once (a colocated one is in both role lists)."""
+        out = []
+        for a in self.prefill + self.decode:
+            if not any(a is b for b in out):
+                out.append(a)
+        return out
 
     def engine_client(self, **kwargs):
         from kvrelay.cluster.engine_client import DisaggregatedEngineClient
@@ -63,7 +77,8 @@ class Cluster:
         return DisaggregatedEngineClient(
             self.prefill, self.decode, model_name=cfg.name,
             max_context=min(self.topology.model.max_context, cfg.max_context),
-            vocab_size=cfg.vocab_size, **kwargs)
+            vocab_size=cfg.vocab_size, colocated=self.topology.colocate, policy=self.topology.router.policy,
+            **kwargs)
 
     def statuses(self, timeout_s: float = 10.0) -> list[dict]:
         from kvrelay.cluster.status import collect
@@ -76,7 +91,7 @@ class Cluster:
 
         if not ray.is_initialized():
             return
-        actors = self.prefill + self.decode
+        actors = self.actors()
         try:
             ray.get([a.shutdown.remote() for a in actors], timeout=10)
         except Exception as e:  # dead or hung workers are killed below anyway
@@ -96,6 +111,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grpc-port", type=int, default=None, help="override router.grpc_port (0 = any)")
     parser.add_argument("--http-port", type=int, default=None, help="override router.http_port (0 = any)")
     parser.add_argument("--address", default=None, help="join this Ray cluster (overrides ray.address)")
+    parser.add_argument("--dummy", action="store_true",
+                        help="random full-size weights of the model's shape (model.dummy: true): benchmarks")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get to finish on shutdown")
     parser.add_argument("--log-requests", action="store_true",
@@ -119,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
         grpc_port=topo.router.grpc_port if args.grpc_port is None else args.grpc_port,
         http_port=topo.router.http_port if args.http_port is None else args.http_port)
     topo = dataclasses.replace(topo, router=router)
+    if args.dummy:
+        topo = dataclasses.replace(topo, model=dataclasses.replace(topo.model, dummy=True))
     _find_vocab()
     t0 = time.perf_counter()
     print(f"kvrelay: starting {topo.prefill.workers} prefill (TP{topo.prefill.tp}) + {topo.decode.workers} "
@@ -131,11 +150,25 @@ def run(args: argparse.Namespace) -> int:
     except (NotImplementedError, ParallelConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # a worker's constructor failed: say why in one line when it is ours to say
+        reason = _startup_reason(e)
+        if reason is None:
+            raise
+        print(f"error: {topo.source}: {reason}", file=sys.stderr)
+        return 2
     try:
         return asyncio.run(_serve(cluster, args.drain_timeout, t0))
     finally:
         cluster.shutdown()
         print("kvrelay: stopped", flush=True)
+
+
+def _startup_reason(e: BaseException) -> str | None:
+    """The message of a known start-up failure (a KV pool that cannot fit) inside Ray's actor error."""
+    import re
+
+    m = re.search(r"KVDoesNotFit: (.*)", str(e))
+    return m.group(1).strip() if m else None
 
 
 def _find_vocab() -> None:

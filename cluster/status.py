@@ -29,12 +29,12 @@ def collect(topology, timeout_s: float = 10.0) -> list[dict]:
     initialised in the cluster's namespace."""
     import ray
 
-    from kvrelay.cluster.placement import ROLES, rank_names
+    from kvrelay.cluster.placement import rank_names, roles, section
 
     rows, refs = [], []
-    for role in ROLES:
-        tp = getattr(topology, role).tp
-        for rank in range(getattr(topology, role).workers):
+    for role in roles(topology):
+        tp = section(topology, role).tp
+        for rank in range(section(topology, role).workers):
             for tp_rank, name in enumerate(rank_names(topology, role, rank)):
                 row = {"role": role, "rank": rank, "tp_rank": tp_rank, "tp_size": tp, "name": name,
                        "healthy": False}

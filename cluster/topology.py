@@ -23,7 +23,6 @@ import yaml
 Quant = Literal["fp8-block128", "bf16"]
 Device = Literal["cpu", "cuda"]
 Policy = Literal["least-loaded", "round-robin"]
-Backend = Literal["nixl"]
 
 DEFAULT_CONFIG = "cpu-tiny.yaml"
 
@@ -46,6 +45,7 @@ class PrefillSection:
     workers: int = 1
     tp: int = 1
     max_prompt_tokens: int = 8192
+    chunk_tokens: int = 8192  # prompt tokens per prefill forward: queued prompts batched, long ones chunked
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,6 @@ class RouterSection:
 
 @dataclass(frozen=True)
 class KVTransferSection:
-    backend: Backend = "nixl"
     ucx_tls: str = "tcp,cma,self"
     lease_seconds: float = 30.0
 
@@ -177,6 +176,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     raise TypeError(f"unsupported annotation {tp!r}")
 
 
+# Keys older files may still carry, with why they went (rather than a bare "unknown key").
+_REMOVED = {"KVTransferSection": {"backend": "the handoff is always NIXL between processes and in place "
+                                            "between the colocated roles of one worker; delete the line"}}
+
+
 def _build(cls: type, raw: Any, where: str) -> Any:
     if not isinstance(raw, dict):
         raise TopologyError(f"{where}: expected a mapping, got {type(raw).__name__} {raw!r}")
@@ -185,6 +189,8 @@ def _build(cls: type, raw: Any, where: str) -> Any:
     kwargs: dict[str, Any] = {}
     for key, value in raw.items():
         path = f"{where}.{key}" if where else str(key)
+        if key in _REMOVED.get(cls.__name__, {}):
+            raise TopologyError(f"{path}: this key was removed: {_REMOVED[cls.__name__][key]}")
         if key not in known:
             close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
             hint = f" (did you mean '{close[0]}'?)" if close else f" (valid keys: {', '.join(known)})"
@@ -230,6 +236,7 @@ def _check(t: Topology, base_dir: Path) -> Topology:
 
     for path, v in [("model.max_context", t.model.max_context), ("prefill.workers", t.prefill.workers),
                     ("prefill.tp", t.prefill.tp), ("prefill.max_prompt_tokens", t.prefill.max_prompt_tokens),
+                    ("prefill.chunk_tokens", t.prefill.chunk_tokens),
                     ("decode.workers", t.decode.workers), ("decode.ep", t.decode.ep), ("decode.tp", t.decode.tp),
                     ("decode.max_batch", t.decode.max_batch), ("decode.page_size", t.decode.page_size),
                     ("kv_transfer.lease_seconds", t.kv_transfer.lease_seconds)]:
@@ -261,6 +268,15 @@ def _check(t: Topology, base_dir: Path) -> Topology:
     if t.decode.ep not in (1, t.decode.tp):
         raise TopologyError(f"decode.ep: {t.decode.ep} must be 1 or equal decode.tp ({t.decode.tp}): "
                             "EPn TPn partitions experts over the same n ranks as the attention heads")
+    if t.colocate:
+        # One worker per GPU holds both roles over one copy of the weights and one KV pool.
+        if t.prefill.workers != t.decode.workers:
+            raise TopologyError(f"colocate: prefill.workers ({t.prefill.workers}) and decode.workers "
+                                f"({t.decode.workers}) must be equal: each colocated worker serves both roles")
+        for pool in ("prefill", "decode"):
+            if getattr(t, pool).tp != 1:
+                raise TopologyError(f"{pool}.tp: colocated workers run at tp 1 (got {getattr(t, pool).tp}); "
+                                    f"set colocate: false to give the pools their own GPUs")
     if t.device == "cpu":
         if t.gpus:
             raise TopologyError(f"gpus: device is cpu but gpus is {t.gpus} (use 0 or device: cuda)")
@@ -320,12 +336,12 @@ def describe(t: Topology) -> str:
         f"max_context {t.model.max_context})",
         f"  device     {t.device}",
         f"  prefill    {t.prefill.workers} worker(s) x TP{t.prefill.tp}, max_prompt_tokens "
-        f"{t.prefill.max_prompt_tokens}",
+        f"{t.prefill.max_prompt_tokens}, chunk_tokens {t.prefill.chunk_tokens}",
         f"  decode     {t.decode.workers} worker(s) x EP{t.decode.ep} TP{t.decode.tp}, max_batch "
         f"{t.decode.max_batch}, graphs {list(t.decode.cuda_graph_batch_sizes)}",
         f"  router     gRPC {t.router.host}:{t.router.grpc_port}, HTTP {t.router.host}:{t.router.http_port}, "
         f"policy {t.router.policy}",
-        f"  kv         {t.kv_transfer.backend} (UCX_TLS={t.kv_transfer.ucx_tls}), lease "
+        f"  kv         {'in place (colocated)' if t.colocate else 'NIXL'} (UCX_TLS={t.kv_transfer.ucx_tls}), lease "
         f"{t.kv_transfer.lease_seconds:g} s",
         f"  ray        {t.ray.address or 'local'} namespace {t.ray.namespace}",
         f"  GPUs       {t.gpus_needed} needed of {t.gpus} provided"

@@ -16,7 +16,7 @@ directly. The decode actor (worker.py) serialises calls to it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvrelay.engine.kv_cache import GROUPS
@@ -44,11 +44,12 @@ class SchedulerStats:
     pages_in_use: dict[str, int]  # actually allocated in the pool
     pages_reserved: dict[str, int]  # committed to reservations
     pages_total: dict[str, int]
+    headroom: dict[str, int] = field(default_factory=dict)  # kept out of reservations (see Scheduler)
 
     @property
     def free_budget(self) -> int:
         """Pages a new request could still reserve (the scarcer group decides)."""
-        return min(self.pages_total[g] - self.pages_reserved[g] for g in GROUPS)
+        return min(self.pages_total[g] - self.headroom.get(g, 0) - self.pages_reserved[g] for g in GROUPS)
 
 
 @dataclass
@@ -69,10 +70,13 @@ class Scheduler:
     _running: dict[str, _Running] = field(default_factory=dict)  # insertion order = join order
     _pulling: set[str] = field(default_factory=set)  # a READ may be writing into these requests' pages
     _release_after_pull: set[str] = field(default_factory=set)  # released while pulling
+    # Pages kept out of the reservable budget: a colocated worker's prompt chunks hold all their sliding
+    # pages until their forward ends, beyond the one window a reservation counts.
+    headroom: dict[str, int] = field(default_factory=dict)
 
     @property
     def capacity(self) -> dict[str, int]:
-        return {g: self.runner.kv.allocators[g].num_pages for g in GROUPS}
+        return {g: max(0, self.runner.kv.allocators[g].num_pages - self.headroom.get(g, 0)) for g in GROUPS}
 
     def pages_for(self, total_tokens: int) -> dict[str, int]:
         """Most pages a sequence growing to `total_tokens` positions ever holds at once, per group."""
@@ -171,13 +175,32 @@ class Scheduler:
     def step(self) -> int:
         """One decode step over every running request; emits one token each, retires the finished.
         Returns how many requests ran."""
+        n = len([r for r in self._running.values() if not r.aborted])
+        self.step_with()
+        return n
+
+    def step_with(self, extra: Sequence[tuple[str, Sequence[int]]] = ()):
+        """A decode step whose forward also carries `extra` (sequence id, new tokens) items: prompt
+        chunks of a colocated worker, computed in the same ragged forward as the running batch's tokens.
+        Returns the extra items' last-position logits [len(extra), vocab] (None without extras)."""
         for r in [r for r in self._running.values() if r.aborted]:
             self.release(r.request_id)
         batch = list(self._running.values())
-        if not batch:
-            return 0
+        if not batch and not extra:
+            return None
         ids = [r.request_id for r in batch]
-        logits = self.runner.decode(ids, [r.last_token for r in batch])
+        rest = None
+        if extra:
+            logits = self.runner.forward_mixed([(rid, [r.last_token]) for rid, r in zip(ids, batch)]
+                                               + list(extra))
+            logits, rest = logits[: len(batch)], logits[len(batch):]
+        else:
+            logits = self.runner.decode(ids, [r.last_token for r in batch])
+        if batch:
+            self._emit_step(batch, logits)
+        return rest
+
+    def _emit_step(self, batch: list[_Running], logits) -> None:
         sampled = self.runner.sample(logits, [r.params for r in batch], [r.generated for r in batch])
         for r, (token, logprob) in zip(batch, sampled):
             r.generated += 1
@@ -189,14 +212,13 @@ class Scheduler:
             r.emit(TokenOutput(token, logprob, reason))
             if reason is not None:
                 self.release(r.request_id)
-        return len(batch)
 
     def _reserved(self) -> dict[str, int]:
         return {g: sum(b[g] for b in self._budget.values()) for g in GROUPS}
 
     def stats(self) -> SchedulerStats:
-        cap = self.capacity
+        pool = {g: self.runner.kv.allocators[g].num_pages for g in GROUPS}
         free = self.runner.free_pages()
         return SchedulerStats(running=len(self._running), reserved=len(self._budget),
-                              pages_in_use={g: cap[g] - free[g] for g in GROUPS},
-                              pages_reserved=self._reserved(), pages_total=cap)
+                              pages_in_use={g: pool[g] - free[g] for g in GROUPS},
+                              pages_reserved=self._reserved(), pages_total=pool, headroom=dict(self.headroom))

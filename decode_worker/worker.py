@@ -29,6 +29,7 @@ from kvrelay.engine.kv_transfer import (KVHandle, KVImporter, KVLeaseExpired, KV
                                         TransferStats, configure_ucx, layout_of)
 from kvrelay.engine.rank_group import Followers, lead_group, node_name
 from kvrelay.engine.rank_group import load_runner as _load_runner
+from kvrelay.engine.rank_group import load_sized_runner as _load_sized_runner
 from kvrelay.engine.sampling import SamplingParams, TokenOutput
 
 _ABORTED = object()  # put on a stream's queue by `abort`: end the stream without a finish reason
@@ -62,6 +63,8 @@ class DecodeStatus:
     role: str = "decode"
     tp_rank: int = 0
     tp_size: int = 1
+    decode_tokens: int = 0  # computed by decode steps
+    prompt_tokens: int = 0  # prompt tokens computed here (0 unless colocated: pulled KV is not recomputed)
 
 
 @dataclass(frozen=True)
@@ -71,9 +74,10 @@ class DecodeChunk:
 
 
 def pool_tokens(topology) -> int:
-    """KV positions per group: a share of free memory, but never more than a full batch of full
-    contexts (more could never be used and would only slow start-up). Every rank of a TP group gets
-    the same count (its allocator must mirror the leader's), sized on rank 0's free memory."""
+    """KV positions per group of a TP>1 decode rank: a share of free memory, but never more than a full
+    batch of full contexts. Every rank of a TP group gets the same count (its allocator must mirror the
+    leader's), sized on rank 0 before any rank loads weights, so the estimated weight bytes per rank are
+    taken off first. (TP1 workers size their pool after loading instead: load_runner below.)"""
     cap = topology.decode.max_batch * topology.model.max_context
     if topology.device == "cuda":
         import torch
@@ -86,24 +90,33 @@ def pool_tokens(topology) -> int:
         local_kv = head_range(cfg.num_attention_heads, cfg.num_key_value_heads, 0, topology.decode.tp).num_kv
         per_token = 2 * local_kv * cfg.head_dim * 2 * cfg.num_hidden_layers
         free, _ = torch.cuda.mem_get_info()
-        cap = min(cap, int(free * topology.decode.kv_memory_fraction) // per_token)
+        free -= cfg.weight_bytes(topology.model.quant) // topology.decode.tp
+        cap = min(cap, max(0, int(free * topology.decode.kv_memory_fraction)) // per_token)
     return cap
 
 
 def load_runner(topology, kv_tokens: int, shard=None):
-    """This worker's Runner (this rank's shard of it when `shard` is a TP rank's ParallelContext)."""
+    """A TP rank's Runner (its shard of the model when `shard` is a TP rank's ParallelContext)."""
     return _load_runner(topology.model, device=topology.device, page_size=topology.decode.page_size,
-                        kv_tokens=kv_tokens, shard=shard)
+                        kv_tokens=kv_tokens, shard=shard, graph_sizes=topology.decode.cuda_graph_batch_sizes)
+
+
+def need_tokens(topology) -> int:
+    """Positions one request may hold: the pool must fit at least that."""
+    return min(topology.model.max_context, topology.prefill.max_prompt_tokens + 1)
 
 
 class DecodeWorker:
+    colocated = False
+
     def __init__(self, topology, rank: int = 0):
         configure_ucx(topology.kv_transfer.ucx_tls, "lo" if topology.device == "cpu" else None)
         self.rank = rank
         self.tp_size = topology.decode.tp
         self.group: Followers | None = None  # ranks 1.. of a TP group; None at TP1
+        self.plan_log: list[str] = []
         if self.tp_size == 1:
-            self.runner = load_runner(topology, kv_tokens=pool_tokens(topology))
+            self.runner = self._load_single(topology)
         else:
             kv_tokens = pool_tokens(topology)  # before any rank allocates: followers reuse this count
             self.group, runner = lead_group(
@@ -112,9 +125,14 @@ class DecodeWorker:
                 join=lambda port: decode_join(topology, 0, port),
                 load=lambda ctx: load_runner(topology, kv_tokens=kv_tokens, shard=ctx))
             self.runner = GroupRunner(runner, self.group)
-        layout, pools = layout_of(self.runner.kv)
-        self.importer = KVImporter(layout, pools, name_prefix=f"decode{rank}")
-        self.scheduler = Scheduler(self.runner, max_batch=topology.decode.max_batch)
+        for line in self.plan_log:  # reaches `kvrelay serve`'s output through Ray's log forwarding
+            print(f"kvrelay: {'colocated' if self.colocated else 'decode'} worker {rank}: {line}", flush=True)
+        self.importer = None
+        if not self.colocated:
+            layout, pools = layout_of(self.runner.kv)
+            self.importer = KVImporter(layout, pools, name_prefix=f"decode{rank}")
+        self.scheduler = Scheduler(self.runner, max_batch=topology.decode.max_batch,
+                                   headroom=self._headroom(topology))
         self._lock = threading.Lock()  # the Runner and Scheduler are not thread-safe
         self._wake = threading.Condition(self._lock)
         self._stop = False
@@ -122,10 +140,24 @@ class DecodeWorker:
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ops = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="decode-ops")
-        self._thread = threading.Thread(target=self._step_loop, name="decode-steps", daemon=True)
-        self._thread.start()
+        self._ops_waiting = False
         self.steps = 0
         self.completed = 0
+        self.decode_tokens = 0  # tokens computed by decode steps (a pulled prompt is never recomputed)
+        self._thread = threading.Thread(target=self._step_loop, name="decode-steps", daemon=True)
+        self._thread.start()
+
+    def _load_single(self, topology):
+        """TP1: the pool is sized after the weights, from what is measured free then (engine/memory.py)."""
+        d = topology.decode
+        return _load_sized_runner(
+            topology.model, device=topology.device, page_size=d.page_size, fraction=d.kv_memory_fraction,
+            max_seqs=d.max_batch, chunk_tokens=max(d.max_batch, 16),
+            max_tokens=d.max_batch * topology.model.max_context, need_tokens=need_tokens(topology),
+            key="decode.kv_memory_fraction", graph_sizes=d.cuda_graph_batch_sizes, log=self.plan_log.append)
+
+    def _headroom(self, topology) -> dict[str, int]:
+        return {}
 
     # ---- engine calls off the event loop -----------------------------------------------------
     async def _locked(self, fn, *args):
@@ -134,7 +166,9 @@ class DecodeWorker:
         the streams either. One thread, since these calls serialise on the lock anyway, and so they run
         in the order they were made."""
         def run():
+            self._ops_waiting = True  # the step loop yields the lock between steps (it would win the race)
             with self._lock:
+                self._ops_waiting = False
                 return fn(*args)
 
         return await asyncio.get_running_loop().run_in_executor(self._ops, run)
@@ -289,23 +323,33 @@ class DecodeWorker:
         return found
 
     # ---- the step loop -----------------------------------------------------------------------
+    def _has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def _step(self) -> None:
+        self.decode_tokens += self.scheduler.step()
+
     def _step_loop(self) -> None:
         while True:
             with self._lock:
-                while not self._stop and not self.scheduler.has_work():
+                while not self._stop and not self._has_work():
                     self._wake.wait()
                 if self._stop:
                     return
                 running = self.scheduler.running_ids()
                 try:
-                    self.scheduler.step()
+                    self._step()
                     self.steps += 1
                 except BaseException as e:  # a failed forward ends the requests in it, not the worker
                     self._step_error = e
                     for rid in running:
                         self._emit(rid, RuntimeError(f"decode step failed on worker {self.rank}: {e!r}"))
                         self.scheduler.release(rid)
-            # Let admissions and aborts in between steps.
+            # Let admissions and aborts in between steps: a thread blocked on the lock is woken only after
+            # this one, which would otherwise take the lock straight back for the next step.
+            deadline = time.monotonic() + 0.01
+            while self._ops_waiting and time.monotonic() < deadline:
+                time.sleep(0.0001)
             time.sleep(0)
 
     # ---- introspection -----------------------------------------------------------------------
@@ -325,14 +369,16 @@ class DecodeWorker:
             rank=self.rank, pid=os.getpid(), node=node_name(), healthy=await self.health(),
             pages_in_use=s.pages_in_use, pages_reserved=s.pages_reserved, pages_total=s.pages_total,
             free_budget=s.free_budget, admitted=s.reserved, running=s.running, steps=self.steps,
-            completed=self.completed, agent=self.importer.agent_name,
-            last_step_error=repr(self._step_error) if self._step_error else None, tp_size=self.tp_size)
+            completed=self.completed, agent=self.importer.agent_name if self.importer else "-",
+            last_step_error=repr(self._step_error) if self._step_error else None, tp_size=self.tp_size,
+            decode_tokens=self.decode_tokens)
 
     async def shutdown(self) -> None:
         with self._lock:
             self._stop = True
             self._wake.notify()
-        self.importer.close()
+        if self.importer is not None:
+            self.importer.close()
         if self.group is not None:  # blocks on Ray: off the event loop
             await asyncio.get_running_loop().run_in_executor(None, self.group.shutdown)
         self._ops.shutdown(wait=False)

@@ -105,6 +105,16 @@ class ModelConfig:
     def full_layers(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.num_hidden_layers) if not self.layer_is_sliding(i))
 
+    def weight_bytes(self, quant: str = "bf16") -> int:
+        """Device bytes of the served weights (estimate for sizing before loading): FP8 GEMM weights take
+        one byte per parameter, embedding, unembedding and everything else two."""
+        h, d, e, i = self.hidden_size, self.head_dim, self.num_experts, self.intermediate_size
+        attn = h * (self.num_attention_heads + 2 * self.num_key_value_heads) * d + self.num_attention_heads * d * h
+        experts = e * 3 * h * i
+        gemm = self.num_hidden_layers * (attn + experts)
+        other = 2 * self.vocab_size * h + self.num_hidden_layers * h * e
+        return gemm * (1 if quant == "fp8-block128" else 2) + 2 * other
+
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
@@ -189,6 +199,15 @@ PRESETS: dict[str, ModelConfig] = {
         num_key_value_heads=2, sliding_window=128, initial_context_length=4096, rope_theta=150000.0,
         rope_scaling_factor=32.0, rope_ntk_alpha=1.0, rope_ntk_beta=32.0, swiglu_limit=7.0,
         max_context=8192,
+    ),
+    # gpt-oss's attention shape (64 q / 8 KV heads of 64 dims, window 128) in 4 narrow layers: on a GPU
+    # it runs the FlashInfer paths the real models use, at test speed (tests/gpu serve tests).
+    "tiny-attn64": ModelConfig(
+        name="tiny-attn64", num_hidden_layers=4, num_experts=8, experts_per_token=4, vocab_size=1024,
+        hidden_size=256, intermediate_size=256, head_dim=64, num_attention_heads=64,
+        num_key_value_heads=8, sliding_window=128, initial_context_length=4096, rope_theta=150000.0,
+        rope_scaling_factor=32.0, rope_ntk_alpha=1.0, rope_ntk_beta=32.0, swiglu_limit=7.0,
+        max_context=4096,
     ),
 }
 

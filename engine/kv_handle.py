@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from kvrelay.engine.parallel import head_range
+from kvrelay.engine.sampling import TokenOutput
 
 GROUPS = ("full", "sliding")
 _TP_SHAPE = ("tp_size", "tp_rank")  # KVLayout fields the hash leaves out: they travel as data
@@ -182,3 +183,27 @@ class TransferStats:
     nbytes: int
     seconds: float
     descriptors: int
+
+
+@dataclass(frozen=True)
+class InPlaceKV:
+    """The handoff between the two roles of one colocated worker: the prompt's pages are already in the
+    pool the decode steps read, so nothing moves; decode adopts the sequence by id."""
+
+    request_id: str
+    lease_id: int
+    num_tokens: int
+    nbytes: int = 0  # nothing is copied
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """What a prefill (worker or colocated role) returns to the router's client."""
+
+    request_id: str
+    first: TokenOutput  # the sampled token; finish_reason set if the request ends with it
+    handle: KVHandle | InPlaceKV | None  # None when the request already finished (nothing to decode)
+    prompt_tokens: int
+    queue_s: float  # waiting for the worker (other prompts ahead)
+    prefill_s: float  # forward(s) + sampling + pinning
+

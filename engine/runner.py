@@ -63,6 +63,7 @@ class Runner:
                             attention_fn=attention_fn)
         if num_pages is None:
             num_pages = -(-kv_tokens // page_size)
+        self._page_size, self._shard = page_size, shard
         self.kv = KVCache(cfg, num_pages=num_pages, page_size=page_size, device=self.device, dtype=dtype,
                           shard=shard)
         cuda = self.device.type == "cuda"
@@ -84,6 +85,43 @@ class Runner:
         if self.cuda_graph_batch_sizes:
             # Padding rows of a graph batch write to and attend over one scratch page per group.
             self._scratch = {g: self.kv.allocators[g].allocate(1)[0] for g in GROUPS}
+
+    # ---- sizing the pool after the weights (engine/memory.py) ------------------------------------
+    def profile_forward(self, num_tokens: int) -> None:
+        """One throwaway prefill of `num_tokens` tokens: its peak memory is what the KV pool must leave
+        free for every later forward. The pool must hold that many positions in both groups."""
+        n = max(1, min(num_tokens, self.max_context - 1))
+        sid = object()
+        try:
+            self._run([(sid, [(i * 7919 + 11) % self.cfg.vocab_size for i in range(n)])])
+        finally:
+            self.kv.free(sid)
+
+    def drop_kv(self) -> None:
+        """Free the pool's device memory (before `resize_kv`); no sequence may be alive."""
+        if self.kv.seqs or self._graphs is not None:
+            raise RuntimeError("drop_kv: sequences are alive or graphs were captured over this pool")
+        # New empty tensors, not views: a view would keep the old storage alive.
+        self.kv.pools = {g: self.kv.pools[g].new_empty((self.kv.pools[g].shape[0], 0, *self.kv.pools[g].shape[2:]))
+                         for g in GROUPS}
+        self._scratch = {}
+
+    def resize_kv(self, num_pages: int | dict[str, int]) -> None:
+        """A fresh pool of `num_pages` (per group); before any sequence and any graph capture."""
+        if self.kv.seqs or self._graphs is not None:
+            raise RuntimeError("resize_kv: sequences are alive or graphs were captured over this pool")
+        old = self.kv
+        self.kv = None
+        del old
+        self.kv = KVCache(self.cfg, num_pages=num_pages, page_size=self._page_size, device=self.device,
+                          dtype=self.dtype, shard=self._shard)
+        if self.cuda_graph_batch_sizes:
+            self._scratch = {g: self.kv.allocators[g].allocate(1)[0] for g in GROUPS}
+
+    def warmup(self) -> None:
+        """Capture the decode graphs now, so the first request does not pay for it."""
+        if self.cuda_graph_batch_sizes and self._graphs is None:
+            self._graph_setup()
 
     @classmethod
     def load(cls, model: str | Path, *, dummy: bool = False, seed: int = 0, **kwargs) -> "Runner":
@@ -298,6 +336,14 @@ class Runner:
         if self.cuda_graph_batch_sizes and 0 < len(seq_ids) <= self.cuda_graph_batch_sizes[-1]:
             return self._decode_graph([(sid, int(t)) for sid, t in zip(seq_ids, last_tokens)])
         return self._run([(sid, [int(t)]) for sid, t in zip(seq_ids, last_tokens)])
+
+    def forward_mixed(self, items: Sequence[tuple[Hashable, Sequence[int]]]) -> torch.Tensor:
+        """One ragged forward over new sequences, prompt chunks of existing ones and decode tokens alike
+        (a colocated worker's step: queued prompts ride along with the running batch); logits [B, vocab]
+        of each item's last position, in input order."""
+        if len({sid for sid, _ in items}) != len(items):
+            raise ValueError("forward_mixed: a sequence appears twice in one forward")
+        return self._run([(sid, [int(t) for t in toks]) for sid, toks in items])
 
     def score(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Logits [T, vocab] for every position of a throwaway sequence (tests, evaluation)."""

@@ -20,21 +20,26 @@ import threading
 import time
 from dataclasses import dataclass
 
+from kvrelay.engine.kv_handle import PrefillResult
 from kvrelay.engine.kv_transfer import KVExporter, KVHandle, configure_ucx, layout_of
-from kvrelay.engine.rank_group import Followers, join_group, lead_group, node_name
+from kvrelay.engine.rank_group import Followers, join_group, lead_group, load_sized_runner, node_name
 from kvrelay.engine.rank_group import load_runner as _load_runner
 from kvrelay.engine.sampling import SamplingParams, TokenOutput, finish_reason
 from kvrelay.prefill_worker.ranks import PrefillRank
 
 
-@dataclass(frozen=True)
-class PrefillResult:
+@dataclass(eq=False)
+class _Job:
+    """One caller's prompt while it waits for (or rides along in) a prefill forward."""
+
     request_id: str
-    first: TokenOutput  # the sampled token; finish_reason set if the request ends with it
-    handle: KVHandle | None  # None when the request already finished (nothing to decode)
-    prompt_tokens: int
-    queue_s: float  # waiting for the worker (other prompts ahead)
-    prefill_s: float  # forward + sampling + pinning
+    ids: list[int]
+    params: SamplingParams
+    generated: int
+    result: tuple | None = None
+    error: BaseException | None = None
+    t_start: float = 0.0
+    t_end: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -75,14 +80,24 @@ class PrefillWorker:
         self.max_context = topology.model.max_context
         self.tp_size = topology.prefill.tp
         self.group: Followers | None = None  # ranks 1.. of a TP group; None at TP1
+        self.chunk_tokens = topology.prefill.chunk_tokens
+        self.plan_log: list[str] = []
         if self.tp_size == 1:
-            self.runner = load_runner(topology, kv_tokens=pool_tokens(topology))
+            # Sized after the weights (engine/memory.py): room for a few prompts in flight, at least one
+            # of max_prompt_tokens, in what the weights and one chunk's activations leave free.
+            self.runner = load_sized_runner(
+                topology.model, device=topology.device, page_size=topology.decode.page_size,
+                fraction=0.9, max_seqs=64, chunk_tokens=min(self.chunk_tokens, self.max_prompt_tokens),
+                max_tokens=pool_tokens(topology), need_tokens=self.max_prompt_tokens,
+                key="prefill.max_prompt_tokens", graph_sizes=(), log=self.plan_log.append)
         else:
             self.group, self.runner = lead_group(
                 PrefillRank, device=topology.device, tp_size=self.tp_size, max_concurrency=4,
                 args=lambda r, port: (topology, rank, r, port),
                 join=lambda port: join_group(topology.device, 0, self.tp_size, port),
                 load=lambda ctx: load_runner(topology, kv_tokens=pool_tokens(topology), shard=ctx))
+        for line in self.plan_log:
+            print(f"kvrelay: prefill worker {rank}: {line}", flush=True)
         layout, pools = layout_of(self.runner.kv)
         lease = topology.kv_transfer.lease_seconds if lease_seconds is None else lease_seconds
         self.exporter = KVExporter(layout, pools, lease_seconds=lease, grace_seconds=min(5.0, lease),
@@ -91,6 +106,7 @@ class PrefillWorker:
         self._engine_lock = threading.Lock()  # Runner/KVCache are not thread-safe
         self._to_free: collections.deque[str] = collections.deque()
         self._queued_tokens = 0
+        self._queue: collections.deque[_Job] = collections.deque()
         self._count_lock = threading.Lock()
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="lease-reaper", daemon=True)
@@ -109,18 +125,76 @@ class PrefillWorker:
             raise ValueError(f"request {request_id}: prompt of {n} tokens exceeds this worker's limit "
                              f"({self.max_prompt_tokens} prompt tokens, {self.max_context} context)")
         t_arrive = time.perf_counter()
+        job = _Job(request_id, list(prompt_ids), params, generated)
         with self._count_lock:
             self._queued_tokens += n
+            self._queue.append(job)
         try:
-            with self._run_lock:
-                t_start = time.perf_counter()
-                result = self._prefill(request_id, prompt_ids, params, generated)
-                t_end = time.perf_counter()
+            # Whoever holds the run lock prefills every queued prompt that fits one forward, its own
+            # and those of the callers waiting behind it (several short prompts per forward when a
+            # queue forms: prefill is then compute-bound at a larger, more efficient batch).
+            while job.result is None and job.error is None:
+                with self._run_lock:
+                    if job.result is None and job.error is None:
+                        self._run_jobs(self._take_jobs())
         finally:
             with self._count_lock:
                 self._queued_tokens -= n
+                if job in self._queue:
+                    self._queue.remove(job)
+        if job.error is not None:
+            raise job.error
         self.completed += 1
-        return PrefillResult(request_id, result[0], result[1], n, t_start - t_arrive, t_end - t_start)
+        first, handle = job.result
+        return PrefillResult(request_id, first, handle, n, job.t_start - t_arrive, job.t_end - job.t_start)
+
+    def _take_jobs(self) -> list[_Job]:
+        """The oldest queued prompt, plus the next ones while they fit one forward of chunk_tokens (TP1
+        only: a TP group runs one prompt per op)."""
+        with self._count_lock:
+            jobs = [self._queue.popleft()]
+            total = len(jobs[0].ids)
+            while self.group is None and self._queue and total + len(self._queue[0].ids) <= self.chunk_tokens:
+                total += len(self._queue[0].ids)
+                jobs.append(self._queue.popleft())
+        return jobs
+
+    def _run_jobs(self, jobs: list[_Job]) -> None:
+        t0 = time.perf_counter()
+        for j in jobs:
+            j.t_start = t0
+        if len(jobs) > 1:
+            try:
+                sampled = self._prefill_batch(jobs)
+            except Exception:  # one by one below, where each prompt gets its own error
+                sampled = None
+            if sampled is not None:
+                for j, (token, logprob, peers) in zip(jobs, sampled):
+                    self._settle(j, lambda: self._finish(j.request_id, j.ids, j.params, j.generated, token,
+                                                         logprob, peers))
+                return
+        for j in jobs:
+            self._settle(j, lambda: self._prefill(j.request_id, j.ids, j.params, j.generated))
+
+    @staticmethod
+    def _settle(job: _Job, fn) -> None:
+        try:
+            job.result = fn()
+        except Exception as e:
+            job.error = e
+        job.t_end = time.perf_counter()
+
+    def _prefill_batch(self, jobs: list[_Job]):
+        """Several whole prompts in one ragged forward (TP1); None if their pages are not all free."""
+        with self._engine_lock:
+            self._drain_frees()
+            if any(self.runner.has_sequence(j.request_id) for j in jobs):
+                return None
+            if not self.runner.can_admit(sum(len(j.ids) + self.runner.page_size for j in jobs)):
+                return None
+            logits = self.runner.prefill_batch([(j.request_id, j.ids) for j in jobs])
+            sampled = self.runner.sample(logits, [j.params for j in jobs], [j.generated for j in jobs])
+        return [(t, lp, ()) for t, lp in sampled]
 
     def _prefill(self, rid: str, prompt_ids: list[int], params: SamplingParams, generated: int):
         deadline = time.monotonic() + self.exporter.lease_seconds + self.exporter.grace_seconds + 1
@@ -139,6 +213,10 @@ class PrefillWorker:
                 raise RuntimeError(f"request {rid}: prefill worker {self.rank} has no free KV pages for "
                                    f"{len(prompt_ids)} tokens ({self.exporter.active_leases()} leases held)")
             time.sleep(0.005)
+        return self._finish(rid, prompt_ids, params, generated, token, logprob, peers)
+
+    def _finish(self, rid: str, prompt_ids: list[int], params: SamplingParams, generated: int, token: int,
+                logprob, peers):
         reason = finish_reason(token, generated + 1, params)
         if reason is None and len(prompt_ids) + 1 >= self.max_context:
             reason = "length"
@@ -156,7 +234,17 @@ class PrefillWorker:
     # ---- engine ops (under the engine lock; on every rank of a TP group) ---------------------
     def _run_prefill(self, rid: str, prompt_ids: list[int]) -> tuple:
         if self.group is None:
-            return self.runner.prefill(rid, prompt_ids), ()
+            # In chunks: activations stay within what the pool was sized around (engine/memory.py).
+            c = self.chunk_tokens
+            try:
+                logits = self.runner.prefill(rid, prompt_ids[:c])
+                for s in range(c, len(prompt_ids), c):
+                    logits = self.runner.extend(rid, prompt_ids[s:s + c])
+            except BaseException:
+                if self.runner.has_sequence(rid):
+                    self.runner.free(rid)
+                raise
+            return logits, ()
         logits, peers = self.group.run("prefill", (rid, prompt_ids), lambda: self.runner.prefill(rid, prompt_ids))
         # Same calls in the same order leave every rank's allocator in the same state; a difference
         # would mean the ranks no longer agree on what is where, so stop trusting this group.

@@ -163,12 +163,15 @@ class _Stream(abc.ABC):
         self.core = core
         self.prep = prep
         self.include_usage = include_usage
+        self.timings: dict[str, float] | None = None
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
 
     async def steps(self) -> AsyncIterator[TokenStep]:
         async with contextlib.aclosing(self.core.stream(self.prep)) as steps:
             async for step in steps:
+                if step.timings is not None:
+                    self.timings = step.timings
                 yield step
 
     def envelope(self, choices: list[dict[str, Any]], usage: Usage | None = None, *, chunk: bool) -> dict[str, Any]:
@@ -181,6 +184,8 @@ class _Stream(abc.ABC):
         }
         if usage is not None or not chunk:
             out["usage"] = _usage(usage)
+            if self.timings is not None:  # where the time to first token went, per the engine
+                out["kvrelay_timings"] = self.timings
         return out
 
     async def sse(self) -> AsyncIterator[bytes]:

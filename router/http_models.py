@@ -75,6 +75,7 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     request_id: Optional[str] = None
+    ignore_eos: bool = False  # vLLM's extension: benchmarks use it to hold output lengths fixed
 
     def common_checks(self) -> None:
         if self.n not in (None, 1):
@@ -100,6 +101,10 @@ class ChatCompletionRequest(_Sampling):
 
     def to_chat(self) -> ChatRequest:
         self.common_checks()
+        if self.ignore_eos:
+            raise ValidationError("ignore_eos", "not supported for chat: harmony's stop tokens end the "
+                                  "assistant message; use /v1/completions, which stops only on max_tokens, "
+                                  "stop and stop_token_ids")
         if self.top_logprobs:
             raise ValidationError("top_logprobs", "only the sampled token's logprob is available; use 0")
         tools = tuple(_tool(i, t) for i, t in enumerate(self.tools or ()))

@@ -157,8 +157,9 @@ class RouterCore:
                 reason = output.finish_reason(out.finish_reason)
                 if not engine_done:
                     await release()  # the router stopped it: free the KV now, not after the client write
+                metrics = getattr(out, "metrics", None)
                 yield TokenStep(out.token_id, out.logprob, tuple(deltas), reason, Usage(len(prep.prompt_ids), produced),
-                                text_offset=offset)
+                                text_offset=offset, timings=metrics.timings() if metrics is not None else None)
                 return
             # The engine ran dry without naming a reason; close the stream ourselves.
             engine_done = True

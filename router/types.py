@@ -132,4 +132,7 @@ class TokenStep:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     text_offset: int | None = None
+    # The engine's own per-request timings (queue, prefill compute, KV handoff, delivery), on the last
+    # step when the engine reports them (the disaggregated client does; HTTP `kvrelay_timings`).
+    timings: dict[str, float] | None = None
 

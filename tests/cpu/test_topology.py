@@ -110,9 +110,9 @@ def test_checkpoint_path_relative_to_file(tmp_path: Path) -> None:
         ("model: {name: gpt-oss-120b}\nprefill: {tp: 4}\ndecode: {tp: 4, ep: 4}\ndevice: cuda\ngpus: 4\n",
          "gpus: the pools ask for 8 GPUs (sum of prefill 1x tp 4 = 4 and decode 1x tp 4 = 4) but the "
          "topology provides 4"),
-        ("model: {name: gpt-oss-20b}\nprefill: {workers: 2}\ndecode: {workers: 3}\ndevice: cuda\ngpus: 2\n"
+        ("model: {name: gpt-oss-20b}\nprefill: {workers: 3}\ndecode: {workers: 3}\ndevice: cuda\ngpus: 2\n"
          "colocate: true\n",
-         "gpus: the pools ask for 3 GPUs (max of prefill 2x tp 1 = 2 and decode 3x tp 1 = 3) but the "
+         "gpus: the pools ask for 3 GPUs (max of prefill 3x tp 1 = 3 and decode 3x tp 1 = 3) but the "
          "topology provides 2"),
         ("model: {name: gpt-oss-20b}\ndevice: cpu\ngpus: 1\n",
          "gpus: device is cpu but gpus is 1 (use 0 or device: cuda)"),
@@ -130,8 +130,16 @@ def test_checkpoint_path_relative_to_file(tmp_path: Path) -> None:
          "router.grpc_port: 70000 is not a TCP port (0-65535; 0 picks a free one)"),
         ("model: {name: gpt-oss-20b}\nrouter: {grpc_port: 9000, http_port: 9000}\n",
          "router.http_port: 9000 is also router.grpc_port"),
-        ("model: {name: gpt-oss-20b}\nkv_transfer: {backend: tcp}\n",
-         "kv_transfer.backend: 'tcp' is not one of 'nixl'"),
+        ("model: {name: gpt-oss-20b}\nkv_transfer: {backend: nixl}\n",
+         "kv_transfer.backend: this key was removed: the handoff is always NIXL between processes and in "
+         "place between the colocated roles of one worker; delete the line"),
+        ("model: {name: gpt-oss-20b}\nprefill: {chunk_tokens: 0}\n", "prefill.chunk_tokens: must be > 0, got 0"),
+        ("model: {name: gpt-oss-20b}\ncolocate: true\nprefill: {workers: 2}\n",
+         "colocate: prefill.workers (2) and decode.workers (1) must be equal: each colocated worker serves "
+         "both roles"),
+        ("model: {name: gpt-oss-20b}\ncolocate: true\ndevice: cuda\ngpus: 2\nprefill: {tp: 2}\n",
+         "prefill.tp: colocated workers run at tp 1 (got 2); set colocate: false to give the pools their "
+         "own GPUs"),
         ("model: {name: gpt-oss-20b}\nkv_transfer: {lease_seconds: -1}\n",
          "kv_transfer.lease_seconds: must be > 0, got -1.0"),
         ("model: {name: gpt-oss-20b}\nray: {address: 5}\n",

@@ -1,0 +1,97 @@
+"""How many KV pages fit on a worker's device, decided after the weights are in place.
+
+Why after: a pool sized from free memory *before* the weights (117 GB for 120b) asked for more than the
+GPU had left. The order is: load weights -> measure the peak of one full-size prefill forward (the
+activations every later forward needs room for) -> leave room for CUDA graphs -> give a share of what
+remains to KV. Each group gets its own page count: sliding-window layers keep only the last window of
+every sequence, so they need far fewer pages than full-attention layers.
+
+On CPU there is nothing to measure (the pool lives in RAM): the caller's token cap decides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 1 << 30
+
+
+class KVDoesNotFit(ValueError):
+    """The topology asks for more KV than the device can hold; the message names the key and numbers."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    pages: dict[str, int]  # per page group ("full", "sliding")
+    page_bytes: dict[str, int]  # one page of one group, all its layers
+    total_bytes: int = 0  # device memory
+    free_after_weights_bytes: int = 0  # free once weights (and the profiling pool) were freed of KV
+    activation_bytes: int = 0  # peak of the profiling forward above its start
+    reserve_bytes: int = 0  # kept free for activations, CUDA graphs and allocator slack
+    kv_bytes: int = 0
+
+    def describe(self) -> str:
+        g = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
+        return (f"KV pool {self.pages} pages ({g(self.kv_bytes)}) of {g(self.total_bytes)}: "
+                f"{g(self.free_after_weights_bytes)} free after weights, {g(self.activation_bytes)} "
+                f"activation peak, {g(self.reserve_bytes)} kept free")
+
+
+def page_bytes(cfg, *, page_size: int, kv_heads: int, dtype_bytes: int = 2) -> dict[str, int]:
+    """Bytes of one page in each group (K and V, every layer of the group)."""
+    one = 2 * page_size * kv_heads * cfg.head_dim * dtype_bytes
+    return {"full": one * len(cfg.full_layers), "sliding": one * len(cfg.sliding_layers)}
+
+
+def window_pages(cfg, page_size: int) -> int:
+    """Most sliding pages one sequence holds between forwards (a window can straddle one extra page)."""
+    return (cfg.sliding_window - 1) // page_size + 2
+
+
+def split_pages(cfg, *, budget_bytes: int, page_size: int, kv_heads: int, max_seqs: int,
+                chunk_tokens: int, max_tokens: int) -> dict[str, int]:
+    """Pages per group for `budget_bytes`: the sliding group holds every sequence's window plus one
+    forward's worth of new tokens (a prefill chunk holds all its pages until the forward ends); the
+    rest goes to the full group, capped at `max_tokens` positions (more could never be used)."""
+    pb = page_bytes(cfg, page_size=page_size, kv_heads=kv_heads)
+    chunk_pages = -(-chunk_tokens // page_size) + 1
+    cap_pages = -(-max_tokens // page_size)
+    sliding = min(cap_pages, max_seqs * window_pages(cfg, page_size) + chunk_pages)
+    full = min(cap_pages, max(0, (budget_bytes - sliding * pb["sliding"]) // pb["full"]))
+    return {"full": int(full), "sliding": int(sliding)}
+
+
+def plan_cuda_pool(runner, *, fraction: float, max_seqs: int, chunk_tokens: int, max_tokens: int,
+                   need_tokens: int, key: str, graph_reserve_bytes: int = 2 * GIB) -> MemoryPlan:
+    """Measure this process's GPU after its weights were loaded into `runner` (whose pool is still the
+    small profiling one), and size the real pool. Raises KVDoesNotFit, naming `key`, when fewer than
+    `need_tokens` positions of full-attention KV would fit."""
+    import torch
+
+    dev = runner.device
+    torch.cuda.synchronize(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    start = torch.cuda.memory_allocated(dev)
+    runner.profile_forward(chunk_tokens)
+    torch.cuda.synchronize(dev)
+    activation = max(0, torch.cuda.max_memory_allocated(dev) - start)
+    runner.drop_kv()  # the profiling pool goes; the real one replaces it
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(dev)
+    reserve = activation + graph_reserve_bytes
+    budget = max(0, int((free - reserve) * fraction))
+    pages = split_pages(runner.cfg, budget_bytes=budget, page_size=runner.page_size,
+                        kv_heads=runner.kv.kv_heads, max_seqs=max_seqs, chunk_tokens=chunk_tokens,
+                        max_tokens=max_tokens)
+    pb = page_bytes(runner.cfg, page_size=runner.page_size, kv_heads=runner.kv.kv_heads)
+    plan = MemoryPlan(pages=pages, page_bytes=pb, total_bytes=total, free_after_weights_bytes=free,
+                      activation_bytes=activation, reserve_bytes=reserve,
+                      kv_bytes=sum(pages[g] * pb[g] for g in pages))
+    if pages["full"] * runner.page_size < need_tokens:
+        raise KVDoesNotFit(
+            f"{key}: {fraction:g} of the {(free - reserve) / GIB:.2f} GiB left after weights "
+            f"({(total - free) / GIB:.2f} GiB in use), activations ({activation / GIB:.2f} GiB) and CUDA "
+            f"graphs ({graph_reserve_bytes / GIB:.2f} GiB) holds {pages['full'] * runner.page_size} KV "
+            f"positions, fewer than the {need_tokens} one request may need; raise {key}, lower "
+            f"model.max_context, or give this role its own GPU")
+    return plan

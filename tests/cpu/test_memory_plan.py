@@ -1,0 +1,89 @@
+"""KV pool sizing after the weights (engine/memory.py) and the Runner's pool swap it relies on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvrelay.engine.config import load_model_config
+from kvrelay.engine.memory import GIB, KVDoesNotFit, page_bytes, plan_cuda_pool, split_pages, window_pages
+
+
+def test_page_bytes_of_the_real_models():
+    # 20b: 12 full + 12 sliding layers, 8 KV heads x 64 dims, bf16, K and V, 16 positions a page.
+    cfg = load_model_config("gpt-oss-20b")
+    assert page_bytes(cfg, page_size=16, kv_heads=8) == {"full": 12 * 2 * 16 * 8 * 64 * 2,
+                                                          "sliding": 12 * 2 * 16 * 8 * 64 * 2}
+    cfg = load_model_config("gpt-oss-120b")
+    assert page_bytes(cfg, page_size=16, kv_heads=8)["full"] == 18 * 2 * 16 * 8 * 64 * 2
+
+
+def test_sliding_group_gets_windows_plus_one_chunk_and_the_rest_goes_to_full():
+    cfg = load_model_config("gpt-oss-20b")
+    assert window_pages(cfg, 16) == 9  # 128 positions can straddle one more page boundary
+    pb = page_bytes(cfg, page_size=16, kv_heads=8)
+    pages = split_pages(cfg, budget_bytes=20 * GIB, page_size=16, kv_heads=8, max_seqs=128, chunk_tokens=8192,
+                        max_tokens=10**9)
+    sliding = 128 * 9 + 8192 // 16 + 1
+    assert pages["sliding"] == sliding
+    assert pages["full"] == (20 * GIB - sliding * pb["sliding"]) // pb["full"]
+    # More could never be used: capped at max_tokens positions.
+    capped = split_pages(cfg, budget_bytes=20 * GIB, page_size=16, kv_heads=8, max_seqs=128, chunk_tokens=8192,
+                         max_tokens=4096)
+    assert capped == {"full": 256, "sliding": 256}
+
+
+def test_cuda_plan_refuses_a_pool_too_small_for_one_request_naming_the_key(monkeypatch):
+    """plan_cuda_pool with torch.cuda's memory queries stubbed: 1 GiB left after weights cannot hold one
+    131072-token request of 20b (6 GiB of full-attention KV)."""
+    from kvrelay.engine.runner import Runner
+
+    class FakeRunner:
+        cfg = load_model_config("gpt-oss-20b")
+        device = torch.device("cpu")
+        page_size = 16
+
+        class kv:  # noqa: N801 - stands in for the KVCache attribute
+            kv_heads = 8
+
+        def profile_forward(self, n):
+            pass
+
+        def drop_kv(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: GIB // 2)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (int(3.5 * GIB), 140 * GIB))
+    with pytest.raises(KVDoesNotFit) as e:
+        plan_cuda_pool(FakeRunner(), fraction=0.9, max_seqs=64, chunk_tokens=8192, max_tokens=10**9,
+                       need_tokens=131072, key="decode.kv_memory_fraction")
+    msg = str(e.value)
+    assert msg.startswith("decode.kv_memory_fraction: 0.9 of the 1.00 GiB left after weights (136.50 GiB in use)")
+    assert "fewer than the 131072 one request may need" in msg
+    plan = plan_cuda_pool(FakeRunner(), fraction=0.9, max_seqs=64, chunk_tokens=8192, max_tokens=10**9,
+                          need_tokens=1000, key="decode.kv_memory_fraction")
+    assert plan.activation_bytes == GIB // 2 and plan.reserve_bytes == GIB // 2 + 2 * GIB
+    assert plan.kv_bytes <= 0.9 * GIB
+    assert Runner  # the real Runner's side is tested below
+
+
+def test_runner_pool_swap_keeps_the_model_and_serves_the_new_pool():
+    from kvrelay.engine.runner import Runner
+
+    r = Runner.load("tiny", dummy=True, seed=0, num_pages=40)
+    before = r.prefill("a", list(range(1, 30)))
+    r.free("a")
+    r.profile_forward(300)  # the throwaway sequence is gone afterwards
+    assert not r.kv.seqs and r.free_pages() == {"full": 40, "sliding": 40}
+    r.drop_kv()
+    assert all(p.numel() == 0 for p in r.kv.pools.values())
+    r.resize_kv({"full": 64, "sliding": 12})
+    assert {g: a.num_pages for g, a in r.kv.allocators.items()} == {"full": 64, "sliding": 12}
+    after = r.prefill("a", list(range(1, 30)))
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="sequences are alive"):
+        r.resize_kv(80)

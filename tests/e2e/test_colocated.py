@@ -1,0 +1,146 @@
+"""The colocated worker on CPU: one actor holds both roles over one model and one KV pool (what
+`kvrelay serve` runs for `colocate: true`, e.g. configs/h200-1gpu-*.yaml). Prompts are prefilled in
+chunks inside the decode loop's forwards, several per forward when a queue forms; the handoff to decode
+is in place. Every stream must equal single-process `LLM.generate`, each prompt token must be computed
+exactly once, and no page may be left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+
+import pytest
+
+from kvrelay.engine.sampling import SamplingParams
+
+from test_cluster import assert_no_pages_left, grpc_tokens, prompt_of, solo
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+
+# chunk_tokens 64: a 300-token prompt takes five forwards, and short queued prompts share one.
+TOPOLOGY = """
+model: {name: tiny, dummy: true, seed: 0, max_context: 2048}
+prefill: {workers: 1, max_prompt_tokens: 1024, chunk_tokens: 64}
+decode: {workers: 1, max_batch: 32, page_size: 16}
+router: {host: 127.0.0.1, grpc_port: 0, http_port: 0, policy: round-robin}
+device: cpu
+colocate: true
+"""
+
+
+@pytest.fixture(scope="module")
+def running():
+    from kvrelay.cluster.serve import Cluster
+    from kvrelay.router.server import BackgroundRouter
+
+    from conftest import RunningCluster, tiny_topology
+
+    topo = tiny_topology(TOPOLOGY)
+    cluster = Cluster.start(topo)
+    try:
+        client = cluster.engine_client(stall_check_s=5.0)
+        with BackgroundRouter(client, model_name=client.model_name, host="127.0.0.1") as server:
+            yield RunningCluster(topo, cluster, server.grpc_target, client), server
+    finally:
+        cluster.shutdown()
+
+
+def counters(cluster) -> dict:
+    import ray
+
+    return ray.get(cluster.decode[0].counters.remote(), timeout=30)
+
+
+def test_one_actor_serves_both_roles(running):
+    run, _ = running
+    assert run.cluster.prefill[0] is run.cluster.decode[0]
+    assert len(run.cluster.actors()) == 1
+    rows = run.cluster.statuses()
+    assert [(r["role"], r["healthy"]) for r in rows] == [("colocated", True)]
+
+
+@pytest.mark.parametrize("n", [1, 9, 64, 65, 300])
+def test_greedy_stream_equals_llm_generate(running, reference, n):
+    run, _ = running
+    before = counters(run.cluster)
+    tokens, finish = grpc_tokens(run.grpc_target, prompt_of(n, 3), 20)
+    assert tokens == solo(reference, prompt_of(n, 3), 20)
+    assert finish == 2
+    after = counters(run.cluster)
+    # The prompt is computed once (in ceil(n / 64) forwards); decode computes only the 19 new tokens.
+    assert after["prompt_tokens"] - before["prompt_tokens"] == n
+    assert after["prefill_forwards"] - before["prefill_forwards"] == -(-n // 64)
+    assert after["decode_tokens"] - before["decode_tokens"] == 19
+    assert_no_pages_left(run)
+
+
+def test_metrics_show_an_in_place_handoff(running):
+    run, _ = running
+
+    async def go():
+        return [o async for o in run.client.generate("colo-metrics", prompt_of(40),
+                                                      SamplingParams(max_tokens=5, temperature=0))]
+
+    m = asyncio.run(go())[-1].metrics
+    assert (m.prompt_tokens, m.output_tokens, m.kv_bytes, m.kv_transfer_s) == (40, 5, 0, 0.0)
+    t = m.timings()
+    assert t["ttft_s"] >= t["queue_s"] + t["prefill_compute_s"] - 1e-9
+    assert abs(t["queue_s"] + t["prefill_compute_s"] + t["delivery_s"] - t["ttft_s"]) < 1e-6
+
+
+def test_concurrent_streams_share_forwards_and_equal_solo_runs(running, reference):
+    run, _ = running
+    lengths = [1, 2, 7, 8, 9, 15, 16, 17, 33, 64, 100, 150, 200, 260, 300, 5] * 2
+    jobs = [(prompt_of(n, i), 8 + (i * 7) % 33) for i, n in enumerate(lengths)]
+    before = counters(run.cluster)
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        futs = [pool.submit(grpc_tokens, run.grpc_target, p, k, f"colo-{i}") for i, (p, k) in enumerate(jobs)]
+        results = [f.result(timeout=200) for f in futs]
+    for i, ((prompt, k), (tokens, _)) in enumerate(zip(jobs, results)):
+        assert tokens == solo(reference, prompt, k), f"stream {i} (prompt {len(prompt)}, {k} tokens)"
+    after = counters(run.cluster)
+    assert after["prompt_tokens"] - before["prompt_tokens"] == sum(lengths)
+    assert after["decode_tokens"] - before["decode_tokens"] == sum(k - 1 for _, k in jobs)
+    # 32 prompts of 3,070 tokens at 64 per forward: no more forwards than whole chunks need plus one
+    # per prompt boundary, i.e. short prompts did share forwards.
+    assert after["prefill_forwards"] - before["prefill_forwards"] < len(jobs) + sum(lengths) // 64
+    assert_no_pages_left(run)
+
+
+def test_http_stream_reports_the_ttft_breakdown(running):
+    import httpx
+
+    run, server = running
+    body = {"model": run.client.model_name, "prompt": prompt_of(30), "max_tokens": 6, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    usage = None
+    with httpx.stream("POST", f"{server.http_url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    usage = chunk
+    assert usage["usage"]["completion_tokens"] == 6
+    t = usage["kvrelay_timings"]
+    assert set(t) >= {"queue_s", "prefill_compute_s", "kv_handoff_s", "kv_bytes", "ttft_s", "delivery_s"}
+    assert t["kv_bytes"] == 0 and t["prefill_compute_s"] > 0
+
+
+def test_abort_mid_stream_frees_the_pages(running):
+    run, _ = running
+
+    async def go():
+        agen = run.client.generate("colo-abort", prompt_of(200), SamplingParams(max_tokens=400, temperature=0))
+        got = 0
+        async for _ in agen:
+            got += 1
+            if got == 3:
+                break
+        await agen.aclose()
+        await run.client.abort("colo-abort")
+
+    asyncio.run(go())
+    assert_no_pages_left(run)
