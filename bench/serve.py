@@ -213,7 +213,13 @@ async def run_point(client, args, prompts: Prompts, conc: int, input_len: int, o
     t0, cpu0 = time.perf_counter(), time.process_time()
     deadline = math.inf if args.duration_s is None else t0 + args.duration_s
 
-    async def guarded() -> RequestResult | None:
+    stagger = getattr(args, "stagger_s", 0.0) or 0.0
+
+    async def guarded(i: int) -> RequestResult | None:
+        if i < conc and stagger > 0:
+            # The first wave spread over `stagger` seconds: streams then start and end at different
+            # steps, as in steady serving, instead of all prefilling at once and finishing together.
+            await asyncio.sleep(stagger * i / conc)
         async with sem:
             if time.perf_counter() > deadline:
                 return None
@@ -222,7 +228,7 @@ async def run_point(client, args, prompts: Prompts, conc: int, input_len: int, o
             bar.update(1)
             return r
 
-    done = await asyncio.gather(*(guarded() for _ in range(n_requests)))
+    done = await asyncio.gather(*(guarded(i) for i in range(n_requests)))
     bar.close()
     results = [r for r in done if r is not None]
     end = max((r.t_done for r in results), default=time.perf_counter())
@@ -276,6 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workloads", default=DEFAULT_WORKLOADS, help="IN/OUT token lengths, comma list, k = 1024")
     p.add_argument("--requests", type=int, default=None, help="requests per point (default max(2 x C, 8))")
     p.add_argument("--max-requests", type=int, default=512, help="cap on the default requests per point")
+    p.add_argument("--stagger-s", type=float, default=0.0,
+                   help="spread the first C requests' starts over this many seconds (0: all at once)")
     p.add_argument("--waves", type=float, default=None,
                    help="requests per point = max(waves x C, 4) (one wave: every stream starts together)")
     p.add_argument("--duration-s", type=float, default=None, help="stop starting requests of a point after this")
@@ -349,7 +357,8 @@ async def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict:
             "server_model_card": card,
             "settings": {"concurrency": concurrency, "workloads": [list(w) for w in workloads],
                          "requests": args.requests, "max_requests": args.max_requests, "duration_s": args.duration_s,
-                         "warmup": args.warmup, "timeout_s": args.timeout_s, "token_id_range": [lo, hi],
+                         "warmup": args.warmup, "timeout_s": args.timeout_s, "stagger_s": args.stagger_s,
+                         "waves": args.waves, "token_id_range": [lo, hi],
                          "seed": args.seed, "endpoint": "/v1/completions (streamed, token-id prompts, ignore_eos)"},
             "breakdown_note": "queue_s .. delivery_s are p50s of the server's kvrelay_timings (null if not sent)",
             "points": [], "skipped": [],

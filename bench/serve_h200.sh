@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 10's measured sequence against a fresh `kvrelay serve` (dummy full-size weights), one topology:
-#   solo TTFT at 1k / 8k / 32k prompts, solo decode at 8k context, 64 streams of 1k in / 256 out, and
-#   the 1k/1k sweep at concurrency 1..256. Results (JSON + PNG) go to $RESULTS (default bench/results).
+#   solo TTFT at 1k / 8k / 32k prompts and solo decode at 8k context (8k/256), 64 staggered streams of
+#   1k in / 256 out, and the 1k/1k sweep at concurrency 1..256 (first wave spread over 2 s). Results (JSON + PNG) go to $RESULTS (default bench/results).
 # usage: bench/serve_h200.sh CONFIG LABEL [GPUS]     (run from the repo root, kvrelay importable)
 set -uo pipefail
 cfg=$1; label=$2; gpus=${3:-1}
@@ -17,9 +17,8 @@ done
 grep '^kvrelay-ready' "$log" || { echo "serve not ready"; tail -40 "$log"; kill $pid; exit 1; }
 url=$(grep '^kvrelay-ready' "$log" | sed 's/^kvrelay-ready //' | python3 -c 'import json,sys; print(json.load(sys.stdin)["http"])')
 b() { python3 -m kvrelay.bench.serve --base-url "$url" --gpus "$gpus" --topology "$cfg" --out-dir "$out" "$@"; }
-b --label "$label-ttft" --workloads 1k/16,8k/16,32k/16 --concurrency 1 --requests 3
-b --label "$label-solo8k" --workloads 8k/512 --concurrency 1 --requests 2
-b --label "$label-64x1k256" --workloads 1k/256 --concurrency 64 --waves 2
-b --label "$label-1k1k" --workloads 1k/1k --concurrency ${SWEEP:-1,4,16,64,128,256} --waves 1
+b --label "$label-solo" --workloads 1k/16,8k/256,32k/16 --concurrency 1 --requests 2
+b --label "$label-64x1k256" --workloads 1k/256 --concurrency 64 --waves 3 --stagger-s 3
+b --label "$label-1k1k" --workloads 1k/1k --concurrency ${SWEEP:-1,4,16,64,128,256} --waves 1 --stagger-s 2
 grep -E 'KV pool|error|Error' "$log" | head -20
 kill -TERM $pid; wait $pid

@@ -52,6 +52,20 @@ class _Retry(Exception):
     """An attempt failed in a way a fresh attempt on other workers can fix."""
 
 
+class _Aborted(Exception):
+    """The decode worker ended the request on an abort."""
+
+
+_CHANNEL_GONE = object()  # put on every request queue of a channel whose stream ended
+
+
+@dataclass
+class _Channel:
+    id: str
+    queues: dict = field(default_factory=dict)  # attempt id -> asyncio.Queue of token events
+    task: object = None
+
+
 @dataclass(frozen=True)
 class RequestMetrics:
     request_id: str
@@ -131,6 +145,7 @@ class DisaggregatedEngineClient:
             raise ValueError(f"router.policy: {policy!r} is not 'least-loaded' or 'round-robin'")
         self.policy = policy
         self._turn = itertools.count()
+        self._channels: dict[int, _Channel] = {}  # decode worker rank -> its token channel
         self._active: dict[str, tuple[_Worker, str]] = {}  # request -> (decode worker, attempt id)
         self._aborted: set[str] = set()
         self._draining = False
@@ -243,26 +258,33 @@ class DisaggregatedEngineClient:
             yield res.first
             if finished or request_id in self._aborted:
                 return
-            stream = decode.actor.generate.options(num_returns="streaming").remote(
-                attempt_id, handle, res.first.token_id, done + 1, params, prefill.actor)
+            channel = self._channel(decode)
+            queue: asyncio.Queue = asyncio.Queue()
+            channel.queues[attempt_id] = queue
             try:
-                async with contextlib.aclosing(self._chunks(stream, decode)) as chunks:
-                    async for chunk in chunks:
-                        if chunk.pull is not None:
-                            handle = None  # decode owns the lease now (it released it after the pull)
-                            acc.kv_bytes += chunk.pull.kv_bytes
-                            acc.kv_transfer_s += chunk.pull.kv_transfer_s
-                            KV_BYTES.inc(chunk.pull.kv_bytes)
-                            KV_TRANSFER_S.observe(chunk.pull.kv_transfer_s)
-                        for tok in chunk.tokens:
-                            finished = tok.finish_reason is not None
-                            yield tok
-                        if finished:
-                            return
+                pull = await self._start(decode, attempt_id, handle, res.first.token_id, done + 1, params,
+                                         prefill.actor, channel.id)
+                if pull is None:  # released during the pull (aborted)
+                    return
+                handle = None  # decode owns the lease now (it released it after the pull)
+                acc.kv_bytes += pull.kv_bytes
+                acc.kv_transfer_s += pull.kv_transfer_s
+                KV_BYTES.inc(pull.kv_bytes)
+                KV_TRANSFER_S.observe(pull.kv_transfer_s)
+                while True:
+                    for token, logprob, reason in await self._next(queue, decode):
+                        finished = reason is not None
+                        yield TokenOutput(token, logprob, reason)
+                    if finished:
+                        return
+            except _Aborted:
+                return  # generate() sees the abort it asked for
             except _Retry:
                 if handle is not None:  # the KV was never confirmed pulled: is its prefill worker gone?
                     await self._alive(prefill)
                 raise
+            finally:
+                channel.queues.pop(attempt_id, None)
         finally:
             self._active.pop(request_id, None)
             # Whatever went wrong, leave no pages behind on either side.
@@ -273,6 +295,83 @@ class DisaggregatedEngineClient:
                 await _quietly(decode.actor.unreserve.remote(attempt_id))
             elif finished and not decode.dead:
                 await _quietly(decode.actor.unreserve.remote(attempt_id))
+
+    # ---- the token channel of each decode worker ----------------------------------------------
+    def _channel(self, w: _Worker) -> "_Channel":
+        """This client's channel to decode worker `w`: one Ray stream carrying every request's tokens,
+        one message per decode step, demultiplexed here into per-request queues."""
+        ch = self._channels.get(w.rank)
+        if ch is None or ch.task.done():
+            ch = _Channel(f"{id(self):x}-{w.rank}-{next(self._turn)}")
+            ch.task = asyncio.ensure_future(self._pump(w, ch))
+            self._channels[w.rank] = ch
+        return ch
+
+    async def _pump(self, w: _Worker, ch: "_Channel") -> None:
+        import ray
+
+        stream = w.actor.channel.options(num_returns="streaming").remote(ch.id)
+        try:
+            async for ref in stream:
+                for rid, token, logprob, reason, error in await ref:
+                    q = ch.queues.get(rid)
+                    if q is not None:
+                        q.put_nowait((token, logprob, reason, error))
+        except ray.exceptions.RayActorError:
+            w.dead = True
+        except Exception as e:  # the channel broke: every request on it must learn it, not wait
+            log.warning("token channel to decode %d failed: %r", w.rank, e)
+        finally:
+            for q in list(ch.queues.values()):
+                q.put_nowait(_CHANNEL_GONE)
+
+    async def _start(self, decode: _Worker, attempt_id: str, handle, first: int, generated: int,
+                     params: SamplingParams, prefill_actor, channel_id: str):
+        import ray
+
+        try:
+            return await decode.actor.start.remote(attempt_id, handle, first, generated, params, prefill_actor,
+                                                   channel_id)
+        except ray.exceptions.RayActorError as e:
+            decode.dead = True
+            raise _Retry(f"decode worker {decode.rank} died ({type(e).__name__})") from None
+        except ray.exceptions.RayTaskError as e:
+            # An expired lease, a READ that failed (the prefill worker died under it) or a prefill worker
+            # gone before the pull was confirmed: prefill again and pull fresh pages. A layout mismatch
+            # would only recur.
+            if isinstance(e.cause, KVTransferError) and not isinstance(e.cause, KVLayoutMismatch):
+                raise _Retry(str(e.cause)) from None
+            raise e.cause if isinstance(e.cause, Exception) else e from None
+
+    async def _next(self, queue: asyncio.Queue, decode: _Worker) -> list[tuple[int, float | None, str | None]]:
+        """The request's tokens that arrived since the last call (waits for at least one)."""
+        while True:
+            try:
+                item = await asyncio.wait_for(queue.get(), timeout=self.stall_check_s)
+                break
+            except asyncio.TimeoutError:
+                # No token for a while: a busy worker answers a ping, a hung or gone one does not.
+                if not await self._alive(decode):
+                    raise _Retry(f"decode worker {decode.rank} stopped answering") from None
+        items = [item]
+        while not queue.empty():
+            items.append(queue.get_nowait())
+        out = []
+        for item in items:
+            if item is _CHANNEL_GONE:
+                if decode.dead or not await self._alive(decode):
+                    raise _Retry(f"decode worker {decode.rank} died")
+                raise EngineUnavailable(f"the token channel to decode worker {decode.rank} broke")
+            token, logprob, reason, error = item
+            if error == "aborted":
+                out.append((None, None, "aborted"))
+                break
+            if error is not None:
+                raise RuntimeError(error)
+            out.append((token, logprob, reason))
+        if out and out[-1][2] == "aborted":
+            raise _Aborted()
+        return out
 
     async def _chunks(self, stream, decode: _Worker):
         """Chunks of a decode stream; a dead worker becomes `_Retry`, a KV transfer that failed too."""

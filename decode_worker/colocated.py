@@ -100,7 +100,8 @@ class ColocatedWorker(DecodeWorker):
                        time.perf_counter())
         with self._plock:
             self._prompts.append(item)
-        await self._locked(self._wake.notify)  # a sleeping step loop wakes up; a busy one sees the queue
+        with self._wake:  # a sleeping step loop wakes up; a busy one sees the queue after its step
+            self._wake.notify()
         try:
             return await asyncio.shield(item.future)
         except asyncio.CancelledError:

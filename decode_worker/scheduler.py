@@ -217,7 +217,8 @@ class Scheduler:
         return {g: sum(b[g] for b in self._budget.values()) for g in GROUPS}
 
     def stats(self) -> SchedulerStats:
-        pool = {g: self.runner.kv.allocators[g].num_pages for g in GROUPS}
+        own = self.runner.internal_pages()  # not the requests': left out of "in use" and of the total
+        pool = {g: self.runner.kv.allocators[g].num_pages - own[g] for g in GROUPS}
         free = self.runner.free_pages()
         return SchedulerStats(running=len(self._running), reserved=len(self._budget),
                               pages_in_use={g: pool[g] - free[g] for g in GROUPS},

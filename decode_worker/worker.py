@@ -16,7 +16,7 @@ prefill ranks hold them.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import collections
 import os
 import threading
 import time
@@ -133,14 +133,19 @@ class DecodeWorker:
             self.importer = KVImporter(layout, pools, name_prefix=f"decode{rank}")
         self.scheduler = Scheduler(self.runner, max_batch=topology.decode.max_batch,
                                    headroom=self._headroom(topology))
-        self._lock = threading.Lock()  # the Runner and Scheduler are not thread-safe
-        self._wake = threading.Condition(self._lock)
+        # The step thread owns the Runner and the Scheduler: every other call is queued as an op that the
+        # step thread runs between two steps, all pending ops at once. (A lock taken per op let one op
+        # in per step: 64 arriving requests, four ops each, waited ~256 steps to be admitted.)
+        self._lock = threading.Lock()  # held while an op or a step runs
+        self._wake = threading.Condition()  # guards _pending and _stop; the idle step thread waits here
+        self._pending: collections.deque = collections.deque()
         self._stop = False
         self._step_error: BaseException | None = None
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, asyncio.Queue] = {}  # request -> its own stream (generate)
+        self._route: dict[str, str] = {}  # request -> channel id (start)
+        self._channels: dict[str, asyncio.Queue] = {}  # channel id -> batches of events
+        self._outbox: list = []  # (request, TokenOutput | error) of the current step (step thread)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._ops = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="decode-ops")
-        self._ops_waiting = False
         self.steps = 0
         self.completed = 0
         self.decode_tokens = 0  # tokens computed by decode steps (a pulled prompt is never recomputed)
@@ -161,17 +166,30 @@ class DecodeWorker:
 
     # ---- engine calls off the event loop -----------------------------------------------------
     async def _locked(self, fn, *args):
-        """`fn(*args)` under the engine lock, on the ops thread: with TP, imports and frees wait on Ray
-        round trips to the follower ranks (GroupRunner), and waiting out a running step must not stall
-        the streams either. One thread, since these calls serialise on the lock anyway, and so they run
-        in the order they were made."""
-        def run():
-            self._ops_waiting = True  # the step loop yields the lock between steps (it would win the race)
-            with self._lock:
-                self._ops_waiting = False
-                return fn(*args)
+        """`fn(*args)` on the step thread, between two steps, in the order the calls were made; the event
+        loop only waits for the result (with TP, an op may wait on Ray round trips to the followers)."""
+        loop = self._loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._wake:
+            if self._stop:
+                raise RuntimeError(f"decode worker {self.rank} is shutting down")
+            self._pending.append((fn, args, fut, loop))
+            self._wake.notify()
+        return await fut
 
-        return await asyncio.get_running_loop().run_in_executor(self._ops, run)
+    def _run_ops(self) -> None:
+        """Every queued op, under the engine lock (step thread)."""
+        while True:
+            with self._wake:
+                if not self._pending:
+                    return
+                fn, args, fut, loop = self._pending.popleft()
+            try:
+                with self._lock:
+                    result, exc = fn(*args), None
+            except BaseException as e:  # handed to the caller
+                result, exc = None, e
+            loop.call_soon_threadsafe(_settle, fut, result, exc)
 
     # ---- admission ---------------------------------------------------------------------------
     async def reserve(self, request_id: str, prompt_tokens: int, max_tokens: int) -> dict[str, int]:
@@ -194,41 +212,79 @@ class DecodeWorker:
         self.scheduler.begin_pull(request_id)
         return kv
 
-    # ---- the stream --------------------------------------------------------------------------
+    # ---- the streams -------------------------------------------------------------------------
+    async def _admit(self, request_id: str, handle, first_token: int, generated: int, params: SamplingParams,
+                     prefill, register) -> PullMetrics | None:
+        """Pull the handle's KV, release the prefill lease, call `register()` (where the request's tokens
+        go) and join the batch. None if the request was released during the pull."""
+        self._loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        # Shielded: a call cancelled mid-pull leaves the task running, so the pages are freed only once
+        # every rank's READ has ended (the release below is deferred until then).
+        stats, dropped = await asyncio.shield(asyncio.ensure_future(
+            self._pull(handle, request_id, generated, params)))
+        if dropped:  # aborted during the pull; its pages are free again now
+            await _quietly(prefill.release.remote(handle.lease_id))
+            return None
+        # Every rank's READ has finished (the prefill side frees only after this release, so no rank can
+        # read a page that was handed to another prompt). The pull is only trustworthy if the lease was
+        # still valid when released: an expired lease may have had its pages reused during the READ.
+        if not await self._release_lease(prefill, handle):
+            raise KVLeaseExpired(f"request {request_id}: lease {handle.lease_id} expired before the "
+                                 f"pull was confirmed; re-run prefill")
+        register()
+
+        def join() -> None:
+            self.scheduler.join(request_id, params, first_token, generated,
+                                lambda out: self._emit(request_id, out))
+
+        await self._locked(join)
+        return PullMetrics(stats.nbytes, stats.seconds, time.perf_counter() - t0)
+
+    async def start(self, request_id: str, handle, first_token: int, generated: int, params: SamplingParams,
+                    prefill, channel_id: str) -> PullMetrics | None:
+        """Like `generate`, but the tokens go to the caller's `channel(channel_id)` stream, which carries
+        every request of that caller in one message per step. Returns once the request decodes (None if
+        it was released during the pull). Why: a Ray stream per request cost one Ray message per token
+        per request, which held the served rate to a few thousand tokens/s in the router process."""
+        joined = False
+        try:
+            pull = await self._admit(request_id, handle, first_token, generated, params, prefill,
+                                     lambda: self._route.__setitem__(request_id, channel_id))
+            joined = pull is not None
+            return pull
+        except BaseException:
+            self._route.pop(request_id, None)
+            await self._locked(self._end, request_id, joined)
+            raise
+
+    async def channel(self, channel_id: str) -> AsyncIterator[list[tuple]]:
+        """Streaming generator: batches of (request_id, token_id, logprob, finish_reason, error) for the
+        requests started with this channel id; error is None, "aborted", or a failure's text."""
+        queue = self._channels.setdefault(channel_id, asyncio.Queue())
+        try:
+            while True:
+                batch = await queue.get()
+                while not queue.empty():
+                    batch += queue.get_nowait()
+                yield batch
+        finally:
+            self._channels.pop(channel_id, None)
+
     async def generate(self, request_id: str, handle: KVHandle, first_token: int, generated: int,
                        params: SamplingParams, prefill) -> AsyncIterator[DecodeChunk]:
         """Pull the handle's KV, release the prefill lease, decode until a stop condition, streaming
-        chunks of tokens. `generated` counts the tokens the request already has (first_token included).
-        `prefill` is the exporting worker's actor handle (only `.release` is called on it)."""
-        self._loop = asyncio.get_running_loop()
-        t0 = time.perf_counter()
+        chunks of tokens (one Ray stream for this request; the router uses `start` + `channel`).
+        `generated` counts the tokens the request already has (first_token included). `prefill` is the
+        exporting worker's actor handle (only `.release` is called on it)."""
         queue: asyncio.Queue = asyncio.Queue()
         joined = False
         try:
-            # Shielded: a stream cancelled mid-pull leaves the task running, so the pages are freed only
-            # once every rank's READ has ended (the release below is deferred until then).
-            stats, dropped = await asyncio.shield(asyncio.ensure_future(
-                self._pull(handle, request_id, generated, params)))
-            if dropped:  # aborted during the pull; its pages are free again now
-                await _quietly(prefill.release.remote(handle.lease_id))
+            pull = await self._admit(request_id, handle, first_token, generated, params, prefill,
+                                     lambda: self._streams.__setitem__(request_id, queue))
+            if pull is None:
                 return
-            # Every rank's READ has finished (the prefill side frees only after this release, so no
-            # rank can read a page that was handed to another prompt). The pull is only trustworthy if
-            # the lease was still valid when released: an expired lease may have had its pages reused
-            # by another prompt during the READ.
-            if not await self._release_lease(prefill, handle):
-                raise KVLeaseExpired(f"request {request_id}: lease {handle.lease_id} expired before the "
-                                     f"pull was confirmed; re-run prefill")
-            self._streams[request_id] = queue
-
-            def join() -> None:
-                self.scheduler.join(request_id, params, first_token, generated,
-                                    lambda out: self._emit(request_id, out))
-                self._wake.notify()
-
-            await self._locked(join)
             joined = True
-            pull = PullMetrics(stats.nbytes, stats.seconds, time.perf_counter() - t0)
             while True:
                 item = await queue.get()
                 tokens = [item]
@@ -265,7 +321,6 @@ class DecodeWorker:
     def _end(self, request_id: str, joined: bool) -> None:
         if joined:
             self.scheduler.abort(request_id)
-            self._wake.notify()
         else:
             self.scheduler.release(request_id)
 
@@ -305,21 +360,46 @@ class DecodeWorker:
                              descriptors=sum(r.descriptors for r in results))
 
     def _emit(self, request_id: str, out) -> None:
-        """Called on the step thread; hands the item to the request's stream on the event loop."""
-        queue = self._streams.get(request_id)
-        if queue is not None and self._loop is not None:
-            self._loop.call_soon_threadsafe(queue.put_nowait, out)
+        """Called on the step thread: collected, and handed to the event loop once per step (_flush)."""
+        self._outbox.append((request_id, out))
+
+    def _flush(self) -> None:
+        if self._outbox and self._loop is not None:
+            batch, self._outbox = self._outbox, []
+            self._loop.call_soon_threadsafe(self._deliver, batch)
+
+    def _deliver(self, batch: list) -> None:
+        """On the event loop: each token to its request's stream, or into its caller's channel batch."""
+        out: dict[str, list] = {}
+        for rid, item in batch:
+            queue = self._streams.get(rid)
+            if queue is not None:
+                queue.put_nowait(item)
+                continue
+            ch = self._route.get(rid)
+            if ch is None:
+                continue
+            if isinstance(item, BaseException):
+                ev = (rid, None, None, None, f"{type(item).__name__}: {item}")
+            elif item is _ABORTED:
+                ev = (rid, None, None, None, "aborted")
+            else:
+                ev = (rid, item.token_id, item.logprob, item.finish_reason, None)
+            if ev[3] is not None or ev[4] is not None:
+                self._route.pop(rid, None)
+                if ev[3] is not None:
+                    self.completed += 1
+            out.setdefault(ch, []).append(ev)
+        for ch, events in out.items():
+            self._channels.setdefault(ch, asyncio.Queue()).put_nowait(events)
 
     async def abort(self, request_id: str) -> bool:
         def abort() -> bool:
-            found = self.scheduler.abort(request_id)
-            self._wake.notify()
-            return found
+            return self.scheduler.abort(request_id)
 
         found = await self._locked(abort)
-        queue = self._streams.get(request_id)
-        if queue is not None:
-            queue.put_nowait(_ABORTED)
+        if request_id in self._streams or request_id in self._route:
+            self._deliver([(request_id, _ABORTED)])
         return found
 
     # ---- the step loop -----------------------------------------------------------------------
@@ -331,11 +411,16 @@ class DecodeWorker:
 
     def _step_loop(self) -> None:
         while True:
-            with self._lock:
-                while not self._stop and not self._has_work():
+            with self._wake:
+                while not self._stop and not self._pending and not self._has_work():
                     self._wake.wait()
                 if self._stop:
                     return
+            self._run_ops()
+            self._flush()
+            with self._lock:
+                if not self._has_work():
+                    continue
                 running = self.scheduler.running_ids()
                 try:
                     self._step()
@@ -345,12 +430,7 @@ class DecodeWorker:
                     for rid in running:
                         self._emit(rid, RuntimeError(f"decode step failed on worker {self.rank}: {e!r}"))
                         self.scheduler.release(rid)
-            # Let admissions and aborts in between steps: a thread blocked on the lock is woken only after
-            # this one, which would otherwise take the lock straight back for the next step.
-            deadline = time.monotonic() + 0.01
-            while self._ops_waiting and time.monotonic() < deadline:
-                time.sleep(0.0001)
-            time.sleep(0)
+            self._flush()
 
     # ---- introspection -----------------------------------------------------------------------
     async def health(self) -> bool:
@@ -358,13 +438,11 @@ class DecodeWorker:
 
     async def load(self) -> tuple[int, int]:
         """(pages a new request could still reserve, requests admitted): what the router ranks by."""
-        with self._lock:
-            s = self.scheduler.stats()
+        s = await self._locked(self.scheduler.stats)
         return s.free_budget, s.reserved
 
     async def status(self) -> DecodeStatus:
-        with self._lock:
-            s = self.scheduler.stats()
+        s = await self._locked(self.scheduler.stats) if self._thread.is_alive() else self.scheduler.stats()
         return DecodeStatus(
             rank=self.rank, pid=os.getpid(), node=node_name(), healthy=await self.health(),
             pages_in_use=s.pages_in_use, pages_reserved=s.pages_reserved, pages_total=s.pages_total,
@@ -374,14 +452,25 @@ class DecodeWorker:
             decode_tokens=self.decode_tokens)
 
     async def shutdown(self) -> None:
-        with self._lock:
+        with self._wake:
             self._stop = True
             self._wake.notify()
+            dropped, self._pending = list(self._pending), collections.deque()
+        for _, _, fut, loop in dropped:
+            loop.call_soon_threadsafe(_settle, fut, None, RuntimeError(f"decode worker {self.rank} shut down"))
         if self.importer is not None:
             self.importer.close()
         if self.group is not None:  # blocks on Ray: off the event loop
             await asyncio.get_running_loop().run_in_executor(None, self.group.shutdown)
-        self._ops.shutdown(wait=False)
+
+
+def _settle(fut: asyncio.Future, result, exc: BaseException | None) -> None:
+    if fut.done():  # the caller was cancelled meanwhile
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
 
 
 async def _quietly(ref) -> None:

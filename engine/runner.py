@@ -137,6 +137,10 @@ class Runner:
         return self.kv.page_size
 
     # ---- capacity ------------------------------------------------------------------------------
+    def internal_pages(self) -> dict[str, int]:
+        """Pages the Runner keeps for itself (the CUDA graphs' scratch page per group)."""
+        return {g: int(g in (getattr(self, "_scratch", None) or {})) for g in GROUPS}
+
     def free_pages(self) -> dict[str, int]:
         return self.kv.free_pages()
 
