@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from kvrelay.decode_worker.worker import DecodeStatus, DecodeWorker, need_tokens
 from kvrelay.engine.kv_handle import InPlaceKV, PrefillResult, TransferStats
-from kvrelay.engine.memory import window_pages
+from kvrelay.engine.memory import chunk_headroom, window_pages
 from kvrelay.engine.rank_group import load_sized_runner
 from kvrelay.engine.sampling import SamplingParams, TokenOutput, finish_reason
 
@@ -80,7 +80,7 @@ class ColocatedWorker(DecodeWorker):
     def _headroom(self, topology) -> dict[str, int]:
         """Sliding pages that a forward's prompt chunks hold beyond one window each (see Scheduler)."""
         ps = topology.decode.page_size
-        want = -(-self.chunk_tokens // ps) + topology.decode.max_batch
+        want = chunk_headroom(chunk_tokens=self.chunk_tokens, page_size=ps, max_seqs=topology.decode.max_batch)
         room = self.runner.kv.allocators["sliding"].num_pages - window_pages(self.runner.cfg, ps)
         return {"sliding": max(0, min(want, room))}
 

@@ -48,15 +48,21 @@ def window_pages(cfg, page_size: int) -> int:
     return (cfg.sliding_window - 1) // page_size + 2
 
 
+def chunk_headroom(*, chunk_tokens: int, page_size: int, max_seqs: int) -> int:
+    """Sliding pages one forward's prompt chunks hold beyond their sequences' windows until the forward
+    ends: the chunk's own pages, plus one page boundary per sequence it may straddle."""
+    return -(-chunk_tokens // page_size) + 1 + max_seqs
+
+
 def split_pages(cfg, *, budget_bytes: int, page_size: int, kv_heads: int, max_seqs: int,
                 chunk_tokens: int, max_tokens: int) -> dict[str, int]:
     """Pages per group for `budget_bytes`: the sliding group holds every sequence's window plus one
-    forward's worth of new tokens (a prefill chunk holds all its pages until the forward ends); the
-    rest goes to the full group, capped at `max_tokens` positions (more could never be used)."""
+    forward's chunk headroom; the rest goes to the full group, capped at `max_tokens` positions (more
+    could never be used)."""
     pb = page_bytes(cfg, page_size=page_size, kv_heads=kv_heads)
-    chunk_pages = -(-chunk_tokens // page_size) + 1
     cap_pages = -(-max_tokens // page_size)
-    sliding = min(cap_pages, max_seqs * window_pages(cfg, page_size) + chunk_pages)
+    headroom = chunk_headroom(chunk_tokens=chunk_tokens, page_size=page_size, max_seqs=max_seqs)
+    sliding = min(cap_pages, max_seqs * window_pages(cfg, page_size) + headroom)
     full = min(cap_pages, max(0, (budget_bytes - sliding * pb["sliding"]) // pb["full"]))
     return {"full": int(full), "sliding": int(sliding)}
 

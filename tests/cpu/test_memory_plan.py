@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kvrelay.engine.config import load_model_config
-from kvrelay.engine.memory import GIB, KVDoesNotFit, page_bytes, plan_cuda_pool, split_pages, window_pages
+from kvrelay.engine.memory import (GIB, KVDoesNotFit, chunk_headroom, page_bytes, plan_cuda_pool, split_pages,
+                                   window_pages)
 
 
 def test_page_bytes_of_the_real_models():
@@ -24,8 +25,13 @@ def test_sliding_group_gets_windows_plus_one_chunk_and_the_rest_goes_to_full():
     pb = page_bytes(cfg, page_size=16, kv_heads=8)
     pages = split_pages(cfg, budget_bytes=20 * GIB, page_size=16, kv_heads=8, max_seqs=128, chunk_tokens=8192,
                         max_tokens=10**9)
-    sliding = 128 * 9 + 8192 // 16 + 1
+    headroom = chunk_headroom(chunk_tokens=8192, page_size=16, max_seqs=128)
+    assert headroom == 8192 // 16 + 1 + 128
+    sliding = 128 * 9 + headroom
     assert pages["sliding"] == sliding
+    # What a colocated worker may reserve (pool minus the chunk headroom) fits max_seqs full windows: a
+    # 120b run at 256 streams ran out of sliding pages when the headroom was taken from the windows.
+    assert pages["sliding"] - headroom >= 128 * window_pages(cfg, 16)
     assert pages["full"] == (20 * GIB - sliding * pb["sliding"]) // pb["full"]
     # More could never be used: capped at max_tokens positions.
     capped = split_pages(cfg, budget_bytes=20 * GIB, page_size=16, kv_heads=8, max_seqs=128, chunk_tokens=8192,
