@@ -220,8 +220,9 @@ class Budget:
 
 # ---- environment ---------------------------------------------------------------------------------------
 def git_commit(repo: Path = REPO_ROOT) -> str:
-    """HEAD of the checkout; else $KVRELAY_GIT_COMMIT (a copied tree without .git, e.g. the GPU box);
-    else "unknown"."""
+    """$KVRELAY_GIT_COMMIT when set (the GPU box's copy may carry a stale .git), else HEAD, else "unknown"."""
+    if os.environ.get("KVRELAY_GIT_COMMIT"):
+        return os.environ["KVRELAY_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10)
         if out.returncode == 0 and out.stdout.strip():
@@ -232,6 +233,8 @@ def git_commit(repo: Path = REPO_ROOT) -> str:
 
 
 def git_dirty(repo: Path = REPO_ROOT) -> bool | None:
+    if os.environ.get("KVRELAY_GIT_COMMIT"):
+        return None  # a copy of that commit's tree: nothing here to compare against
     try:
         out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
                              capture_output=True, text=True, timeout=10)
