@@ -27,6 +27,7 @@ class Cluster:
     decode: list = field(default_factory=list)
     slots: list = field(default_factory=list)
     started_ray: bool = False
+    ray_gone: bool = False  # the Ray cluster went away while serving: nothing left to shut down
 
     @classmethod
     def start(cls, topology, *, address: str | None = None, startup_timeout_s: float = 300.0) -> "Cluster":
@@ -89,7 +90,7 @@ class Cluster:
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        if not ray.is_initialized():
+        if not ray.is_initialized() or self.ray_gone:
             return
         actors = self.actors()
         try:
@@ -138,6 +139,10 @@ def run(args: argparse.Namespace) -> int:
     topo = dataclasses.replace(topo, router=router)
     if args.dummy:
         topo = dataclasses.replace(topo, model=dataclasses.replace(topo.model, dummy=True))
+    busy = _ports_in_use(topo)
+    if busy:  # found now, not after Ray and every worker started (tens of seconds to minutes)
+        print(f"error: {topo.source}: {busy}", file=sys.stderr)
+        return 1
     _find_vocab()
     t0 = time.perf_counter()
     print(f"kvrelay: starting {topo.prefill.workers} prefill (TP{topo.prefill.tp}) + {topo.decode.workers} "
@@ -161,6 +166,22 @@ def run(args: argparse.Namespace) -> int:
     finally:
         cluster.shutdown()
         print("kvrelay: stopped", flush=True)
+
+
+def _ports_in_use(topo) -> str | None:
+    """The first router port (key and address) that something else already listens on, if any."""
+    import socket
+
+    for key, port in (("router.grpc_port", topo.router.grpc_port), ("router.http_port", topo.router.http_port)):
+        if port == 0:
+            continue
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((topo.router.host, port))
+            except OSError as e:
+                return f"{key}: {topo.router.host}:{port} is already in use ({e.strerror}); pick another or 0"
+    return None
 
 
 def _startup_reason(e: BaseException) -> str | None:
@@ -190,6 +211,27 @@ def _find_vocab() -> None:
                     "until it points at a folder with o200k_base.tiktoken", shared)
 
 
+async def _watch_ray(gcs_address: str, cluster: Cluster, stop: asyncio.Event, every_s: float = 1.0,
+                    misses: int = 3) -> None:
+    """Set `stop` once the GCS has refused connections `misses` times in a row. A TCP connect is the
+    check because Ray's own calls retry for a minute against a dead GCS."""
+    import socket
+
+    host, port = gcs_address.rsplit(":", 1)
+    failed = 0
+    while not stop.is_set():
+        await asyncio.sleep(every_s)
+        try:
+            await asyncio.to_thread(lambda: socket.create_connection((host, int(port)), timeout=2).close())
+            failed = 0
+        except OSError:
+            failed += 1
+            if failed >= misses:
+                cluster.ray_gone = True
+                stop.set()
+                return
+
+
 async def _serve(cluster: Cluster, drain_timeout_s: float, t0: float) -> int:
     import ray
 
@@ -211,9 +253,15 @@ async def _serve(cluster: Cluster, drain_timeout_s: float, t0: float) -> int:
           f"  (OpenAI-compatible: {server.http_url}/v1/chat/completions)\n  Ray   {ready['ray']} "
           f"namespace {topo.ray.namespace}  (kvrelay status --address {ready['ray']})\n"
           f"kvrelay-ready {json.dumps(ready)}", flush=True)
-    # Only the signal ends serving. (RouterServer.wait() is not used: cancelling its pending
-    # wait_for_termination() cancels gRPC's own shutdown future, and the later stop() then fails.)
+    # A signal ends serving, or the Ray cluster going away under us (`ray down`, `ray stop`): a router
+    # whose workers are gone must not outlive them. (RouterServer.wait() is not used: cancelling its
+    # pending wait_for_termination() cancels gRPC's own shutdown future, and the later stop() fails.)
+    watch = asyncio.ensure_future(_watch_ray(ready["ray"], cluster, stop))
     await stop.wait()
+    watch.cancel()
+    if cluster.ray_gone:
+        print(f"kvrelay: the Ray cluster at {ready['ray']} went away; stopping", flush=True)
+        drain_timeout_s = 0.0
     print("kvrelay: shutting down, draining in-flight requests", flush=True)
     drained = await client.drain(drain_timeout_s)
     if not drained:

@@ -55,6 +55,17 @@ def collect(topology, timeout_s: float = 10.0) -> list[dict]:
     return rows
 
 
+def _reachable(address: str, timeout_s: float) -> bool:
+    import socket
+
+    host, port = address.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=max(0.1, timeout_s)).close()
+        return True
+    except (OSError, ValueError):
+        return False
+
+
 def _table(rows: list[dict]) -> str:
     head = (f"{'role':8} {'rank':>4} {'tp':>5} {'pid':>8} {'health':8} {'KV pages used (full/sliding of total)':38} "
             f"node")
@@ -94,6 +105,11 @@ def run(args: argparse.Namespace) -> int:
     import ray
 
     address = args.address or topo.ray.address or "auto"
+    if ":" in address and not _reachable(address, args.timeout):
+        # Ray itself would retry a dead GCS address for minutes before giving up.
+        print(f"error: no running kvrelay cluster at {address}: nothing accepts connections there "
+              f"(within {args.timeout:g} s)", file=sys.stderr)
+        return 1
     try:
         init_ray(topo, address=address)
     except ConnectionError as e:

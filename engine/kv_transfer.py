@@ -99,14 +99,38 @@ def _nixl_api():
     return _api
 
 
+# NIXL's progress thread polls UCX in a loop whose pause (pthrDelay) its Python API fixes at 0 us: an idle
+# worker burned 98% of a core (two idle workers starved a 2-core box). Without the thread a READ never
+# finishes (the exporting side must progress too, e.g. for UCX's wire-up), so the thread stays and pauses
+# this long between polls: under 1% of a core idle, measured; the importer still polls its own transfers
+# without pause while it waits for them.
+PROGRESS_PAUSE_US = 5000
+_agent_lock = threading.Lock()
+
+
 def _new_agent(prefix: str):
     _api = _nixl_api()
     nixl_agent, nixl_agent_config = _api.nixl_agent, _api.nixl_agent_config
+    base = _api.nixlBind.nixlAgentConfig
+
+    class PausedConfig(base):  # the C++ config with a floor on the progress pause
+        @property
+        def pthrDelay(self):  # noqa: N802 - NIXL's name
+            return base.pthrDelay.__get__(self)
+
+        @pthrDelay.setter
+        def pthrDelay(self, us):  # noqa: N802
+            base.pthrDelay.__set__(self, max(int(us), PROGRESS_PAUSE_US))
 
     # The listener thread stays off: metadata travels inside the KVHandle, so NIXL needs no socket of
     # its own (fewer ports, and nothing can bind a non-loopback address behind our back).
     name = f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    return name, nixl_agent(name, nixl_agent_config(enable_listen_thread=False, backends=["UCX"]))
+    with _agent_lock:  # the swap is process-wide for as long as the agent is being built
+        _api.nixlBind.nixlAgentConfig = PausedConfig
+        try:
+            return name, nixl_agent(name, nixl_agent_config(enable_listen_thread=False, backends=["UCX"]))
+        finally:
+            _api.nixlBind.nixlAgentConfig = base
 
 
 def _mem_type(t: torch.Tensor) -> tuple[str, int]:

@@ -119,8 +119,8 @@ def test_checkpoint_path_relative_to_file(tmp_path: Path) -> None:
         ("model: {name: gpt-oss-20b}\ndevice: tpu\n",
          "device: 'tpu' is not one of 'cpu', 'cuda'"),
         ("model: {name: no-such-model}\n",
-         "model.name: 'no-such-model' is neither a preset (gpt-oss-120b, gpt-oss-20b, gpt-oss-tiny, tiny) nor "
-         "an existing checkpoint directory"),
+         "model.name: 'no-such-model' is neither a preset (gpt-oss-120b, gpt-oss-20b, gpt-oss-tiny, tiny, "
+         "tiny-attn64) nor an existing checkpoint directory"),
         ("model: {name: gpt-oss-20b, max_context: 0}\n", "model.max_context: must be > 0, got 0"),
         ("model: {name: gpt-oss-20b, max_context: 1024}\nprefill: {max_prompt_tokens: 2048}\n",
          "prefill.max_prompt_tokens: 2048 exceeds model.max_context 1024"),
@@ -169,3 +169,22 @@ def test_parse_from_text_names_source() -> None:
     t = parse_topology(BASE, source="inline.yaml")
     d = json.loads(json.dumps(t.to_dict()))
     assert d["model"]["name"] == "gpt-oss-20b" and d["gpus"] == 2
+
+
+def test_config_check_fits_the_nodes_of_a_ray_up_file(tmp_path, capsys):
+    from kvrelay.cluster.cli import main
+
+    shipped = str(REPO / "configs" / "cluster.yaml")
+    assert main(["config", "check", "h200-8gpu-120b.yaml", "--cluster", shipped]) == 0
+    assert "cluster " + shipped + ": 1 node(s) x 8 GPUs: 8 needed, fits" in capsys.readouterr().out
+    assert main(["config", "check", "h200-8gpu-120b.yaml", "--cluster", shipped, "--gpus-per-node", "4"]) == 1
+    assert capsys.readouterr().err.strip().endswith(
+        f"gpus: the topology needs 8 GPUs but {shipped} lists 1 node(s) x 4 GPUs = 4 (provider.head_ip + "
+        "provider.worker_ips)")
+    two = tmp_path / "two.yaml"
+    two.write_text("provider: {type: local, head_ip: 10.0.0.1, worker_ips: [10.0.0.2]}\n")
+    assert main(["config", "check", "h200-8gpu-120b.yaml", "--cluster", str(two), "--gpus-per-node", "4"]) == 0
+    aws = tmp_path / "aws.yaml"
+    aws.write_text("provider: {type: aws}\n")
+    assert main(["config", "check", "h200-8gpu-120b.yaml", "--cluster", str(aws)]) == 1
+    assert "provider.type: only the local provider lists its nodes" in capsys.readouterr().err

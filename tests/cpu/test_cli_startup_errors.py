@@ -1,0 +1,44 @@
+"""Start-up mistakes an operator makes get one clear line at once, not a hang or a late traceback."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+CONFIG = """
+model: {name: tiny, dummy: true, seed: 0, max_context: 2048}
+prefill: {max_prompt_tokens: 1024}
+router: {host: 127.0.0.1, grpc_port: 0, http_port: PORT}
+device: cpu
+"""
+
+
+def _cli(*args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "kvrelay.cluster.cli", *args], capture_output=True, text=True,
+                         timeout=timeout)
+    return out, time.monotonic() - t0
+
+
+def test_status_of_an_address_where_nothing_listens_fails_fast():
+    out, took = _cli("status", "--address", "127.0.0.1:1", "--timeout", "2")
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == (
+        "error: no running kvrelay cluster at 127.0.0.1:1: nothing accepts connections there (within 2 s)")
+    assert took < 30
+
+
+def test_serve_refuses_a_router_port_in_use_before_starting_anything(tmp_path):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        cfg = tmp_path / "busy.yaml"
+        cfg.write_text(CONFIG.replace("PORT", str(port)))
+        out, took = _cli("serve", str(cfg))
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        f"error: {cfg}: router.http_port: 127.0.0.1:{port} is already in use (")
+    assert "kvrelay: starting" not in out.stdout and took < 30
