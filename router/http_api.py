@@ -130,6 +130,9 @@ def create_app(core: RouterCore) -> FastAPI:
             return StreamingResponse(comp.sse(), media_type="text/event-stream")
         return await comp.complete()
 
+    from kvrelay.router import tokenizer_api
+
+    tokenizer_api.add_routes(app, core, check_model, _prompt_ids)
     return app
 
 

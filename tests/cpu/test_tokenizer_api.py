@@ -1,0 +1,68 @@
+"""vLLM-compatible /tokenize, /detokenize and /tokenizer_info, checked against openai-harmony's own
+encoding and rendering (what /v1/completions and /v1/chat/completions feed the model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvrelay.router import harmony
+from kvrelay.router.scripted_engine import ScriptedEngineClient
+from kvrelay.router.server import BackgroundRouter
+
+harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
+DATE = "2025-06-28"
+
+
+@pytest.fixture(scope="module")
+def url():
+    engine = ScriptedEngineClient([[200002]], model_name="gpt-oss-test", max_context=4096)
+    with BackgroundRouter(engine, today=lambda: DATE) as srv:
+        yield srv.http_url, engine
+
+
+def test_tokenize_text_is_what_completions_feed_the_model(url):
+    base, engine = url
+    r = httpx.post(f"{base}/tokenize", json={"model": "gpt-oss-test", "prompt": "Hello, world!",
+                                             "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    want = harmony.load_encoding().encode("Hello, world!", allowed_special=set())
+    body = r.json()
+    assert body["tokens"] == want and body["count"] == len(want) and body["max_model_len"] == 4096
+    assert "".join(body["token_strs"]) == "Hello, world!"
+    engine.prompts.clear()
+    httpx.post(f"{base}/v1/completions", json={"prompt": "Hello, world!", "max_tokens": 1})
+    assert list(engine.prompts[-1]) == want
+
+
+def test_tokenize_chat_is_the_harmony_rendering(url):
+    base, engine = url
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    r = httpx.post(f"{base}/tokenize", json={"messages": messages})
+    assert r.status_code == 200, r.text
+    engine.prompts.clear()
+    httpx.post(f"{base}/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+    assert r.json()["tokens"] == list(engine.prompts[-1])
+    text = harmony.decode_tokens(r.json()["tokens"])
+    assert text.endswith("<|start|>user<|message|>What is 2+2?<|end|><|start|>assistant")
+
+
+def test_detokenize_round_trips_and_bad_input_is_a_400(url):
+    base, _ = url
+    ids = harmony.load_encoding().encode("round trip", allowed_special=set())
+    assert httpx.post(f"{base}/detokenize", json={"tokens": ids}).json() == {"prompt": "round trip"}
+    bad = httpx.post(f"{base}/detokenize", json={"tokens": [1, 10**9]})
+    assert bad.status_code == 400 and "tokens[1]" in bad.text
+    other = httpx.post(f"{base}/tokenize", json={"model": "nope", "prompt": "x"})
+    assert other.status_code == 404
+    special = httpx.post(f"{base}/tokenize", json={"prompt": "a <|end|> b"})
+    assert special.status_code == 400 and "special token" in special.text
+
+
+def test_tokenizer_info(url):
+    base, _ = url
+    info = httpx.get(f"{base}/tokenizer_info").json()
+    assert info["encoding"] == "o200k_harmony" and info["model_max_length"] == 4096
+    assert 200002 in info["eos_token_ids"] and "<|start|>" in info["special_tokens"]
