@@ -94,6 +94,20 @@ def create_app(core: RouterCore) -> FastAPI:
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": core.model_name}
 
+    @app.get("/health/live")
+    async def live() -> dict[str, Any]:
+        """The router process answers (a liveness probe restarts it when this stops answering)."""
+        return {"status": "live"}
+
+    @app.get("/health/ready")
+    async def ready() -> Any:
+        """Every worker behind the router is alive (a readiness probe stops sending traffic otherwise)."""
+        dead = list(getattr(core.engine, "dead_workers", lambda: [])())
+        if dead:
+            return JSONResponse({"status": "not ready", "dead_workers": [f"{r} {i}" for r, i in dead]},
+                                status_code=503)
+        return {"status": "ready", "model": core.model_name}
+
     @app.get("/metrics")
     async def metrics() -> Response:
         # Prometheus text format of the process's default registry: the per-request histograms the

@@ -16,6 +16,8 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
+from prometheus_client import Counter, Gauge
+
 from kvrelay.engine.sampling import SamplingParams
 from kvrelay.router import harmony, validation
 from kvrelay.router.engine_client import EngineClient
@@ -25,6 +27,13 @@ from kvrelay.router.types import ChatRequest, ContentDelta, Delta, FinishReason,
 from kvrelay.router.validation import ValidationError
 
 log = logging.getLogger(__name__)
+
+
+# As vLLM exposes them (num_requests_running, prompt_tokens_total, generation_tokens_total), so dashboards
+# built for it read these with a renamed prefix.
+RUNNING = Gauge("kvrelay_num_requests_running", "Requests streaming now (router view)")
+PROMPT_TOKENS = Counter("kvrelay_prompt_tokens", "Prompt tokens of requests sent to the engine")
+GENERATION_TOKENS = Counter("kvrelay_generation_tokens", "Tokens the engine generated")
 
 
 def utc_today() -> str:
@@ -127,6 +136,8 @@ class RouterCore:
         """
         output = _Output(prep, self._call_id)
         self._in_flight.add(prep.request_id)
+        RUNNING.inc()
+        PROMPT_TOKENS.inc(len(prep.prompt_ids))
         engine_done = released = False
         produced = 0
         tokens = self.engine.generate(prep.request_id, list(prep.prompt_ids), prep.params)
@@ -147,6 +158,7 @@ class RouterCore:
         try:
             async for out in tokens:
                 produced += 1
+                GENERATION_TOKENS.inc()
                 engine_done = out.finish_reason is not None
                 offset = output.offset
                 deltas = output.feed(out.token_id, out.finish_reason)
@@ -167,6 +179,7 @@ class RouterCore:
             yield TokenStep(None, None, tail, output.finish_reason(None), Usage(len(prep.prompt_ids), produced))
         finally:
             self._in_flight.discard(prep.request_id)
+            RUNNING.dec()
             if not released:
                 await release()
 

@@ -66,3 +66,29 @@ def test_tokenizer_info(url):
     info = httpx.get(f"{base}/tokenizer_info").json()
     assert info["encoding"] == "o200k_harmony" and info["model_max_length"] == 4096
     assert 200002 in info["eos_token_ids"] and "<|start|>" in info["special_tokens"]
+
+
+def test_health_probes_and_vllm_style_counters(url):
+    base, _ = url
+    assert httpx.get(f"{base}/health/live").json() == {"status": "live"}
+    assert httpx.get(f"{base}/health/ready").json()["status"] == "ready"
+
+    def sample(name: str) -> float:
+        line = next(ln for ln in httpx.get(f"{base}/metrics").text.splitlines() if ln.startswith(name + " "))
+        return float(line.split()[1])
+
+    before = (sample("kvrelay_prompt_tokens_total"), sample("kvrelay_generation_tokens_total"))
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert sample("kvrelay_prompt_tokens_total") - before[0] == 3
+    assert sample("kvrelay_generation_tokens_total") - before[1] == r.json()["usage"]["completion_tokens"]
+    assert sample("kvrelay_num_requests_running") == 0
+
+
+def test_ready_probe_is_503_while_a_worker_is_dead():
+    engine = ScriptedEngineClient([[200002]], model_name="gpt-oss-test", max_context=4096)
+    engine.dead_workers = lambda: [("decode", 0)]
+    with BackgroundRouter(engine, today=lambda: DATE) as srv:
+        r = httpx.get(f"{srv.http_url}/health/ready")
+        assert r.status_code == 503 and r.json() == {"status": "not ready", "dead_workers": ["decode 0"]}
+        assert httpx.get(f"{srv.http_url}/health/live").status_code == 200
