@@ -55,7 +55,7 @@ class DecodeSection:
     tp: int = 1
     max_batch: int = 64
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
-    kv_memory_fraction: float = 0.5
+    kv_memory_fraction: float = 0.5  # GPU: share of what weights, activations and graphs leave free
     page_size: int = 16
 
 
@@ -89,7 +89,7 @@ class Topology:
     ray: RaySection = field(default_factory=RaySection)
     device: Device = "cpu"
     gpus: int = 0  # GPUs this topology provides (per cluster); 0 on CPU
-    colocate: bool = False  # prefill and decode pools share the same GPUs
+    colocate: bool = False  # one worker per GPU holds both roles (weights once, KV handed over in place)
     source: str = "<memory>"  # the file it came from, for messages
 
     @property

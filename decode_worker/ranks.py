@@ -12,7 +12,36 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvrelay.engine.rank_group import Followers, FollowerRank, join_group
+from kvrelay.engine.rank_group import load_runner as load_model_runner
 
+
+
+def pool_tokens(topology) -> int:
+    """KV positions per group of a TP>1 decode rank: a share of free memory, but never more than a full
+    batch of full contexts. Every rank of a TP group gets the same count (its allocator must mirror the
+    leader's), sized on rank 0 before any rank loads weights, so the estimated weight bytes per rank are
+    taken off first. (TP1 workers size their pool after loading instead: load_runner below.)"""
+    cap = topology.decode.max_batch * topology.model.max_context
+    if topology.device == "cuda":
+        import torch
+
+        from kvrelay.engine.config import load_model_config
+        from kvrelay.engine.parallel import head_range
+
+        cfg = load_model_config(topology.model.name)
+        # Heads per rank from the same rule as the cache: more ranks than KV heads replicate one.
+        local_kv = head_range(cfg.num_attention_heads, cfg.num_key_value_heads, 0, topology.decode.tp).num_kv
+        per_token = 2 * local_kv * cfg.head_dim * 2 * cfg.num_hidden_layers
+        free, _ = torch.cuda.mem_get_info()
+        free -= cfg.weight_bytes(topology.model.quant) // topology.decode.tp
+        cap = min(cap, max(0, int(free * topology.decode.kv_memory_fraction)) // per_token)
+    return cap
+
+
+def load_runner(topology, kv_tokens: int, shard=None):
+    """A TP rank's Runner (its shard of the model when `shard` is a TP rank's ParallelContext)."""
+    return load_model_runner(topology.model, device=topology.device, page_size=topology.decode.page_size,
+                             kv_tokens=kv_tokens, shard=shard, graph_sizes=topology.decode.cuda_graph_batch_sizes)
 
 def decode_join(topology, tp_rank: int, port: int):
     """This rank's ParallelContext. "EPn TPn": whole experts per rank; "EP1 TPn": a slice of every
@@ -27,7 +56,6 @@ class DecodeRank(FollowerRank):
     role = "decode"
 
     def __init__(self, topology, worker: int, tp_rank: int, port: int, kv_tokens: int):
-        from kvrelay.decode_worker.worker import load_runner
         from kvrelay.engine.kv_transfer import KVImporter, configure_ucx, layout_of
 
         configure_ucx(topology.kv_transfer.ucx_tls, "lo" if topology.device == "cpu" else None)

@@ -23,12 +23,11 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from kvrelay.decode_worker.ranks import DecodeRank, GroupRunner, decode_join
+from kvrelay.decode_worker.ranks import DecodeRank, GroupRunner, decode_join, load_runner, pool_tokens
 from kvrelay.decode_worker.scheduler import AdmissionRefused, Scheduler
 from kvrelay.engine.kv_transfer import (KVHandle, KVImporter, KVLeaseExpired, KVReadInFlight, KVTransferError,
                                         TransferStats, configure_ucx, layout_of)
 from kvrelay.engine.rank_group import Followers, lead_group, node_name
-from kvrelay.engine.rank_group import load_runner as _load_runner
 from kvrelay.engine.rank_group import load_sized_runner as _load_sized_runner
 from kvrelay.engine.sampling import SamplingParams, TokenOutput
 
@@ -71,34 +70,6 @@ class DecodeStatus:
 class DecodeChunk:
     tokens: tuple[TokenOutput, ...]
     pull: PullMetrics | None = None  # on the first chunk only
-
-
-def pool_tokens(topology) -> int:
-    """KV positions per group of a TP>1 decode rank: a share of free memory, but never more than a full
-    batch of full contexts. Every rank of a TP group gets the same count (its allocator must mirror the
-    leader's), sized on rank 0 before any rank loads weights, so the estimated weight bytes per rank are
-    taken off first. (TP1 workers size their pool after loading instead: load_runner below.)"""
-    cap = topology.decode.max_batch * topology.model.max_context
-    if topology.device == "cuda":
-        import torch
-
-        from kvrelay.engine.config import load_model_config
-        from kvrelay.engine.parallel import head_range
-
-        cfg = load_model_config(topology.model.name)
-        # Heads per rank from the same rule as the cache: more ranks than KV heads replicate one.
-        local_kv = head_range(cfg.num_attention_heads, cfg.num_key_value_heads, 0, topology.decode.tp).num_kv
-        per_token = 2 * local_kv * cfg.head_dim * 2 * cfg.num_hidden_layers
-        free, _ = torch.cuda.mem_get_info()
-        free -= cfg.weight_bytes(topology.model.quant) // topology.decode.tp
-        cap = min(cap, max(0, int(free * topology.decode.kv_memory_fraction)) // per_token)
-    return cap
-
-
-def load_runner(topology, kv_tokens: int, shard=None):
-    """A TP rank's Runner (its shard of the model when `shard` is a TP rank's ParallelContext)."""
-    return _load_runner(topology.model, device=topology.device, page_size=topology.decode.page_size,
-                        kv_tokens=kv_tokens, shard=shard, graph_sizes=topology.decode.cuda_graph_batch_sizes)
 
 
 def need_tokens(topology) -> int:

@@ -9,6 +9,19 @@ leader, which frees the pages on every rank once its lease is released or reclai
 from __future__ import annotations
 
 from kvrelay.engine.rank_group import FollowerRank, follower_op, join_group
+from kvrelay.engine.rank_group import load_runner as load_model_runner
+
+
+def pool_tokens(topology) -> int:
+    """Room for a few prompts in flight: one running plus the ones whose KV still waits for a pull."""
+    return 4 * topology.prefill.max_prompt_tokens
+
+
+def load_runner(topology, kv_tokens: int, shard=None):
+    """This worker's Runner (this rank's shard of it when `shard` is a TP rank's ParallelContext)."""
+    # decode's page size: both pools must share it for pages to be copyable.
+    return load_model_runner(topology.model, device=topology.device, page_size=topology.decode.page_size,
+                             kv_tokens=kv_tokens, shard=shard)
 
 
 class PrefillRank(FollowerRank):
@@ -18,7 +31,6 @@ class PrefillRank(FollowerRank):
 
     def __init__(self, topology, worker: int, tp_rank: int, port: int):
         from kvrelay.engine.kv_transfer import KVExporter, configure_ucx, layout_of
-        from kvrelay.prefill_worker.worker import load_runner, pool_tokens
 
         configure_ucx(topology.kv_transfer.ucx_tls, "lo" if topology.device == "cpu" else None)
         ctx = join_group(topology.device, tp_rank, topology.prefill.tp, port)

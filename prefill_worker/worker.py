@@ -21,11 +21,10 @@ import time
 from dataclasses import dataclass
 
 from kvrelay.engine.kv_handle import PrefillResult
-from kvrelay.engine.kv_transfer import KVExporter, KVHandle, configure_ucx, layout_of
+from kvrelay.engine.kv_transfer import KVExporter, configure_ucx, layout_of
 from kvrelay.engine.rank_group import Followers, join_group, lead_group, load_sized_runner, node_name
-from kvrelay.engine.rank_group import load_runner as _load_runner
 from kvrelay.engine.sampling import SamplingParams, TokenOutput, finish_reason
-from kvrelay.prefill_worker.ranks import PrefillRank
+from kvrelay.prefill_worker.ranks import PrefillRank, load_runner, pool_tokens
 
 
 @dataclass(eq=False)
@@ -58,18 +57,6 @@ class PrefillStatus:
     role: str = "prefill"
     tp_rank: int = 0
     tp_size: int = 1
-
-
-def pool_tokens(topology) -> int:
-    """Room for a few prompts in flight: one running plus the ones whose KV still waits for a pull."""
-    return 4 * topology.prefill.max_prompt_tokens
-
-
-def load_runner(topology, kv_tokens: int, shard=None):
-    """This worker's Runner (this rank's shard of it when `shard` is a TP rank's ParallelContext)."""
-    # decode's page size: both pools must share it for pages to be copyable.
-    return _load_runner(topology.model, device=topology.device, page_size=topology.decode.page_size,
-                        kv_tokens=kv_tokens, shard=shard)
 
 
 class PrefillWorker:

@@ -118,7 +118,7 @@ class GpuAttention(BatchAttention):
                  workspaces: dict | None = None, graph_batch: int | None = None,
                  graph_max_pages: dict | None = None):
         super().__init__(None)
-        from kvrelay.engine.kv_cache import FULL, SLIDING
+        FULL, SLIDING = "full", "sliding"  # the page groups of engine/kv_cache.py (which imports this module)
         from kvrelay.kernels import select
 
         self.backend = backend
