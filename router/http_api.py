@@ -67,6 +67,11 @@ def create_app(core: RouterCore) -> FastAPI:
     async def _malformed(_: Request, exc: RequestValidationError) -> JSONResponse:
         # Report the first problem the way our own validation would: "field.path: what is wrong".
         err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request body"}
+        if err.get("type") == "json_invalid":  # FastAPI's loc is (body, offset): name the problem instead
+            ctx = err.get("ctx") or {}
+            where = f" at character {err['loc'][-1]}" if len(err.get("loc", ())) > 1 else ""
+            return JSONResponse(error_body(f"body: not valid JSON{where}: {ctx.get('error', err.get('msg'))}",
+                                           param="body"), status_code=400)
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         field = ".".join(loc) or "body"
         return JSONResponse(error_body(f"{field}: {err.get('msg')}", param=field), status_code=400)

@@ -92,3 +92,12 @@ def test_ready_probe_is_503_while_a_worker_is_dead():
         r = httpx.get(f"{srv.http_url}/health/ready")
         assert r.status_code == 503 and r.json() == {"status": "not ready", "dead_workers": ["decode 0"]}
         assert httpx.get(f"{srv.http_url}/health/live").status_code == 200
+
+
+def test_invalid_json_is_named_as_such(url):
+    base, _ = url
+    r = httpx.post(f"{base}/v1/completions", content=b'{"prompt": [1, 2,, 3]}',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    msg = r.json()["error"]["message"]
+    assert msg == "body: not valid JSON at character 17: Expecting value", msg
