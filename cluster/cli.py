@@ -27,13 +27,39 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvrelay",
         description="kvrelay: disaggregated prefill/decode serving for gpt-oss.",
     )
+    parser.add_argument("--version", action="version", version=f"kvrelay {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, module_name, help_text in COMMANDS:
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        # Every option's default in its --help line, as vLLM's CLI shows them.
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=_Help)
         p.set_defaults(_module=module_name)
         importlib.import_module(module_name).add_arguments(p)
     return parser
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a default where there is one to show (not None/False, not already in the text)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def _version() -> str:
+    """The installed distribution's version; a checkout linked without installing reads pyproject.toml."""
+    from importlib import metadata
+    from pathlib import Path
+
+    try:
+        return metadata.version("kvrelay")
+    except metadata.PackageNotFoundError:
+        import tomllib
+
+        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+        return tomllib.loads(pyproject.read_text())["project"]["version"] if pyproject.is_file() else "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,3 +42,12 @@ def test_serve_refuses_a_router_port_in_use_before_starting_anything(tmp_path):
     assert out.stderr.strip().splitlines()[-1].startswith(
         f"error: {cfg}: router.http_port: 127.0.0.1:{port} is already in use (")
     assert "kvrelay: starting" not in out.stdout and took < 30
+
+
+def test_version_and_defaults_in_help():
+    out, _ = _cli("--version")
+    assert out.returncode == 0 and out.stdout.strip().startswith("kvrelay ")
+    out, _ = _cli("serve", "--help")
+    text = " ".join(out.stdout.split())
+    assert "seconds in-flight requests get to finish on shutdown (default: 30.0)" in text
+    assert "(default: None)" not in text and "(default: False)" not in text
