@@ -1,16 +1,18 @@
 """The disaggregated EngineClient: the router's `generate` over a pool of prefill and decode actors.
 
-Transport: Ray actor calls, with the decode stream as a Ray streaming generator, rather than gRPC
+Transport: Ray actor calls, with tokens on one Ray streaming generator per decode worker (its channel,
+one message per step for all this client's requests, demultiplexed here), rather than gRPC
 between the processes. Ray already places and starts these actors (placement groups, GPUs), so their
 handles come for free; an actor's death fails its pending calls and open streams at once with
 `RayActorError` instead of leaving us to tune socket timeouts; KVHandle and the other frozen dataclasses
 travel as they are, with no second schema to keep in sync with the proto; and no worker opens a port of
 its own (one fewer thing that could listen beyond loopback). The KV bytes never take this path: they go
-worker to worker over NIXL, and only token ids (coalesced per chunk) and small handles cross Ray.
+worker to worker over NIXL (or stay in place on a colocated worker), and only token ids and small
+handles cross Ray.
 
 Per request: reserve pages on the decode worker with the most free budget (so a prompt is never
 prefilled for a decode side that cannot take it), prefill on the worker with the fewest queued prompt
-tokens, stream the first token at once, then stream the decode worker's chunks. If a worker dies (or
+tokens (the same actor when colocated), stream the first token at once, then the decode worker's tokens. If a worker dies (or
 the lease expired), the request is re-prefilled with prompt + tokens already streamed on a healthy pair
 and continues without a gap or a repeat; when no healthy pair is left it fails with `EngineUnavailable`.
 """
@@ -372,41 +374,6 @@ class DisaggregatedEngineClient:
         if out and out[-1][2] == "aborted":
             raise _Aborted()
         return out
-
-    async def _chunks(self, stream, decode: _Worker):
-        """Chunks of a decode stream; a dead worker becomes `_Retry`, a KV transfer that failed too."""
-        import ray
-
-        while True:
-            nxt = asyncio.ensure_future(stream.__anext__())
-            try:
-                while True:
-                    done, _ = await asyncio.wait({nxt}, timeout=self.stall_check_s)
-                    if done:
-                        break
-                    # No token for a while: a busy worker answers a ping, a hung or gone one does not.
-                    if not await self._alive(decode):
-                        nxt.cancel()
-                        raise _Retry(f"decode worker {decode.rank} stopped answering")
-                ref = nxt.result()
-            except StopAsyncIteration:
-                return
-            except ray.exceptions.RayActorError as e:
-                decode.dead = True
-                raise _Retry(f"decode worker {decode.rank} died ({type(e).__name__})") from None
-            try:
-                chunk = await ref
-            except ray.exceptions.RayActorError as e:
-                decode.dead = True
-                raise _Retry(f"decode worker {decode.rank} died ({type(e).__name__})") from None
-            except ray.exceptions.RayTaskError as e:
-                # An expired lease, a READ that failed (the prefill worker died under it) or a prefill
-                # worker gone before the pull was confirmed: prefill again and pull fresh pages. A layout
-                # mismatch would only recur.
-                if isinstance(e.cause, KVTransferError) and not isinstance(e.cause, KVLayoutMismatch):
-                    raise _Retry(str(e.cause)) from None
-                raise e.cause if isinstance(e.cause, Exception) else e from None
-            yield chunk
 
     async def _alive(self, worker: _Worker) -> bool:
         try:

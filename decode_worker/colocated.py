@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvrelay.decode_worker.worker import DecodeStatus, DecodeWorker, need_tokens
-from kvrelay.engine.kv_handle import InPlaceKV, PrefillResult, TransferStats
+from kvrelay.engine.kv_handle import InPlaceKV, PrefillResult, TransferStats, check_prompt_limits
 from kvrelay.engine.memory import chunk_headroom, window_pages
 from kvrelay.engine.rank_group import load_sized_runner
 from kvrelay.engine.sampling import SamplingParams, TokenOutput, finish_reason
@@ -90,11 +90,7 @@ class ColocatedWorker(DecodeWorker):
         """Queue the prompt for the step loop and wait for its first token. The request must hold a
         reservation (`reserve`), which already counts its pages."""
         n = len(prompt_ids)
-        if n == 0:
-            raise ValueError(f"request {request_id}: empty prompt")
-        if n > self.max_prompt_tokens + generated or n >= self.max_context:
-            raise ValueError(f"request {request_id}: prompt of {n} tokens exceeds this worker's limit "
-                             f"({self.max_prompt_tokens} prompt tokens, {self.max_context} context)")
+        check_prompt_limits(request_id, n, generated, self.max_prompt_tokens, self.max_context)
         loop = asyncio.get_running_loop()
         item = _Prompt(request_id, list(prompt_ids), params, generated, loop.create_future(), loop,
                        time.perf_counter())
@@ -179,9 +175,8 @@ class ColocatedWorker(DecodeWorker):
         for p, start, _ in chunk:
             if p.t_start is None:
                 p.t_start = now
-        running = len(self.scheduler.running_ids())
         try:
-            logits = self.scheduler.step_with([(p.request_id, p.ids[s:e]) for p, s, e in chunk])
+            running, logits = self.scheduler.step_with([(p.request_id, p.ids[s:e]) for p, s, e in chunk])
         except BaseException as e:
             for p, _, _ in chunk:
                 with self._plock:

@@ -175,19 +175,20 @@ class Scheduler:
     def step(self) -> int:
         """One decode step over every running request; emits one token each, retires the finished.
         Returns how many requests ran."""
-        n = len([r for r in self._running.values() if not r.aborted])
-        self.step_with()
-        return n
+        return self._step(())[0]
 
     def step_with(self, extra: Sequence[tuple[str, Sequence[int]]] = ()):
         """A decode step whose forward also carries `extra` (sequence id, new tokens) items: prompt
         chunks of a colocated worker, computed in the same ragged forward as the running batch's tokens.
-        Returns the extra items' last-position logits [len(extra), vocab] (None without extras)."""
+        Returns (requests decoded, the extra items' last-position logits [len(extra), vocab] or None)."""
+        return self._step(extra)
+
+    def _step(self, extra) -> tuple[int, object]:
         for r in [r for r in self._running.values() if r.aborted]:
             self.release(r.request_id)
         batch = list(self._running.values())
         if not batch and not extra:
-            return None
+            return 0, None
         ids = [r.request_id for r in batch]
         rest = None
         if extra:
@@ -198,7 +199,7 @@ class Scheduler:
             logits = self.runner.decode(ids, [r.last_token for r in batch])
         if batch:
             self._emit_step(batch, logits)
-        return rest
+        return len(batch), rest
 
     def _emit_step(self, batch: list[_Running], logits) -> None:
         sampled = self.runner.sample(logits, [r.params for r in batch], [r.generated for r in batch])

@@ -1,11 +1,11 @@
-"""Decode worker: a page pool, a continuous-batching step loop, and one token stream per request.
+"""Decode worker: a page pool, a continuous-batching step loop, and the token streams of its requests.
 
 Runs as an async Ray actor (cluster/serve.py wraps it with `ray.remote`). The event loop only
 coordinates: admission, the NIXL pull (in a thread, it blocks), and the token streams. A dedicated step
-thread owns the forward passes, so a long step never stalls a new request's pull or a status call. The
-two meet under one engine lock; the step thread hands tokens to the streams through
-`loop.call_soon_threadsafe`, and each stream coalesces whatever accumulated since it last yielded, so a
-slow consumer costs one Ray message per batch of tokens rather than per token.
+thread owns the Runner and the Scheduler: every other engine call is queued and run by it between two
+steps, all pending ones at once. Tokens a step produced reach the event loop in one hand-off per step and
+go to each caller's channel (`start` + `channel`: one Ray message per step for all of a router's
+requests) or to a request's own stream (`generate`).
 
 With `decode.tp` > 1 this actor is rank 0 of the worker's group and starts the other ranks itself
 (ranks.py, over engine/rank_group.py): the Scheduler drives a `GroupRunner` that runs every import,

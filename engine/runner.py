@@ -64,8 +64,6 @@ class Runner:
         if num_pages is None:
             num_pages = -(-kv_tokens // page_size)
         self._page_size, self._shard = page_size, shard
-        self.kv = KVCache(cfg, num_pages=num_pages, page_size=page_size, device=self.device, dtype=dtype,
-                          shard=shard)
         cuda = self.device.type == "cuda"
         self._workspaces = None
         if cuda and self.model.attention_backend == "flashinfer":
@@ -82,9 +80,14 @@ class Runner:
         # Graph replay (True) or the same padded step run eagerly (False; tests compare the two).
         self.graph_replay = True
         self._graphs = None
-        if self.cuda_graph_batch_sizes:
-            # Padding rows of a graph batch write to and attend over one scratch page per group.
-            self._scratch = {g: self.kv.allocators[g].allocate(1)[0] for g in GROUPS}
+        self._new_pool(num_pages)
+
+    def _new_pool(self, num_pages: int | dict[str, int]) -> None:
+        self.kv = KVCache(self.cfg, num_pages=num_pages, page_size=self._page_size, device=self.device,
+                          dtype=self.dtype, shard=self._shard)
+        # Padding rows of a graph batch write to and attend over one scratch page per group.
+        self._scratch = ({g: self.kv.allocators[g].allocate(1)[0] for g in GROUPS}
+                         if self.cuda_graph_batch_sizes else {})
 
     # ---- sizing the pool after the weights (engine/memory.py) ------------------------------------
     def profile_forward(self, num_tokens: int) -> None:
@@ -110,13 +113,8 @@ class Runner:
         """A fresh pool of `num_pages` (per group); before any sequence and any graph capture."""
         if self.kv.seqs or self._graphs is not None:
             raise RuntimeError("resize_kv: sequences are alive or graphs were captured over this pool")
-        old = self.kv
-        self.kv = None
-        del old
-        self.kv = KVCache(self.cfg, num_pages=num_pages, page_size=self._page_size, device=self.device,
-                          dtype=self.dtype, shard=self._shard)
-        if self.cuda_graph_batch_sizes:
-            self._scratch = {g: self.kv.allocators[g].allocate(1)[0] for g in GROUPS}
+        self.kv = None  # the old pool is freed before the new one is allocated
+        self._new_pool(num_pages)
 
     def warmup(self) -> None:
         """Capture the decode graphs now, so the first request does not pay for it."""
@@ -139,7 +137,7 @@ class Runner:
     # ---- capacity ------------------------------------------------------------------------------
     def internal_pages(self) -> dict[str, int]:
         """Pages the Runner keeps for itself (the CUDA graphs' scratch page per group)."""
-        return {g: int(g in (getattr(self, "_scratch", None) or {})) for g in GROUPS}
+        return {g: int(g in self._scratch) for g in GROUPS}
 
     def free_pages(self) -> dict[str, int]:
         return self.kv.free_pages()

@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from kvrelay.engine.kv_handle import PrefillResult
+from kvrelay.engine.kv_handle import PrefillResult, check_prompt_limits
 from kvrelay.engine.kv_transfer import KVExporter, configure_ucx, layout_of
 from kvrelay.engine.rank_group import Followers, join_group, lead_group, load_sized_runner, node_name
 from kvrelay.engine.sampling import SamplingParams, TokenOutput, finish_reason
@@ -106,11 +106,7 @@ class PrefillWorker:
         """Prefill `prompt_ids` and sample the request's next token (its `generated`-th, 0-based: a
         retried request re-prefills prompt + tokens already streamed and continues from there)."""
         n = len(prompt_ids)
-        if n == 0:
-            raise ValueError(f"request {request_id}: empty prompt")
-        if n > self.max_prompt_tokens + generated or n >= self.max_context:
-            raise ValueError(f"request {request_id}: prompt of {n} tokens exceeds this worker's limit "
-                             f"({self.max_prompt_tokens} prompt tokens, {self.max_context} context)")
+        check_prompt_limits(request_id, n, generated, self.max_prompt_tokens, self.max_context)
         t_arrive = time.perf_counter()
         job = _Job(request_id, list(prompt_ids), params, generated)
         with self._count_lock:

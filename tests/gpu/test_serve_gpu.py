@@ -168,21 +168,20 @@ def check_served(server: Server, reference, *, colocated: bool) -> None:
         rows = server.status()
 
 
-def test_serve_colocated_one_gpu(tmp_path, reference):
-    server = Server(tmp_path, COLOCATED)
+def serve_and_check(tmp_path, reference, config: str, *, colocated: bool) -> None:
+    server = Server(tmp_path, config)
     try:
-        check_served(server, reference, colocated=True)
+        check_served(server, reference, colocated=colocated)
     finally:
         server.stop()
     assert server.proc.returncode == 0, "".join(server.lines[-40:])
+
+
+def test_serve_colocated_one_gpu(tmp_path, reference):
+    serve_and_check(tmp_path, reference, COLOCATED, colocated=True)
 
 
 def test_serve_split_two_gpus_over_nixl(tmp_path, reference):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs (nvidia-h200-x2): prefill on one, decode on the other")
-    server = Server(tmp_path, SPLIT)
-    try:
-        check_served(server, reference, colocated=False)
-    finally:
-        server.stop()
-    assert server.proc.returncode == 0, "".join(server.lines[-40:])
+    serve_and_check(tmp_path, reference, SPLIT, colocated=False)
