@@ -57,6 +57,8 @@ class DecodeSection:
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     kv_memory_fraction: float = 0.5  # GPU: share of what weights, activations and graphs leave free
     page_size: int = 16
+    # Plan and queue decode step N+1 while step N runs (greedy batches; vLLM's async scheduling).
+    overlap_steps: bool = True
 
 
 @dataclass(frozen=True)

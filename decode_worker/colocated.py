@@ -235,4 +235,5 @@ class ColocatedWorker(DecodeWorker):
         """Tokens each role computed: a prompt is prefilled once and never recomputed by decode."""
         c = self.prefill_counters
         return {"prompt_tokens": c.prompt_tokens, "prompts": c.prompts, "prefill_forwards": c.chunks,
-                "decode_tokens": self.decode_tokens, "steps": self.steps}
+                "decode_tokens": self.decode_tokens, "steps": self.steps,
+                "overlapped_steps": self.scheduler.times.overlapped}

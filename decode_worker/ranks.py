@@ -85,6 +85,8 @@ class GroupRunner:
     every rank's, since their caches go through the same calls. Its KV-changing calls block on Ray round
     trips: the worker makes them from threads, never from its event loop."""
 
+    overlap_capable = False  # every rank must run each step; decode_launch is the leader's alone
+
     def __init__(self, runner, group: Followers):
         self._runner = runner
         self.group = group

@@ -16,6 +16,7 @@ directly. The decode actor (worker.py) serialises calls to it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -52,7 +53,7 @@ class SchedulerStats:
         return min(self.pages_total[g] - self.headroom.get(g, 0) - self.pages_reserved[g] for g in GROUPS)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Running:
     request_id: str
     params: SamplingParams
@@ -60,6 +61,36 @@ class _Running:
     generated: int  # tokens already produced for this request (incl. the prefill's first token)
     emit: Callable[[TokenOutput], None]
     aborted: bool = False
+
+
+@dataclass
+class _InFlight:
+    """An overlapped step launched and not read back: its requests, each one's cache length after the
+    step, and the runner's pending step."""
+
+    batch: list[_Running]
+    lengths: list[int]
+    pending: object  # engine.runner.PendingStep
+
+    @property
+    def ids(self) -> set[str]:
+        return {r.request_id for r in self.batch}
+
+
+@dataclass
+class StepTimes:
+    """Seconds the step loop spent per phase, summed (what `kvrelay status` shows): where a served step's
+    time goes besides the GPU."""
+
+    launch_s: float = 0.0  # host: planning the step and queueing its kernels
+    wait_s: float = 0.0  # blocked on the device for a step's tokens
+    emit_s: float = 0.0  # host: per-request token bookkeeping and hand-off
+    steps: int = 0
+    overlapped: int = 0  # steps launched while the one before was still on the device
+    mixed: int = 0  # steps that also carried prompt chunks (colocated)
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(self.__dict__)
 
 
 @dataclass
@@ -73,6 +104,14 @@ class Scheduler:
     # Pages kept out of the reservable budget: a colocated worker's prompt chunks hold all their sliding
     # pages until their forward ends, beyond the one window a reservation counts.
     headroom: dict[str, int] = field(default_factory=dict)
+    # Overlapped decode (greedy batches on a runner that can launch without waiting): step N+1 is
+    # planned and queued while step N runs on the device, its input tokens taken from N's device output;
+    # N's tokens are read back and emitted after. A request that stops at N (a stop token) has ridden
+    # along in N+1 for nothing; its result is dropped, its pages freed once N+1 has been read back.
+    overlap: bool = False
+    times: StepTimes = field(default_factory=StepTimes)
+    _inflight: _InFlight | None = None
+    _deferred: set[str] = field(default_factory=set)  # released while a launched step still uses them
 
     @property
     def capacity(self) -> dict[str, int]:
@@ -117,6 +156,13 @@ class Scheduler:
         if request_id in self._pulling:
             self._release_after_pull.add(request_id)
             return
+        if self._inflight is not None and request_id in self._inflight.ids:
+            # A launched step still writes this request's KV: its pages may go to no one before that step
+            # is read back (a NIXL READ into a reused page would not wait for the device).
+            self._running.pop(request_id, None)
+            self._deferred.add(request_id)
+            return
+        self._deferred.discard(request_id)
         self._budget.pop(request_id, None)
         self._running.pop(request_id, None)
         if self.runner.has_sequence(request_id):
@@ -164,7 +210,7 @@ class Scheduler:
         return True
 
     def has_work(self) -> bool:
-        return bool(self._running)
+        return bool(self._running) or self._inflight is not None
 
     def has_reservation(self, request_id: str) -> bool:
         return request_id in self._budget
@@ -174,7 +220,12 @@ class Scheduler:
 
     def step(self) -> int:
         """One decode step over every running request; emits one token each, retires the finished.
-        Returns how many requests ran."""
+        Returns how many requests the step computed (overlapped: the step it launched)."""
+        if self.overlap and getattr(self.runner, "overlap_capable", False):
+            self._drop_aborted()
+            batch = list(self._running.values())
+            if batch and all(r.params.greedy and not r.params.logprobs for r in batch):
+                return self._step_overlapped(batch)
         return self._step(())[0]
 
     def step_with(self, extra: Sequence[tuple[str, Sequence[int]]] = ()):
@@ -183,32 +234,105 @@ class Scheduler:
         Returns (requests decoded, the extra items' last-position logits [len(extra), vocab] or None)."""
         return self._step(extra)
 
-    def _step(self, extra) -> tuple[int, object]:
+    def drain(self) -> None:
+        """Read back and emit the launched step, if any (before a step that needs the host's tokens)."""
+        if self._inflight is not None:
+            flight, self._inflight = self._inflight, None
+            self._finish_flight(flight)
+
+    def _drop_aborted(self) -> None:
         for r in [r for r in self._running.values() if r.aborted]:
             self.release(r.request_id)
+
+    def _step(self, extra) -> tuple[int, object]:
+        self.drain()
+        self._drop_aborted()
         batch = list(self._running.values())
         if not batch and not extra:
             return 0, None
         ids = [r.request_id for r in batch]
         rest = None
+        t0 = time.perf_counter()
         if extra:
             logits = self.runner.forward_mixed([(rid, [r.last_token]) for rid, r in zip(ids, batch)]
                                                + list(extra))
             logits, rest = logits[: len(batch)], logits[len(batch):]
+            self.times.mixed += 1
         else:
             logits = self.runner.decode(ids, [r.last_token for r in batch])
+        t1 = time.perf_counter()
+        self.times.launch_s += t1 - t0
+        self.times.steps += 1
         if batch:
-            self._emit_step(batch, logits)
+            sampled = self.runner.sample(logits, [r.params for r in batch], [r.generated for r in batch])
+            t2 = time.perf_counter()
+            self.times.wait_s += t2 - t1
+            self._emit(batch, sampled, [self.runner.length(rid) for rid in ids])
+            self.times.emit_s += time.perf_counter() - t2
         return len(batch), rest
 
-    def _emit_step(self, batch: list[_Running], logits) -> None:
-        sampled = self.runner.sample(logits, [r.params for r in batch], [r.generated for r in batch])
-        for r, (token, logprob) in zip(batch, sampled):
+    def _step_overlapped(self, batch: list[_Running]) -> int:
+        """Launch the next step, then read back and emit the one before it (see `overlap`)."""
+        t0 = time.perf_counter()
+        flight = self._inflight
+        prev = {}
+        if flight is not None:
+            prev = {r.request_id: n for r, n in zip(flight.batch, flight.lengths)}
+        rows, last = [], []
+        max_context = self.runner.max_context
+        for r in batch:
+            n = prev.get(r.request_id)
+            if n is None:
+                rows.append(r)
+                last.append(r.last_token)
+                continue
+            # In the launched step: its token is still on the device. Leave out a request that step ends
+            # for sure (its last allowed token, or a full context); only a stop token is unknown yet.
+            if r.generated + 1 < r.params.max_tokens and n + 1 < max_context:
+                rows.append(r)
+                last.append(None)
+        launched = None
+        if rows:
+            try:
+                pending = self.runner.decode_launch([r.request_id for r in rows], last,
+                                                    flight.pending if flight is not None else None)
+            except BaseException:
+                self._inflight = None  # the caller fails these requests; nothing is read back
+                for rid in list(self._deferred):
+                    self.release(rid)
+                raise
+            launched = _InFlight(rows, [self.runner.length(r.request_id) for r in rows], pending)
+            if flight is not None:
+                self.times.overlapped += 1
+            self.times.steps += 1
+        self._inflight = launched
+        self.times.launch_s += time.perf_counter() - t0
+        if flight is not None:
+            self._finish_flight(flight)
+        return len(rows)
+
+    def _finish_flight(self, flight: _InFlight) -> None:
+        t0 = time.perf_counter()
+        tokens = self.runner.decode_collect(flight.pending)
+        t1 = time.perf_counter()
+        self.times.wait_s += t1 - t0
+        live = [(r, t, n) for r, t, n in zip(flight.batch, tokens, flight.lengths)
+                if self._running.get(r.request_id) is r]  # released meanwhile: its token is dropped
+        self._emit([r for r, _, _ in live], [(t, None) for _, t, _ in live], [n for _, _, n in live])
+        # Pages of requests released while this step ran (and that the next launched step does not use).
+        busy = self._inflight.ids if self._inflight is not None else set()
+        for rid in [rid for rid in self._deferred if rid not in busy]:
+            self.release(rid)
+        self.times.emit_s += time.perf_counter() - t1
+
+    def _emit(self, batch: list[_Running], sampled, lengths: list[int]) -> None:
+        """Each request's new token; `lengths`: its cache length after the step that made it."""
+        for r, (token, logprob), n in zip(batch, sampled, lengths):
             r.generated += 1
             r.last_token = token
             reason = finish_reason(token, r.generated, r.params)
             # The next step would write position `length`; a full context ends the request here.
-            if reason is None and self.runner.length(r.request_id) + 1 >= self.runner.max_context:
+            if reason is None and n + 1 >= self.runner.max_context:
                 reason = "length"
             r.emit(TokenOutput(token, logprob, reason))
             if reason is not None:

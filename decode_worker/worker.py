@@ -64,6 +64,9 @@ class DecodeStatus:
     tp_size: int = 1
     decode_tokens: int = 0  # computed by decode steps
     prompt_tokens: int = 0  # prompt tokens computed here (0 unless colocated: pulled KV is not recomputed)
+    # Step loop seconds per phase, summed: launch (host planning), wait (blocked on the device), emit
+    # (token bookkeeping), ops (admission and other queued calls between steps), plus step counts.
+    step_phases: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,7 @@ class DecodeWorker:
             layout, pools = layout_of(self.runner.kv)
             self.importer = KVImporter(layout, pools, name_prefix=f"decode{rank}")
         self.scheduler = Scheduler(self.runner, max_batch=topology.decode.max_batch,
-                                   headroom=self._headroom(topology))
+                                   headroom=self._headroom(topology), overlap=topology.decode.overlap_steps)
         # The step thread owns the Runner and the Scheduler: every other call is queued as an op that the
         # step thread runs between two steps, all pending ops at once. (A lock taken per op let one op
         # in per step: 64 arriving requests, four ops each, waited ~256 steps to be admitted.)
@@ -118,6 +121,7 @@ class DecodeWorker:
         self._outbox: list = []  # (request, TokenOutput | error) of the current step (step thread)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.steps = 0
+        self.ops_s = 0.0  # step thread time in queued ops (admission, joins, releases)
         self.completed = 0
         self.decode_tokens = 0  # tokens computed by decode steps (a pulled prompt is never recomputed)
         self._thread = threading.Thread(target=self._step_loop, name="decode-steps", daemon=True)
@@ -387,7 +391,9 @@ class DecodeWorker:
                     self._wake.wait()
                 if self._stop:
                     return
+            t0 = time.perf_counter()
             self._run_ops()
+            self.ops_s += time.perf_counter() - t0
             self._flush()
             with self._lock:
                 if not self._has_work():
@@ -420,7 +426,7 @@ class DecodeWorker:
             free_budget=s.free_budget, admitted=s.reserved, running=s.running, steps=self.steps,
             completed=self.completed, agent=self.importer.agent_name if self.importer else "-",
             last_step_error=repr(self._step_error) if self._step_error else None, tp_size=self.tp_size,
-            decode_tokens=self.decode_tokens)
+            decode_tokens=self.decode_tokens, step_phases={**self.scheduler.times.as_dict(), "ops_s": self.ops_s})
 
     async def shutdown(self) -> None:
         with self._wake:

@@ -8,9 +8,11 @@ caller's (LLM, workers), which keeps one Runner usable for both disaggregated ro
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Hashable, Sequence
 
+import numpy as np
 import torch
 
 from kvrelay.engine.config import ModelConfig, load_model_config
@@ -21,7 +23,7 @@ from kvrelay.engine.model import GptOss
 from kvrelay.engine.sampling import SamplingParams, sample
 from kvrelay.kernels.reference import PagedKV
 
-__all__ = ["Runner", "OutOfPages", "open_model_weights", "DEFAULT_GRAPH_BATCH_SIZES"]
+__all__ = ["Runner", "OutOfPages", "PendingStep", "open_model_weights", "DEFAULT_GRAPH_BATCH_SIZES"]
 
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 _WORKSPACE_BYTES = 128 << 20
@@ -34,11 +36,25 @@ def open_model_weights(model: str | Path, cfg: ModelConfig, *, dummy: bool, seed
     return open_weights(model, cfg, dummy=dummy, seed=seed)
 
 
+@dataclass
+class PendingStep:
+    """A greedy decode step launched but not yet read back (`Runner.decode_launch`): the sampled tokens
+    stay on the device (the next step can take them from there) while a copy to pinned host memory is
+    under way."""
+
+    seq_ids: list
+    tokens: torch.Tensor  # [n] int64 on the device
+    host: torch.Tensor  # [n] int64, pinned on CUDA; valid once `event` has completed
+    event: object | None  # torch.cuda.Event, None on CPU (already complete)
+
+
 class Runner:
     """`attention_fn` None (default) picks the device's kernels (kernels.select: the torch reference on
     CPU; FlashInfer/Triton on CUDA); an explicit function is run per layer with the reference's
     signature. On CUDA, decode steps of up to max(cuda_graph_batch_sizes) sequences replay CUDA graphs
     captured at those padded batch sizes (cuda_graphs=False or an empty tuple: always eager)."""
+
+    overlap_capable = True  # decode_launch / decode_collect (a TP group's runner is not)
 
     def __init__(
         self,
@@ -164,7 +180,8 @@ class Runner:
             return ids.pin_memory().to(self.device, non_blocking=True)
         return ids.to(self.device)
 
-    def _run(self, items: list[tuple[Hashable, list[int]]], *, all_logits: bool = False) -> torch.Tensor:
+    def _run(self, items: list[tuple[Hashable, list[int]]], *, all_logits: bool = False,
+             fill=None) -> torch.Tensor:
         reserved: list[Hashable] = []
         new = [sid for sid, _ in items if sid not in self.kv.seqs]
         try:
@@ -172,6 +189,8 @@ class Runner:
                 if not toks:
                     raise ValueError(f"sequence {sid!r}: no tokens to run")
             ids = self._ids([t for _, toks in items for t in toks])
+            if fill is not None:
+                _fill_ids(ids, fill)
             for sid, toks in items:
                 self.kv.reserve(sid, len(toks))
                 reserved.append(sid)
@@ -258,9 +277,12 @@ class Runner:
             small[o32[("ip", g)]: o32[("ip", g)] + bs + 1] = ip
             small[o32[("ll", g)]: o32[("ll", g)] + bs] = ll
             idx[g] = ind
-        host64 = torch.tensor(h64, dtype=torch.long).pin_memory()
-        host32 = torch.tensor(small + idx[GROUPS[0]] + idx[GROUPS[1]], dtype=torch.int32).pin_memory()
+        # numpy converts a list of ints ~3x faster than torch.tensor: ~1.5 ms of a 256-row step's host time.
+        host64 = torch.from_numpy(np.array(h64, dtype=np.int64)).pin_memory()
+        host32 = torch.from_numpy(np.array(small + idx[GROUPS[0]] + idx[GROUPS[1]], dtype=np.int32)).pin_memory()
         g_["i64"].copy_(host64, non_blocking=True)
+        if lists is not None and lists.get("fill") is not None:
+            _fill_ids(g_["i64"], lists["fill"])  # rows whose token is still on the device
         n32 = g_["n32"]
         g_["i32"][:n32].copy_(host32[:n32], non_blocking=True)
         at = n32
@@ -285,7 +307,7 @@ class Runner:
         ids = self._g["i64"][:bs]
         return self.model.forward(ids, self.kv, batch, attn=self._g["attn"][bs], plan=False)
 
-    def _decode_graph(self, items: list[tuple[Hashable, int]]) -> torch.Tensor:
+    def _decode_graph(self, items: list[tuple[Hashable, int]], fill=None, clone: bool = True) -> torch.Tensor:
         if self._graphs is None:
             self._graph_setup()
         n = len(items)
@@ -297,6 +319,7 @@ class Runner:
             self.kv.reserve(sid, 1)
         lists = self.kv.plan_lists([(sid, 1) for sid, _ in items])
         lists["ids"] = toks
+        lists["fill"] = fill
         self._g["items"] = lists
         try:
             if self.graph_replay:
@@ -304,7 +327,9 @@ class Runner:
             else:
                 self._graph_prepare(bs, n)
                 out = self._graph_step(bs)
-            logits = out[:n].clone()  # the graph's output buffer is overwritten by the next replay
+            # The graph's output buffer is overwritten by the next replay; a caller that reduces it on the
+            # stream right away (decode_launch) needs no copy.
+            logits = out[:n].clone() if clone else out[:n]
         finally:
             self._g["items"] = None
         for sid, _ in items:
@@ -338,6 +363,53 @@ class Runner:
         if self.cuda_graph_batch_sizes and 0 < len(seq_ids) <= self.cuda_graph_batch_sizes[-1]:
             return self._decode_graph([(sid, int(t)) for sid, t in zip(seq_ids, last_tokens)])
         return self._run([(sid, [int(t)]) for sid, t in zip(seq_ids, last_tokens)])
+
+    def decode_launch(self, seq_ids: Sequence[Hashable], last_tokens: Sequence[int | None],
+                      prev: PendingStep | None = None) -> PendingStep:
+        """A greedy decode step (`decode` + argmax) that returns without waiting for the device, so the
+        caller can plan the next step while this one runs (vLLM's async scheduling, SGLang's overlap
+        scheduler). A row whose last token is None takes it from `prev`, the step before, still on the
+        device: the token that step sampled for the same sequence. `decode_collect` reads the tokens."""
+        if len(seq_ids) != len(last_tokens) or not seq_ids:
+            raise ValueError("decode_launch: one last token per sequence, at least one sequence")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError("decode_launch: a sequence appears twice in one step")
+        for sid in seq_ids:
+            if sid not in self.kv.seqs:
+                raise KeyError(f"decode_launch: unknown sequence {sid!r}")
+        fill = None
+        missing = [i for i, t in enumerate(last_tokens) if t is None]
+        if missing:
+            rows = {sid: j for j, sid in enumerate(prev.seq_ids)} if prev is not None else {}
+            if any(seq_ids[i] not in rows for i in missing):
+                raise ValueError("decode_launch: a row without a last token is not in the previous step")
+            fill = (self._index(missing), self._index([rows[seq_ids[i]] for i in missing]), prev.tokens)
+        toks = [0 if t is None else int(t) for t in last_tokens]  # 0: placeholder, overwritten by fill
+        items = list(zip(seq_ids, toks))
+        if self.cuda_graph_batch_sizes and len(items) <= self.cuda_graph_batch_sizes[-1]:
+            logits = self._decode_graph(items, fill=fill, clone=False)
+        else:
+            logits = self._run([(sid, [t]) for sid, t in items], fill=fill)
+        tokens = torch.argmax(logits, dim=-1)  # ties go to the lowest id, as in `sample`
+        cuda = self.device.type == "cuda"
+        host = torch.empty(len(items), dtype=torch.long, pin_memory=cuda)
+        host.copy_(tokens, non_blocking=cuda)
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return PendingStep(list(seq_ids), tokens, host, event)
+
+    @staticmethod
+    def decode_collect(step: PendingStep) -> list[int]:
+        """The tokens of a launched step, in row order (waits for the device)."""
+        if step.event is not None:
+            step.event.synchronize()
+        return step.host.tolist()
+
+    def _index(self, values: list[int]) -> torch.Tensor:
+        t = torch.tensor(values, dtype=torch.long)
+        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
     def forward_mixed(self, items: Sequence[tuple[Hashable, Sequence[int]]]) -> torch.Tensor:
         """One ragged forward over new sequences, prompt chunks of existing ones and decode tokens alike
@@ -385,3 +457,9 @@ class Runner:
             # sampling.sample).
             return [(t, None) for t in torch.argmax(logits.float(), dim=-1).tolist()]
         return sample(logits, params, list(steps))
+
+
+def _fill_ids(ids: torch.Tensor, fill) -> None:
+    """ids[dst] = tokens[src] on the device: token ids a previous step sampled and nobody read back."""
+    dst, src, tokens = fill
+    ids[dst] = tokens[src]

@@ -62,8 +62,9 @@ def run_to_end(sched: Scheduler, max_steps: int = 1000) -> None:
     raise AssertionError("requests did not finish")
 
 
-def test_requests_joining_mid_batch_match_solo_runs(solo_runner):
-    sched = Scheduler(new_runner(), max_batch=8)
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
+def test_requests_joining_mid_batch_match_solo_runs(solo_runner, overlap):
+    sched = Scheduler(new_runner(), max_batch=8, overlap=overlap)
     lengths = [1, 7, 8, 9, 30, 3]
     sink: dict[str, list[TokenOutput]] = {}
     for i, n in enumerate(lengths):  # join at different steps: one new request per step
@@ -76,10 +77,13 @@ def test_requests_joining_mid_batch_match_solo_runs(solo_runner):
         assert [t.finish_reason for t in sink[f"r{i}"]] == [None] * 11 + ["length"]
     s = sched.stats()
     assert s.pages_in_use == {"full": 0, "sliding": 0} and s.reserved == 0 and s.running == 0
+    # Overlapped: every step after the first was launched while the one before was on the device.
+    assert sched.times.overlapped == (sched.times.steps - 1 if overlap else 0)
 
 
-def test_stop_token_ends_request_and_frees_pages(solo_runner):
-    sched = Scheduler(new_runner(), max_batch=4)
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
+def test_stop_token_ends_request_and_frees_pages(solo_runner, overlap):
+    sched = Scheduler(new_runner(), max_batch=4, overlap=overlap)
     ref = solo(solo_runner, prompt_of(5), GREEDY)
     stop = ref[4]
     params = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(stop,))
@@ -124,8 +128,9 @@ def test_sliding_reservation_is_capped_at_a_window():
     sched.release("long")
 
 
-def test_long_request_stays_within_its_sliding_budget(solo_runner):
-    sched = Scheduler(new_runner(page_size=4), max_batch=2)
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
+def test_long_request_stays_within_its_sliding_budget(solo_runner, overlap):
+    sched = Scheduler(new_runner(page_size=4), max_batch=2, overlap=overlap)
     params = SamplingParams(max_tokens=40, temperature=0.0)
     sink: dict[str, list[TokenOutput]] = {}
     admit(sched, "long", prompt_of(23), params, sink)
@@ -148,16 +153,72 @@ def test_abort_frees_at_the_next_step():
     assert sched.stats().pages_in_use == {"full": 0, "sliding": 0}
 
 
-def test_reaching_max_context_finishes_with_length(solo_runner):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
+def test_reaching_max_context_finishes_with_length(solo_runner, overlap):
     runner = new_runner()
     runner.cfg = runner.cfg.replace(max_context=12)  # the plan refuses positions past it
     runner.kv.cfg = runner.cfg
-    sched = Scheduler(runner, max_batch=2)
+    sched = Scheduler(runner, max_batch=2, overlap=overlap)
     params = SamplingParams(max_tokens=50, temperature=0.0)
     sink: dict[str, list[TokenOutput]] = {}
     admit(sched, "a", prompt_of(8), params, sink)
     run_to_end(sched)
     assert len(sink["a"]) == 4 and sink["a"][-1].finish_reason == "length"  # 8 prompt + 4 = 12
+
+
+def test_overlapped_release_waits_for_the_launched_step():
+    """A request released while a launched step still computes it keeps its pages until that step has
+    been read back; its token from that step is dropped; the others' streams equal a sync run's."""
+    streams = {}
+    for overlap in (False, True):
+        sched = Scheduler(new_runner(), max_batch=4, overlap=overlap)
+        sink: dict[str, list[TokenOutput]] = {}
+        admit(sched, "a", prompt_of(9), GREEDY, sink)
+        admit(sched, "b", prompt_of(4), GREEDY, sink)
+        sched.step()
+        sched.step()
+        if overlap:
+            assert len(sink["a"]) == 2  # step 1 read back, step 2 on the device
+            held = sched.stats().pages_in_use
+            sched.release("a")  # e.g. the client went away, between two steps
+            assert sched.runner.has_sequence("a") and sched.stats().pages_in_use == held
+            sched.step()  # launches step 3 without "a", reads back step 2 (a's token dropped), frees "a"
+            assert not sched.runner.has_sequence("a") and not sched.has_reservation("a")
+            assert len(sink["a"]) == 2 and sched.running_ids() == ["b"]
+        else:
+            sched.release("a")
+            assert len(sink["a"]) == 3
+        run_to_end(sched)
+        assert sched.stats().pages_in_use == {"full": 0, "sliding": 0} and sched.stats().reserved == 0
+        streams[overlap] = [t.token_id for t in sink["b"]]
+    assert streams[True] == streams[False]
+
+
+def test_overlap_falls_back_to_sync_steps_for_sampled_requests(solo_runner):
+    sched = Scheduler(new_runner(), max_batch=4, overlap=True)
+    sink: dict[str, list[TokenOutput]] = {}
+    sampled = SamplingParams(max_tokens=5, temperature=0.8, seed=7)
+    admit(sched, "s", prompt_of(6), sampled, sink)
+    sched.step()
+    assert len(sink["s"]) == 2 and sched.times.overlapped == 0  # emitted by its own step: not launched ahead
+    run_to_end(sched)
+    assert sched.stats().pages_in_use == {"full": 0, "sliding": 0}
+
+
+def test_decode_launch_takes_tokens_from_the_step_before(solo_runner):
+    """Runner.decode_launch with rows fed from the previous launch's device tokens equals decode + argmax."""
+    runner = new_runner()
+    prompts = {"x": prompt_of(7, 1), "y": prompt_of(3, 2)}
+    ref = {sid: solo(solo_runner, p, GREEDY)[:4] for sid, p in prompts.items()}
+    first = {}
+    for sid, p in prompts.items():
+        (first[sid], _), = runner.sample(runner.prefill(sid, p), [GREEDY], [0])
+    step1 = runner.decode_launch(["x", "y"], [first["x"], first["y"]])
+    step2 = runner.decode_launch(["y", "x"], [None, None], step1)  # rows in another order
+    assert runner.decode_collect(step1) == [ref["x"][1], ref["y"][1]]
+    assert runner.decode_collect(step2) == [ref["y"][2], ref["x"][2]]
+    with pytest.raises(ValueError, match="not in the previous step"):
+        runner.decode_launch(["x"], [None])
 
 
 def test_release_during_a_pull_waits_for_its_end():
