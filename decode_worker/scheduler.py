@@ -82,12 +82,13 @@ class StepTimes:
     """Seconds the step loop spent per phase, summed (what `kvrelay status` shows): where a served step's
     time goes besides the GPU."""
 
-    launch_s: float = 0.0  # host: planning the step and queueing its kernels
-    wait_s: float = 0.0  # blocked on the device for a step's tokens
+    launch_s: float = 0.0  # decode steps, host: planning the step and queueing its kernels
+    wait_s: float = 0.0  # decode steps: blocked on the device for a step's tokens
     emit_s: float = 0.0  # host: per-request token bookkeeping and hand-off
+    mixed_s: float = 0.0  # steps that carried prompt chunks too (colocated): the whole forward + sampling
     steps: int = 0
     overlapped: int = 0  # steps launched while the one before was still on the device
-    mixed: int = 0  # steps that also carried prompt chunks (colocated)
+    mixed: int = 0  # steps that also carried prompt chunks
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
@@ -261,12 +262,17 @@ class Scheduler:
         else:
             logits = self.runner.decode(ids, [r.last_token for r in batch])
         t1 = time.perf_counter()
-        self.times.launch_s += t1 - t0
         self.times.steps += 1
+        sampled = None
         if batch:
             sampled = self.runner.sample(logits, [r.params for r in batch], [r.generated for r in batch])
-            t2 = time.perf_counter()
+        t2 = time.perf_counter()
+        if extra:
+            self.times.mixed_s += t2 - t0
+        else:
+            self.times.launch_s += t1 - t0
             self.times.wait_s += t2 - t1
+        if batch:
             self._emit(batch, sampled, [self.runner.length(rid) for rid in ids])
             self.times.emit_s += time.perf_counter() - t2
         return len(batch), rest

@@ -14,9 +14,11 @@ layer's view [num_pages, 2, page_size, kv_heads, head_dim] is FlashInfer's NHD p
 from __future__ import annotations
 
 import hashlib
+import itertools
 from dataclasses import dataclass, field
 from typing import Hashable
 
+import numpy as np
 import torch
 
 from kvrelay.engine.config import ModelConfig
@@ -286,6 +288,39 @@ class KVCache:
 
         return dict(qo=qo, positions=positions, rows=rows, indptr=indptr, indices=indices, last_len=last_len,
                     w_pages=w_pages, w_offsets=w_offsets)
+
+    def plan_decode(self, seq_ids: list[Hashable]) -> dict:
+        """`plan_lists` for one new token per sequence (a decode step, already reserved), as numpy
+        arrays built without a Python loop over pages: a 256-sequence step's host planning in a fraction
+        of the time, which the CUDA-graph step needs (the GPU waits while the host plans)."""
+        ps = self.page_size
+        seqs = [self.seqs[sid] for sid in seq_ids]
+        n = len(seqs)
+        pos = np.fromiter((q.length for q in seqs), dtype=np.int64, count=n)
+        if n and int(pos.max()) + 1 > self.cfg.max_context:
+            raise ValueError(f"a sequence would reach {int(pos.max()) + 1} > max_context={self.cfg.max_context}")
+        spanned = (pos + ps) // ps  # pages spanned by length pos + 1
+        out = dict(qo=np.arange(n + 1), positions=pos, rows=np.arange(n), indptr={}, indices={}, last_len={},
+                   w_pages={}, w_offsets={})
+        for g in GROUPS:
+            tables = [q.pages[g] for q in seqs]
+            first = np.fromiter((q.first_page[g] for q in seqs), dtype=np.int64, count=n)
+            used = spanned - first
+            held = np.fromiter(map(len, tables), dtype=np.int64, count=n)
+            if (used > held).any():
+                raise RuntimeError("a sequence is not reserved for its decode token")
+            if (used == held).all():
+                flat = list(itertools.chain.from_iterable(tables))
+                last = [t[-1] for t in tables]
+            else:
+                flat = list(itertools.chain.from_iterable(t[:u] for t, u in zip(tables, used.tolist())))
+                last = [t[u - 1] for t, u in zip(tables, used.tolist())]
+            out["indices"][g] = np.array(flat, dtype=np.int32)
+            out["indptr"][g] = np.concatenate([[0], np.cumsum(used)])
+            out["last_len"][g] = pos + 1 - (spanned - 1) * ps
+            out["w_pages"][g] = np.array(last, dtype=np.int64)  # the new position is in the last page
+            out["w_offsets"][g] = pos % ps
+        return out
 
     def plan(self, batch: list[tuple[Hashable, int]]) -> BatchLayout:
         """Layout for appending n_new tokens to each (already reserved) sequence, in order."""

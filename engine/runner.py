@@ -216,18 +216,8 @@ class Runner:
         # Sequences of one batch use distinct pages, padding rows all use the scratch page.
         cap = {g: self.kv.allocators[g].num_pages + mx for g in GROUPS}
         i64 = torch.zeros(7 * mx, dtype=torch.long, device=dev)
-        n32 = (mx + 1) + 2 * (2 * mx + 1)
+        o, o32, n32 = graph_offsets(mx, cap)
         i32 = torch.zeros(n32 + sum(cap.values()), dtype=torch.int32, device=dev)
-        o = {"ids": 0, "pos": mx, "rows": 2 * mx}
-        for i, g in enumerate(GROUPS):
-            o[("wp", g)], o[("wo", g)] = (3 + 2 * i) * mx, (4 + 2 * i) * mx
-        o32, at = {"qo": 0}, mx + 1
-        for g in GROUPS:
-            o32[("ip", g)], o32[("ll", g)] = at, at + mx + 1
-            at += 2 * mx + 1
-        for g in GROUPS:
-            o32[("ix", g)] = at
-            at += cap[g]
         self._g = dict(i64=i64, i32=i32, o=o, o32=o32, n32=n32, cap=cap, mx=mx, batches={}, attn={}, items=None)
         # Static parts: qo_indptr = 0..bs, logit rows = 0..bs-1.
         i32[: mx + 1].copy_(torch.arange(mx + 1, dtype=torch.int32))
@@ -256,30 +246,9 @@ class Runner:
         n = 0 if lists is None else len(lists["positions"])
         pad = bs - n
         mx, o, o32 = g_["mx"], g_["o"], g_["o32"]
-        h64 = [0] * (7 * mx)
-        if lists is not None:
-            h64[:n] = lists["ids"]
-            h64[o["pos"]: o["pos"] + n] = lists["positions"]
-        for g in GROUPS:
-            sp = self._scratch[g]
-            h64[o[("wp", g)]: o[("wp", g)] + bs] = (lists["w_pages"][g] if n else []) + [sp] * pad
-            h64[o[("wo", g)]: o[("wo", g)] + bs] = (lists["w_offsets"][g] if n else []) + [0] * pad
-        h64[o["rows"]: o["rows"] + mx] = range(mx)
-        small = [0] * g_["n32"]
-        small[: mx + 1] = range(mx + 1)
-        idx = {}
-        for g in GROUPS:
-            ind = (lists["indices"][g] if n else []) + [self._scratch[g]] * pad
-            ip = (lists["indptr"][g] if n else [0]) + [0] * pad
-            for j in range(n + 1, bs + 1):
-                ip[j] = ip[j - 1] + 1
-            ll = (lists["last_len"][g] if n else []) + [1] * pad
-            small[o32[("ip", g)]: o32[("ip", g)] + bs + 1] = ip
-            small[o32[("ll", g)]: o32[("ll", g)] + bs] = ll
-            idx[g] = ind
-        # numpy converts a list of ints ~3x faster than torch.tensor: ~1.5 ms of a 256-row step's host time.
-        host64 = torch.from_numpy(np.array(h64, dtype=np.int64)).pin_memory()
-        host32 = torch.from_numpy(np.array(small + idx[GROUPS[0]] + idx[GROUPS[1]], dtype=np.int32)).pin_memory()
+        a64, a32, idx_len = graph_host_arrays(lists, bs, mx, o, o32, g_["n32"], self._scratch)
+        host64 = torch.from_numpy(a64).pin_memory()
+        host32 = torch.from_numpy(a32).pin_memory()
         g_["i64"].copy_(host64, non_blocking=True)
         if lists is not None and lists.get("fill") is not None:
             _fill_ids(g_["i64"], lists["fill"])  # rows whose token is still on the device
@@ -287,7 +256,7 @@ class Runner:
         g_["i32"][:n32].copy_(host32[:n32], non_blocking=True)
         at = n32
         for g in GROUPS:
-            k = len(idx[g])
+            k = idx_len[g]
             g_["i32"][o32[("ix", g)]: o32[("ix", g)] + k].copy_(host32[at: at + k], non_blocking=True)
             at += k
         batch = g_["batches"][bs]
@@ -298,7 +267,7 @@ class Runner:
         attn = g_["attn"][bs]
         attn.batch = batch
         for g, fi in attn.fi.items():
-            used = len(idx[g])
+            used = idx_len[g]
             fi.plan_decode(batch.host["kv_indptr"][g], batch.kv[g].kv_indices[:used],
                            batch.host["kv_last_page_len"][g])
 
@@ -317,7 +286,7 @@ class Runner:
             raise ValueError(f"token id outside [0, {self.cfg.vocab_size})")
         for sid, _ in items:
             self.kv.reserve(sid, 1)
-        lists = self.kv.plan_lists([(sid, 1) for sid, _ in items])
+        lists = self.kv.plan_decode([sid for sid, _ in items])
         lists["ids"] = toks
         lists["fill"] = fill
         self._g["items"] = lists
@@ -463,3 +432,56 @@ def _fill_ids(ids: torch.Tensor, fill) -> None:
     """ids[dst] = tokens[src] on the device: token ids a previous step sampled and nobody read back."""
     dst, src, tokens = fill
     ids[dst] = tokens[src]
+
+
+def graph_offsets(mx: int, cap: dict[str, int]) -> tuple[dict, dict, int]:
+    """Where each array lives in the graph step's two fixed buffers (int64, int32) for up to mx rows and
+    `cap[g]` page indices per group: (int64 offsets, int32 offsets, int32 size before the indices)."""
+    o = {"ids": 0, "pos": mx, "rows": 2 * mx}
+    for i, g in enumerate(GROUPS):
+        o[("wp", g)], o[("wo", g)] = (3 + 2 * i) * mx, (4 + 2 * i) * mx
+    n32 = (mx + 1) + 2 * (2 * mx + 1)
+    o32, at = {"qo": 0}, mx + 1
+    for g in GROUPS:
+        o32[("ip", g)], o32[("ll", g)] = at, at + mx + 1
+        at += 2 * mx + 1
+    for g in GROUPS:
+        o32[("ix", g)] = at
+        at += cap[g]
+    return o, o32, n32
+
+
+def graph_host_arrays(lists: dict | None, bs: int, mx: int, o: dict, o32: dict, n32: int,
+                      scratch: dict[str, int]) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
+    """A graph step's host buffers: int64 [7 * mx] (ids, positions, logit rows, write pages/offsets per
+    group at the offsets `o`) and int32 [n32 + indices] (qo_indptr, per group kv indptr and last page
+    lengths at `o32`, then each group's page indices), the real rows of `lists` (a decode plan, None
+    while capturing) padded to bs rows that each hold one scratch page. numpy throughout: no Python loop
+    over rows or pages (a 256-row step's host time is what the GPU waits for between graphs)."""
+    n = 0 if lists is None else len(lists["positions"])
+    pad = bs - n
+    h64 = np.zeros(7 * mx, dtype=np.int64)
+    if n:
+        h64[:n] = lists["ids"]
+        h64[o["pos"]: o["pos"] + n] = lists["positions"]
+    for g in GROUPS:
+        at = o[("wp", g)]
+        if n:
+            h64[at: at + n] = lists["w_pages"][g]
+            h64[o[("wo", g)]: o[("wo", g)] + n] = lists["w_offsets"][g]
+        h64[at + n: at + bs] = scratch[g]  # padding rows write to the scratch page, offset 0
+    h64[o["rows"]: o["rows"] + mx] = np.arange(mx)
+    small = np.zeros(n32, dtype=np.int32)
+    small[: mx + 1] = np.arange(mx + 1)
+    idx = {}
+    for g in GROUPS:
+        ip = np.empty(bs + 1, dtype=np.int64)
+        ip[: n + 1] = lists["indptr"][g] if n else 0
+        ip[n + 1:] = ip[n] + np.arange(1, pad + 1)
+        small[o32[("ip", g)]: o32[("ip", g)] + bs + 1] = ip
+        if n:
+            small[o32[("ll", g)]: o32[("ll", g)] + n] = lists["last_len"][g]
+        small[o32[("ll", g)] + n: o32[("ll", g)] + bs] = 1
+        idx[g] = np.concatenate([np.asarray(lists["indices"][g] if n else [], dtype=np.int32),
+                                 np.full(pad, scratch[g], dtype=np.int32)])
+    return h64, np.concatenate([small, idx[GROUPS[0]], idx[GROUPS[1]]]), {g: len(idx[g]) for g in GROUPS}

@@ -112,3 +112,60 @@ def test_runner_errors_leave_no_state():
     assert not r.has_sequence("x") and r.free_pages() == {FULL: 16, SLIDING: 16}
     with pytest.raises(KeyError):
         r.decode(["nope"], [1])
+
+
+def test_plan_decode_equals_plan_lists():
+    """The numpy decode planner gives the same layout as the general one, across page boundaries, a
+    sliding window that dropped pages, and sequences of very different lengths."""
+    import numpy as np
+
+    kv = KVCache(CFG, num_pages=512, page_size=4, device="meta")
+    lengths = [1, 3, 4, 5, 16, 37, 130]
+    ids = [f"s{i}" for i in range(len(lengths))]
+    for sid, n in zip(ids, lengths):
+        kv.import_sequence(sid, n)
+    for _ in range(6):  # several steps: pages appear, sliding pages drop out of the window
+        for sid in ids:
+            kv.reserve(sid, 1)
+        want = kv.plan_lists([(sid, 1) for sid in ids])
+        got = kv.plan_decode(ids)
+        for key in ("qo", "positions", "rows"):
+            assert np.array_equal(got[key], np.array(want[key])), key
+        for key in ("indptr", "indices", "last_len", "w_pages", "w_offsets"):
+            for g in ("full", "sliding"):
+                assert np.array_equal(got[key][g], np.array(want[key][g])), (key, g)
+        for sid in ids:
+            kv.commit(sid, 1)
+
+
+def test_graph_host_arrays_pad_a_decode_plan():
+    """The CUDA-graph step's host buffers: real rows from the decode plan, padding rows on the scratch
+    page (one page each, last length 1, offset 0), written where the graph's views read them."""
+    import numpy as np
+
+    from kvrelay.engine.runner import graph_host_arrays, graph_offsets
+
+    kv = KVCache(CFG, num_pages=512, page_size=4, device="meta")
+    ids = ["a", "b", "c"]
+    for sid, n in zip(ids, [3, 9, 22]):
+        kv.import_sequence(sid, n)
+        kv.reserve(sid, 1)
+    plan = kv.plan_decode(ids)
+    plan["ids"] = [7, 8, 9]
+    mx, bs, scratch = 8, 4, {"full": 500, "sliding": 501}
+    o, o32, n32 = graph_offsets(mx, {"full": 520, "sliding": 520})
+    a64, a32, used = graph_host_arrays(plan, bs, mx, o, o32, n32, scratch)
+    assert list(a64[:3]) == [7, 8, 9] and list(a64[o["pos"]: o["pos"] + 3]) == [3, 9, 22]
+    assert list(a64[o["rows"]: o["rows"] + mx]) == list(range(mx))
+    for g in ("full", "sliding"):
+        assert list(a64[o[("wp", g)]: o[("wp", g)] + bs]) == list(plan["w_pages"][g]) + [scratch[g]]
+        assert list(a64[o[("wo", g)]: o[("wo", g)] + bs]) == list(plan["w_offsets"][g]) + [0]
+        ip = list(a32[o32[("ip", g)]: o32[("ip", g)] + bs + 1])
+        assert ip == list(plan["indptr"][g]) + [plan["indptr"][g][-1] + 1]
+        assert list(a32[o32[("ll", g)]: o32[("ll", g)] + bs]) == list(plan["last_len"][g]) + [1]
+        assert used[g] == len(plan["indices"][g]) + 1
+    tail = list(a32[n32:])
+    assert tail == list(plan["indices"]["full"]) + [500] + list(plan["indices"]["sliding"]) + [501]
+    assert list(a32[: mx + 1]) == list(range(mx + 1))
+    capture64, capture32, _ = graph_host_arrays(None, bs, mx, o, o32, n32, scratch)  # capture: all padding
+    assert list(capture32[o32[("ip", "full")]: o32[("ip", "full")] + bs + 1]) == list(range(bs + 1))

@@ -132,3 +132,19 @@ def test_moe_decode_gemv_interpreted():
     out = moe.moe_experts(x, ids, wts, experts, path="gemv")
     ref = refs.moe_ref(x, ids, wts, w1, b1, w2, b2)
     assert refs.rel_err(out, ref) < 2e-2
+
+
+@_interpreted
+def test_expert_sort_kernel_equals_torch_sort_interpreted():
+    """The one-program counting sort (decode batches) gives exactly the torch ops' stable order, padding
+    and block experts, including experts nobody picked and more experts than pairs."""
+    from kvrelay.kernels.moe import sort_by_expert
+    g = torch.Generator().manual_seed(3)
+    for num_experts, tokens, k, block_m in [(32, 1, 4, 16), (32, 300, 4, 64), (128, 257, 4, 64), (8, 5, 2, 16)]:
+        # Skewed choices: a few experts take most pairs, others none.
+        ids = torch.multinomial(torch.rand(num_experts, generator=g) ** 4, tokens * k, replacement=True,
+                                generator=g).view(tokens, k)
+        got = sort_by_expert(ids, num_experts, block_m, path="kernel")
+        want = sort_by_expert(ids, num_experts, block_m, path="torch")
+        for a, b, name in zip(got, want, ("sorted_ids", "block_expert", "counts")):
+            assert torch.equal(a.long(), b.long()), (num_experts, tokens, name)
