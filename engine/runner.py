@@ -242,6 +242,11 @@ class Runner:
         """Host side of a graph step, outside the graph: the real rows' metadata (from `_g["items"]`,
         None while capturing) padded to bs rows, copied into the fixed buffers, attention planned."""
         g_ = self._g
+        # FlashInfer's plan writes its schedule into one page-locked host buffer per wrapper and queues a
+        # copy from it (no sync). With overlapped steps the previous plan's copy may still be queued behind
+        # the running step: wait for that copy (not for the step) before writing the buffer again.
+        if g_.get("planned") is not None:
+            g_["planned"].synchronize()
         lists = g_["items"]
         n = 0 if lists is None else len(lists["positions"])
         pad = bs - n
@@ -270,6 +275,9 @@ class Runner:
             used = idx_len[g]
             fi.plan_decode(batch.host["kv_indptr"][g], batch.kv[g].kv_indices[:used],
                            batch.host["kv_last_page_len"][g])
+        if not torch.cuda.is_current_stream_capturing():
+            g_["planned"] = torch.cuda.Event()
+            g_["planned"].record()
 
     def _graph_step(self, bs: int) -> torch.Tensor:
         batch = self._g["batches"][bs]
@@ -358,6 +366,10 @@ class Runner:
         if self.cuda_graph_batch_sizes and len(items) <= self.cuda_graph_batch_sizes[-1]:
             logits = self._decode_graph(items, fill=fill, clone=False)
         else:
+            # An eager step plans attention through the eager wrappers' host buffers: let the step before
+            # finish first (no overlap past the largest graph size).
+            if prev is not None and prev.event is not None:
+                prev.event.synchronize()
             logits = self._run([(sid, [t]) for sid, t in items], fill=fill)
         tokens = torch.argmax(logits, dim=-1)  # ties go to the lowest id, as in `sample`
         cuda = self.device.type == "cuda"
