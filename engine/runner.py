@@ -8,6 +8,7 @@ caller's (LLM, workers), which keeps one Runner usable for both disaggregated ro
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Hashable, Sequence
@@ -245,8 +246,9 @@ class Runner:
         # FlashInfer's plan writes its schedule into one page-locked host buffer per wrapper and queues a
         # copy from it (no sync). With overlapped steps the previous plan's copy may still be queued behind
         # the running step: wait for that copy (not for the step) before writing the buffer again.
-        if g_.get("planned") is not None:
-            g_["planned"].synchronize()
+        planned = g_.get("planned")
+        while planned is not None and not planned.query():  # polled: releases the GIL, no device sync
+            time.sleep(20e-6)
         lists = g_["items"]
         n = 0 if lists is None else len(lists["positions"])
         pad = bs - n

@@ -225,3 +225,51 @@ def test_llm_generate_on_gpu():
         assert all(len(t) == 8 for t in got)
         assert _check_tokens(got, ref, margins, 0.25, "llm") >= len(prompts) * 4
     assert not llm.has_unfinished()
+
+
+@pytest.mark.parametrize("kind", ["fixture", "attn64"])
+def test_overlapped_launches_equal_decode_steps(kind):
+    """Runner.decode_launch chained as the overlapped scheduler does it (step N+1 queued before step N is
+    read back, its tokens taken on the device) gives the tokens of decode + argmax, step after step, with
+    the batch shrinking and growing between steps (graph sizes change, a new sequence joins)."""
+    from kvrelay.engine.runner import Runner
+
+    dev = _cuda()
+    cfg, w, prompts, _, _ = _reference(kind)
+    ref_r, r = (Runner(cfg, w, device=dev, page_size=16, kv_tokens=8192, cuda_graph_batch_sizes=GRAPH_SIZES)
+                for _ in range(2))
+    first = {}
+    for runner in (ref_r, r):
+        lg = runner.prefill_batch([(i, p) for i, p in enumerate(prompts[:3])])
+        first = dict(enumerate(lg.argmax(-1).tolist()))
+    # Reference: synchronous steps.
+    want, toks, ids = [], dict(first), [0, 1, 2]
+    for s in range(6):
+        if s == 2:
+            ids = [0, 2]
+        if s == 4:
+            lg = ref_r.prefill_batch([(3, prompts[3])])
+            toks[3] = int(lg.argmax(-1))
+            ids = [3, 0, 2]
+        lg = ref_r.decode(ids, [toks[i] for i in ids])
+        toks.update(zip(ids, lg.argmax(-1).tolist()))
+        want.append([toks[i] for i in ids])
+    # Overlapped: launch s+1 before collecting s.
+    got, prev, prev_ids = [], None, []
+    ids = [0, 1, 2]
+    host = dict(first)
+    for s in range(6):
+        if s == 2:
+            ids = [0, 2]
+        last = [None if i in prev_ids else host[i] for i in ids]
+        if s == 4:
+            lg = r.prefill_batch([(3, prompts[3])])
+            host[3] = int(lg.argmax(-1))
+            ids = [3, 0, 2]
+            last = [host[3], None, None]
+        step = r.decode_launch(ids, last, prev)
+        if prev is not None:
+            got.append(r.decode_collect(prev))
+        prev, prev_ids = step, list(ids)
+    got.append(r.decode_collect(prev))
+    assert got == want
