@@ -60,7 +60,8 @@ def _pool_pages(cfg, args, lengths: list[int], batches: list[int]) -> tuple[dict
     full_seq = -(-(max(lengths) + steps) // ps)
     # Sliding layers keep `window` positions, straddling one more page, plus pages the steps open.
     slide_seq = min(full_seq, (cfg.sliding_window - 1) // ps + 2 + -(-steps // ps))
-    want = {"full": max(batches) * full_seq, "sliding": max(batches) * slide_seq}
+    # +1 per group: the Runner keeps one scratch page for CUDA-graph padding rows.
+    want = {"full": max(batches) * full_seq + 1, "sliding": max(batches) * slide_seq + 1}
     if torch.device(args.device).type != "cuda":
         return want, "sized to the largest point"
     free, _ = torch.cuda.mem_get_info(torch.device(args.device))

@@ -2,7 +2,7 @@
 TFLOP/s or TB/s, and share of the measured ceilings (h200-notes: copy 4.19 TB/s, bf16 762, fp8 1378
 TFLOP/s). Saves JSON (GPU, versions, git commit, command) and a PNG under bench/results/, prints a table.
 
-usage (device machine, repo root): python3 -m kvrelay.bench.kernels [--only attn,fp8,moe] [--out DIR]
+usage (device machine, repo root): python3 -m kvrelay.bench.kernels [--only attn,fp8,moe,moedec] [--out DIR]
 Targets are reported, not asserted.
 """
 
@@ -206,6 +206,42 @@ def bench_moe(dev):
                flops=flops, ceiling="bf16")
 
 
+def bench_moe_decode(dev):
+    """The grouped expert path at decode batch sizes (every expert active, a few dozen rows each): launch
+    configs side by side, in TB/s of the expert weights read, and the pair sort (one-program kernel vs the
+    torch ops). What picks the grouped path's decode config."""
+    import triton
+    from kvrelay.kernels import moe
+    K, H, I = 4, 2880, 2880
+    configs = [(64, 128, 8, 3), (64, 128, 4, 4), (32, 128, 4, 4), (32, 64, 4, 4), (16, 128, 4, 4),
+               (64, 64, 4, 4), (32, 256, 8, 3), (64, 256, 8, 3), (16, 64, 4, 5)]
+    for E in (32, 128):
+        ex = _fp8_experts(E, H, I, dev)
+        per_expert = ex.w1[0].numel() + ex.w2[0].numel()
+        for T in (128, 256, 512):
+            x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+            rw, ids = moe.route_topk(torch.randn(T, E, device=dev).bfloat16(), K)
+            touched = int(torch.unique(ids).numel()) * per_expert
+            for bm, bn, nw, ns in configs:
+                def fn():
+                    return moe._moe_grouped(x, ids, rw, ex, 1.702, 7.0, block_m=bm, block_n=bn, num_warps=nw,
+                                            num_stages=ns)
+                try:
+                    fn()
+                    ms = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+                except Exception as exc:  # noqa: BLE001 - a config that does not compile is skipped
+                    record("moedec", f"E={E} T={T} bm{bm} bn{bn} w{nw} s{ns}", float("nan"), note=repr(exc)[:120])
+                    continue
+                record("moedec", f"E={E} T={T} grouped bm{bm} bn{bn} w{nw} s{ns} (graph)", ms, nbytes=touched)
+            for path in ("kernel", "torch"):
+                fn = lambda: moe.sort_by_expert(ids, E, 64, path=path)  # noqa: E731
+                fn()
+                record("moedec", f"E={E} T={T} pair sort {path} (graph)",
+                       triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median"))
+        del ex
+        torch.cuda.empty_cache()
+
+
 def plot(rows, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -228,7 +264,8 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     torch.manual_seed(0)
     only = args.only.split(",")
-    for name, fn in (("attn", bench_attention), ("fp8", bench_fp8), ("moe", bench_moe)):
+    for name, fn in (("attn", bench_attention), ("fp8", bench_fp8), ("moe", bench_moe),
+                     ("moedec", bench_moe_decode)):
         if name in only:
             try:
                 fn(dev)
