@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--graphs", action="store_true",
+                   help="profile a replayed CUDA-graph step (captured at --batch) instead of an eager one")
     args = p.parse_args(argv)
 
     import torch
@@ -33,7 +35,8 @@ def main(argv: list[str] | None = None) -> dict:
     runner, build_s, _ = build_runner(args, num_pages={"full": per_seq * args.batch + 8,
                                                        "sliding": (cfg.sliding_window // args.page_size + 3)
                                                        * args.batch + 8},
-                                      extra={"cuda_graphs": False})
+                                      extra={"cuda_graphs": True, "cuda_graph_batch_sizes": (args.batch,)}
+                                      if args.graphs else {"cuda_graphs": False})
     sids = [f"s{i}" for i in range(args.batch)]
     for sid in sids:
         runner.import_sequence(sid, args.context)
@@ -55,6 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     runner.decode(sids, tokens)
+    host_ms = (time.perf_counter() - t0) * 1e3  # until the step is queued (graphs: planned + replayed)
     if cuda:
         torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - t0) * 1e3
@@ -74,19 +78,22 @@ def main(argv: list[str] | None = None) -> dict:
     total_us = sum(getattr(e, attr) for e in events)
     rows = [{"kernel": e.key[:90], "calls": e.count, "total_us": round(getattr(e, attr), 1),
              "share": round(getattr(e, attr) / total_us, 3) if total_us else 0.0} for e in events[: args.top]]
-    print(f"{args.model} {args.quant} decode batch {args.batch} context {args.context}: eager step "
-          f"{wall_ms:.2f} ms wall, {total_us / 1e3:.2f} ms of kernel time in {sum(e.count for e in events)} "
-          f"launches (model built in {build_s:.1f} s)")
+    kind = "graph" if args.graphs else "eager"
+    print(f"{args.model} {args.quant} decode batch {args.batch} context {args.context}: {kind} step "
+          f"{wall_ms:.2f} ms wall ({host_ms:.2f} ms on the host until queued), {total_us / 1e3:.2f} ms of kernel "
+          f"time in {sum(e.count for e in events)} launches (model built in {build_s:.1f} s)")
     print(f"{'kernel':90s} {'calls':>6s} {'us':>9s} {'share':>6s}")
     for r in rows:
         print(f"{r['kernel']:90s} {r['calls']:6d} {r['total_us']:9.1f} {r['share']:6.1%}")
     result = {"env": env_info(args.device, "kvrelay.bench.profile_decode", argv), "wall_ms": wall_ms,
+              "host_ms": host_ms, "graphs": args.graphs,
               "kernel_ms": total_us / 1e3, "launches": sum(e.count for e in events), "top": rows,
               "batch": args.batch, "context": args.context, "model": args.model, "quant": args.quant}
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"profile-decode-{args.model}-b{args.batch}.json").write_text(json.dumps(result, indent=1))
+        name = f"profile-decode-{args.model}-b{args.batch}{'-graph' if args.graphs else ''}.json"
+        (out / name).write_text(json.dumps(result, indent=1))
     return result
 
 
