@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -297,6 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LO,HI: prompt ids are drawn from [LO, HI) (small test models need a small HI)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default=str(C.DEFAULT_OUT), help="directory for the JSON and PNG")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY; never stored in results)")
     return p
 
 
@@ -347,9 +350,12 @@ async def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict:
     # The per-request limit is enforced around the whole stream; httpx's own timeouts only guard the socket.
     timeout = httpx.Timeout(args.timeout_s, connect=30.0)
     console = C.console()
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
         card = await probe(client, args)
         env = C.env_info("cpu", "kvrelay.bench.serve", argv)
+        if args.api_key:  # a key given on the command line stays out of the stored results
+            env["command"] = env["command"].replace(args.api_key, "***")
         env.update(gpu=_gpu_name(), device="client host (the server may run elsewhere)")
         payload: dict[str, Any] = {
             "kind": "serve", "env": env, "model": args.model, "base_url": args.base_url, "topology": args.topology,

@@ -118,6 +118,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds in-flight requests get to finish on shutdown")
     parser.add_argument("--log-requests", action="store_true",
                         help="log one JSON metrics line per finished request")
+    parser.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on /v1 routes and gRPC calls (repeatable; "
+                             "router.api_keys_env names an environment variable with more)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -139,6 +142,13 @@ def run(args: argparse.Namespace) -> int:
     topo = dataclasses.replace(topo, router=router)
     if args.dummy:
         topo = dataclasses.replace(topo, model=dataclasses.replace(topo.model, dummy=True))
+    from kvrelay.router.auth import ApiKeyError, resolve_api_keys
+
+    try:
+        api_keys = resolve_api_keys(args.api_key, topo.router.api_keys_env, source=str(topo.source))
+    except ApiKeyError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     busy = _ports_in_use(topo)
     if busy:  # found now, not after Ray and every worker started (tens of seconds to minutes)
         print(f"error: {topo.source}: {busy}", file=sys.stderr)
@@ -162,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {topo.source}: {reason}", file=sys.stderr)
         return 2
     try:
-        return asyncio.run(_serve(cluster, args.drain_timeout, t0))
+        return asyncio.run(_serve(cluster, args.drain_timeout, t0, api_keys))
     finally:
         cluster.shutdown()
         print("kvrelay: stopped", flush=True)
@@ -232,15 +242,16 @@ async def _watch_ray(gcs_address: str, cluster: Cluster, stop: asyncio.Event, ev
                 return
 
 
-async def _serve(cluster: Cluster, drain_timeout_s: float, t0: float) -> int:
+async def _serve(cluster: Cluster, drain_timeout_s: float, t0: float, api_keys=None) -> int:
     import ray
 
+    from kvrelay.router.auth import ApiKeys
     from kvrelay.router.server import RouterServer
 
     topo = cluster.topology
     client = cluster.engine_client()
     server = RouterServer(client, client.model_name, topo.router.host, topo.router.grpc_port,
-                          topo.router.http_port)
+                          topo.router.http_port, api_keys=api_keys or ApiKeys())
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -252,6 +263,7 @@ async def _serve(cluster: Cluster, drain_timeout_s: float, t0: float) -> int:
     print(f"kvrelay: serving {client.model_name}\n  gRPC  {server.grpc_target}\n  HTTP  {server.http_url}"
           f"  (OpenAI-compatible: {server.http_url}/v1/chat/completions)\n  Ray   {ready['ray']} "
           f"namespace {topo.ray.namespace}  (kvrelay status --address {ready['ray']})\n"
+          f"  Auth  {f'{len(server.api_keys)} API key(s) required on /v1 and gRPC' if server.api_keys else 'none'}\n"
           f"kvrelay-ready {json.dumps(ready)}", flush=True)
     # A signal ends serving, or the Ray cluster going away under us (`ray down`, `ray stop`): a router
     # whose workers are gone must not outlive them. (RouterServer.wait() is not used: cancelling its

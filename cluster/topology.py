@@ -67,6 +67,9 @@ class RouterSection:
     grpc_port: int = 50051
     http_port: int = 8000
     policy: Policy = "least-loaded"
+    # Name of an environment variable holding comma-separated API keys (never the keys themselves: this
+    # file is shared). Set: /v1 routes and gRPC calls need `Authorization: Bearer KEY`.
+    api_keys_env: str | None = None
 
 
 @dataclass(frozen=True)

@@ -84,10 +84,12 @@ def _effort(name: str) -> "pb.ReasoningEffort.ValueType":
 
 
 class RouterClient:
-    def __init__(self, target: str, *, timeout_s: float | None = None) -> None:
+    def __init__(self, target: str, *, timeout_s: float | None = None, api_key: str | None = None) -> None:
         self._channel = grpc.insecure_channel(target)
         self._stub = pb_grpc.RouterStub(self._channel)
         self._timeout = timeout_s
+        # Sent with every call: a router started with API keys wants `authorization: Bearer KEY`.
+        self._md = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
     def close(self) -> None:
         self._channel.close()
@@ -99,17 +101,17 @@ class RouterClient:
         self.close()
 
     def health(self) -> pb.HealthResponse:
-        return self._stub.Health(pb.HealthRequest(), timeout=self._timeout)
+        return self._stub.Health(pb.HealthRequest(), timeout=self._timeout, metadata=self._md)
 
     def list_models(self) -> list[pb.Model]:
-        return list(self._stub.ListModels(pb.ListModelsRequest(), timeout=self._timeout).models)
+        return list(self._stub.ListModels(pb.ListModelsRequest(), timeout=self._timeout, metadata=self._md).models)
 
     def generate(
         self, prompt_ids: Sequence[int], sampling: SamplingOptions = SamplingOptions(), *, request_id: str = ""
     ) -> Iterator[pb.GenerateResponse]:
         req = pb.GenerateRequest(request_id=request_id, prompt_token_ids=list(prompt_ids),
                                  sampling=sampling_to_proto(sampling))
-        return self._stub.Generate(req, timeout=self._timeout)
+        return self._stub.Generate(req, timeout=self._timeout, metadata=self._md)
 
     def chat(
         self,
@@ -129,4 +131,4 @@ class RouterClient:
             sampling=sampling_to_proto(sampling),
             conversation_start_date=conversation_start_date,
         )
-        return self._stub.Chat(req, timeout=self._timeout)
+        return self._stub.Chat(req, timeout=self._timeout, metadata=self._md)

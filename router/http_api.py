@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvrelay.router import harmony
+from kvrelay.router.auth import ApiKeys, install_http
 from kvrelay.router.http_models import ChatCompletionRequest, CompletionRequest
 from kvrelay.router.service import Prepared, RouterCore
 from kvrelay.router.types import (
@@ -56,8 +57,9 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-def create_app(core: RouterCore) -> FastAPI:
+def create_app(core: RouterCore, api_keys: ApiKeys | None = None) -> FastAPI:
     app = FastAPI(title="kvrelay router", docs_url=None, redoc_url=None)
+    install_http(app, api_keys or ApiKeys())
 
     @app.exception_handler(ValidationError)
     async def _invalid(_: Request, exc: ValidationError) -> JSONResponse:

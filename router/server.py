@@ -16,6 +16,7 @@ from typing import Callable
 import grpc
 import uvicorn
 
+from kvrelay.router.auth import ApiKeys, GrpcKeyInterceptor
 from kvrelay.router.engine_client import EngineClient
 from kvrelay.router.grpc_service import RouterServicer
 from kvrelay.router.http_api import create_app
@@ -38,8 +39,10 @@ class RouterServer:
         today: Callable[[], str] = utc_today,
         call_id_factory: Callable[[], str] = new_call_id,
         grace_s: float = 1.0,
+        api_keys: ApiKeys = ApiKeys(),
     ) -> None:
         self.core = RouterCore(engine_client, model_name=model_name, today=today, call_id_factory=call_id_factory)
+        self.api_keys = api_keys
         self.host = host
         self._grpc_port_requested = grpc_port
         self._http_port_requested = http_port
@@ -59,7 +62,7 @@ class RouterServer:
         return f"http://{self.host}:{self.http_port}"
 
     async def start(self) -> None:
-        self._grpc = grpc.aio.server()
+        self._grpc = grpc.aio.server(interceptors=[GrpcKeyInterceptor(self.api_keys)] if self.api_keys else None)
         pb_grpc.add_RouterServicer_to_server(RouterServicer(self.core), self._grpc)
         self.grpc_port = self._grpc.add_insecure_port(f"{self.host}:{self._grpc_port_requested}")
         if self.grpc_port == 0:
@@ -72,7 +75,7 @@ class RouterServer:
         sock.bind((self.host, self._http_port_requested))
         self.http_port = sock.getsockname()[1]
         config = uvicorn.Config(
-            create_app(self.core), log_level="warning", lifespan="off",
+            create_app(self.core, self.api_keys), log_level="warning", lifespan="off",
             timeout_graceful_shutdown=max(1, int(self._grace_s)),
         )
         self._http = uvicorn.Server(config)

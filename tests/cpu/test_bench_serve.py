@@ -121,19 +121,22 @@ def test_against_the_real_router(tmp_path, model_single_thread) -> None:
     from kvrelay.engine.llm import LLM
     from kvrelay.router import harmony
     from kvrelay.router.engine_client import InProcessEngineClient
+    from kvrelay.router.auth import ApiKeys
     from kvrelay.router.server import BackgroundRouter
 
     harmony.use_vocab_dir(REPO.parent / "shared" / "tokenizer")
     client = InProcessEngineClient(LLM(str(TINY), device="cpu"))
     try:
-        with BackgroundRouter(client) as srv:
-            args = serve.build_parser().parse_args(
-                [*TINY_ARGS, "--base-url", f"{srv.http_url}/v1", "--out-dir", str(tmp_path), "--gpus", "2",
-                 "--token-id-range", "1,1000", "--topology", "in-process tiny"])  # the tiny vocabulary is 1024
-            payload = asyncio.run(serve.run(args, []))
+        # A router that wants an API key: the benchmark sends it, and never stores it.
+        with BackgroundRouter(client, api_keys=ApiKeys(["sk-bench"])) as srv:
+            argv = [*TINY_ARGS, "--base-url", f"{srv.http_url}/v1", "--out-dir", str(tmp_path), "--gpus", "2",
+                    "--token-id-range", "1,1000", "--topology", "in-process tiny",  # the tiny vocabulary is 1024
+                    "--api-key", "sk-bench"]
+            payload = asyncio.run(serve.run(serve.build_parser().parse_args(argv), argv))
     finally:
         client.close()
     assert payload["model"] == client.model_name and payload["topology"] == "in-process tiny"
+    assert "sk-bench" not in json.dumps(payload) and "--api-key ***" in payload["env"]["command"]
     for p in _check_result(payload, tmp_path):
         # Not sent by the router yet: the breakdown is null, never made up.
         assert all(p[k] is None for k in serve.BREAKDOWN)

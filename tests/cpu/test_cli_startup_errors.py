@@ -51,3 +51,14 @@ def test_version_and_defaults_in_help():
     text = " ".join(out.stdout.split())
     assert "seconds in-flight requests get to finish on shutdown (default: 30.0)" in text
     assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_serve_refuses_an_unset_api_keys_env_before_starting_anything(tmp_path):
+    cfg = tmp_path / "keys.yaml"
+    cfg.write_text(CONFIG.replace("PORT", "0").replace("http_port: 0}", "http_port: 0, api_keys_env: KVRELAY_NO_SUCH_VAR}"))
+    out, took = _cli("serve", str(cfg))
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"error: {cfg}: router.api_keys_env names KVRELAY_NO_SUCH_VAR, which is not set or empty "
+        "(set it to one or more comma-separated keys)")
+    assert "kvrelay: starting" not in out.stdout and took < 30
