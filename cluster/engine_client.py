@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 
 from prometheus_client import Counter, Histogram
 
+from kvrelay.cluster.admission import AdmissionQueue, AdmissionTimeout
 from kvrelay.engine.kv_transfer import KVLayoutMismatch, KVTransferError
 from kvrelay.engine.sampling import SamplingParams, TokenOutput
 
@@ -130,7 +131,7 @@ class DisaggregatedEngineClient:
     def __init__(self, prefill_actors: Sequence[object], decode_actors: Sequence[object], *,
                  model_name: str, max_context: int, vocab_size: int | None = None, max_retries: int = 2,
                  admission_timeout_s: float = 60.0, stall_check_s: float = 10.0, colocated: bool = False,
-                 policy: str = "least-loaded"):
+                 policy: str = "least-loaded", max_waiting: int = 1024):
         self.prefill = [_Worker("prefill", i, a) for i, a in enumerate(prefill_actors)]
         self.decode = [_Worker("decode", i, a) for i, a in enumerate(decode_actors)]
         self._model_name = model_name
@@ -155,6 +156,7 @@ class DisaggregatedEngineClient:
         self._idle.set()
         self._in_flight = 0
         self._admit_lock = asyncio.Lock()
+        self.admission = AdmissionQueue(max_waiting)
 
     @property
     def model_name(self) -> str:
@@ -395,19 +397,27 @@ class DisaggregatedEngineClient:
         w.last_pick = time.monotonic()
         return w
 
+    def check_admission(self) -> None:
+        """EngineOverloaded now if the admission line is full (the router asks before it answers)."""
+        self.admission.check()
+
     async def _reserve(self, attempt_id: str, prompt_tokens: int, max_tokens: int) -> _Worker:
-        """Reserve pages on the decode worker with the most free budget; wait while all are full."""
-        deadline = time.monotonic() + self.admission_timeout_s
+        """Reserve pages on the decode worker with the most free budget; when none has room, wait in
+        line (cluster/admission.py)."""
         reasons: list[str] = []
-        while True:
-            async with self._admit_lock:  # each choice sees the reservations made before it
-                chosen = await self._try_reserve(attempt_id, prompt_tokens, max_tokens, reasons)
-            if chosen is not None:
-                return chosen
-            if time.monotonic() > deadline:
-                raise EngineUnavailable(f"request {attempt_id}: no decode worker admitted it within "
-                                        f"{self.admission_timeout_s:g} s ({'; '.join(reasons)})")
-            await asyncio.sleep(0.02)
+
+        async def try_once() -> _Worker | None:
+            live = sum(not w.dead for w in self.decode)
+            if live > 1 and self.policy == "least-loaded":
+                async with self._admit_lock:  # each ranking sees the reservations made before it
+                    return await self._try_reserve(attempt_id, prompt_tokens, max_tokens, reasons)
+            return await self._try_reserve(attempt_id, prompt_tokens, max_tokens, reasons)
+
+        try:
+            return await self.admission.admit(try_once, self.admission_timeout_s)
+        except AdmissionTimeout:
+            raise EngineUnavailable(f"request {attempt_id}: no decode worker admitted it within "
+                                    f"{self.admission_timeout_s:g} s ({'; '.join(reasons)})") from None
 
     async def _try_reserve(self, attempt_id: str, prompt_tokens: int, max_tokens: int,
                            reasons: list[str]) -> _Worker | None:

@@ -79,7 +79,7 @@ class Cluster:
             self.prefill, self.decode, model_name=cfg.name,
             max_context=min(self.topology.model.max_context, cfg.max_context),
             vocab_size=cfg.vocab_size, colocated=self.topology.colocate, policy=self.topology.router.policy,
-            **kwargs)
+            max_waiting=self.topology.router.max_waiting_requests, **kwargs)
 
     def statuses(self, timeout_s: float = 10.0) -> list[dict]:
         from kvrelay.cluster.status import collect

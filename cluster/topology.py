@@ -67,6 +67,9 @@ class RouterSection:
     grpc_port: int = 50051
     http_port: int = 8000
     policy: Policy = "least-loaded"
+    # Requests that may wait for a decode worker with room; beyond it new ones get HTTP 429 /
+    # RESOURCE_EXHAUSTED with a retry hint instead of queueing without bound.
+    max_waiting_requests: int = 1024
     # Name of an environment variable holding comma-separated API keys (never the keys themselves: this
     # file is shared). Set: /v1 routes and gRPC calls need `Authorization: Bearer KEY`.
     api_keys_env: str | None = None
@@ -244,7 +247,8 @@ def _check(t: Topology, base_dir: Path) -> Topology:
                     ("prefill.chunk_tokens", t.prefill.chunk_tokens),
                     ("decode.workers", t.decode.workers), ("decode.ep", t.decode.ep), ("decode.tp", t.decode.tp),
                     ("decode.max_batch", t.decode.max_batch), ("decode.page_size", t.decode.page_size),
-                    ("kv_transfer.lease_seconds", t.kv_transfer.lease_seconds)]:
+                    ("kv_transfer.lease_seconds", t.kv_transfer.lease_seconds),
+                    ("router.max_waiting_requests", t.router.max_waiting_requests)]:
         pos(path, v)
     if not 0.0 < t.decode.kv_memory_fraction <= 0.95:
         raise TopologyError(f"decode.kv_memory_fraction: must be in (0, 0.95], got {t.decode.kv_memory_fraction}")

@@ -10,12 +10,16 @@ that the worker runs outside this class. While that READ may still be writing (`
 `end_pull`), releasing the request only marks it: the pages, and the budget they stand for, are given
 back once the READ has ended, so they are never handed to another request mid-write.
 
-This class is plain bookkeeping plus `step()`; it takes no locks and starts no threads, so it is tested
-directly. The decode actor (worker.py) serialises calls to it.
+This class is plain bookkeeping plus `step()`; it starts no threads, so it is tested directly. The decode
+actor (worker.py) serialises calls to it on its step thread, except admission: `reserve` and
+`admission_load` touch only the reservations, under one small lock, so the actor answers them at once
+instead of at the next step boundary (a burst of requests, each waiting for its own step to be admitted,
+queued for seconds behind 20-60 ms steps).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -113,6 +117,7 @@ class Scheduler:
     times: StepTimes = field(default_factory=StepTimes)
     _inflight: _InFlight | None = None
     _deferred: set[str] = field(default_factory=set)  # released while a launched step still uses them
+    _budget_lock: threading.Lock = field(default_factory=threading.Lock)  # guards _budget (see module doc)
 
     @property
     def capacity(self) -> dict[str, int]:
@@ -129,8 +134,6 @@ class Scheduler:
 
     def reserve(self, request_id: str, prompt_tokens: int, max_tokens: int) -> dict[str, int]:
         """Commit the request's worst-case pages or raise AdmissionRefused with the reason."""
-        if request_id in self._budget:
-            raise ValueError(f"request {request_id!r} already holds a reservation")
         total = min(prompt_tokens + max_tokens, self.runner.max_context)
         need = self.pages_for(total)
         cap = self.capacity
@@ -139,17 +142,28 @@ class Scheduler:
                 raise AdmissionRefused(
                     f"request {request_id}: {total} tokens need {need[g]} {g} KV pages but this decode "
                     f"worker's pool has only {cap[g]}", retryable=False)
-        if len(self._budget) >= self.max_batch:
-            raise AdmissionRefused(f"request {request_id}: decode batch is full ({self.max_batch} "
-                                   f"requests admitted)", retryable=True)
-        used = self._reserved()
-        for g in GROUPS:
-            if used[g] + need[g] > cap[g]:
-                raise AdmissionRefused(
-                    f"request {request_id}: out of KV pages, needs {need[g]} {g} pages and "
-                    f"{cap[g] - used[g]} of {cap[g]} are free", retryable=True)
-        self._budget[request_id] = need
+        with self._budget_lock:
+            if request_id in self._budget:
+                raise ValueError(f"request {request_id!r} already holds a reservation")
+            if len(self._budget) >= self.max_batch:
+                raise AdmissionRefused(f"request {request_id}: decode batch is full ({self.max_batch} "
+                                       f"requests admitted)", retryable=True)
+            used = self._reserved()
+            for g in GROUPS:
+                if used[g] + need[g] > cap[g]:
+                    raise AdmissionRefused(
+                        f"request {request_id}: out of KV pages, needs {need[g]} {g} pages and "
+                        f"{cap[g] - used[g]} of {cap[g]} are free", retryable=True)
+            self._budget[request_id] = need
         return need
+
+    def admission_load(self) -> tuple[int, int]:
+        """(pages a new request could still reserve, requests holding a reservation): what a router ranks
+        workers by. Reads only the reservations, so any thread may call it at any time."""
+        cap = self.capacity
+        with self._budget_lock:
+            used = self._reserved()
+            return min(cap[g] - used[g] for g in GROUPS), len(self._budget)
 
     def release(self, request_id: str) -> None:
         """Drop a reservation and whatever the request holds (idempotent). During a pull this is only
@@ -164,7 +178,8 @@ class Scheduler:
             self._deferred.add(request_id)
             return
         self._deferred.discard(request_id)
-        self._budget.pop(request_id, None)
+        with self._budget_lock:
+            self._budget.pop(request_id, None)
         self._running.pop(request_id, None)
         if self.runner.has_sequence(request_id):
             self.runner.free(request_id)
@@ -345,12 +360,15 @@ class Scheduler:
                 self.release(r.request_id)
 
     def _reserved(self) -> dict[str, int]:
+        """Pages committed to reservations, per group (callers hold _budget_lock)."""
         return {g: sum(b[g] for b in self._budget.values()) for g in GROUPS}
 
     def stats(self) -> SchedulerStats:
         own = self.runner.internal_pages()  # not the requests': left out of "in use" and of the total
         pool = {g: self.runner.kv.allocators[g].num_pages - own[g] for g in GROUPS}
         free = self.runner.free_pages()
-        return SchedulerStats(running=len(self._running), reserved=len(self._budget),
+        with self._budget_lock:
+            reserved, n_reserved = self._reserved(), len(self._budget)
+        return SchedulerStats(running=len(self._running), reserved=n_reserved,
                               pages_in_use={g: pool[g] - free[g] for g in GROUPS},
-                              pages_reserved=self._reserved(), pages_total=pool, headroom=dict(self.headroom))
+                              pages_reserved=reserved, pages_total=pool, headroom=dict(self.headroom))

@@ -168,8 +168,11 @@ class DecodeWorker:
 
     # ---- admission ---------------------------------------------------------------------------
     async def reserve(self, request_id: str, prompt_tokens: int, max_tokens: int) -> dict[str, int]:
-        """Commit pages for the request's worst case; raises AdmissionRefused (with `retryable`)."""
-        return await self._locked(self.scheduler.reserve, request_id, prompt_tokens, max_tokens)
+        """Commit pages for the request's worst case; raises AdmissionRefused (with `retryable`). Answered
+        at once, not at the next step boundary: a reservation is bookkeeping under its own lock."""
+        if self._stop:
+            raise RuntimeError(f"decode worker {self.rank} is shutting down")
+        return self.scheduler.reserve(request_id, prompt_tokens, max_tokens)
 
     async def unreserve(self, request_id: str) -> None:
         await self._locked(self.scheduler.release, request_id)
@@ -414,9 +417,9 @@ class DecodeWorker:
         return self._thread.is_alive() and not self._stop
 
     async def load(self) -> tuple[int, int]:
-        """(pages a new request could still reserve, requests admitted): what the router ranks by."""
-        s = await self._locked(self.scheduler.stats)
-        return s.free_budget, s.reserved
+        """(pages a new request could still reserve, requests admitted): what the router ranks by (at once,
+        like `reserve`)."""
+        return self.scheduler.admission_load()
 
     async def status(self) -> DecodeStatus:
         s = await self._locked(self.scheduler.stats) if self._thread.is_alive() else self.scheduler.stats()

@@ -20,13 +20,23 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+class EngineOverloaded(RuntimeError):
+    """The engine refuses a request for now (its waiting line is full): HTTP 429 / gRPC
+    RESOURCE_EXHAUSTED, with `retry_after_s` as the hint."""
+
+    def __init__(self, reason: str, retry_after_s: int = 1):
+        super().__init__(reason)
+        self.retry_after_s = retry_after_s
+
+
 @runtime_checkable
 class EngineClient(Protocol):
     """Async token streaming. `generate` yields TokenOutputs until one carries a finish_reason.
 
     `abort(request_id)` must be safe to call for unknown or finished requests (the router calls it on
     every early exit without knowing how far the engine got). An implementation may also expose
-    `vocab_size: int`; the router then rejects prompt ids the model cannot embed.
+    `vocab_size: int`; the router then rejects prompt ids the model cannot embed, and
+    `check_admission()`, which raises EngineOverloaded before a response starts when it would refuse.
     """
 
     @property

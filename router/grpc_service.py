@@ -13,6 +13,7 @@ from typing import AsyncIterator
 
 import grpc
 
+from kvrelay.router.engine_client import EngineOverloaded
 from kvrelay.router.service import RouterCore
 from kvrelay.router.types import (
     ChatMessage,
@@ -122,6 +123,8 @@ async def _engine_errors(context: grpc.aio.ServicerContext) -> AsyncIterator[Non
         yield
     except grpc.aio.AbortError:
         raise
+    except EngineOverloaded as exc:  # refused in the engine's own admission line: the client may retry
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc} (retry after {exc.retry_after_s} s)")
     except Exception as exc:
         log.exception("engine failed during a stream")
         await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {exc}")
@@ -138,6 +141,8 @@ class RouterServicer(pb_grpc.RouterServicer):
             )
         except ValidationError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except EngineOverloaded as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc} (retry after {exc.retry_after_s} s)")
         async with _engine_errors(context), contextlib.aclosing(self.core.stream(prep)) as steps:
             async for step in steps:
                 resp = pb.GenerateResponse(request_id=prep.request_id, finish_reason=_FINISH[step.finish_reason])
@@ -154,6 +159,8 @@ class RouterServicer(pb_grpc.RouterServicer):
             prep = self.core.prepare_chat(chat_from_proto(request))
         except ValidationError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except EngineOverloaded as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc} (retry after {exc.retry_after_s} s)")
         async with _engine_errors(context), contextlib.aclosing(self.core.stream(prep)) as steps:
             async for step in steps:
                 yield chat_step_to_proto(prep.request_id, step)

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvrelay.router import harmony
 from kvrelay.router.auth import ApiKeys, install_http
+from kvrelay.router.engine_client import EngineOverloaded
 from kvrelay.router.http_models import ChatCompletionRequest, CompletionRequest
 from kvrelay.router.service import Prepared, RouterCore
 from kvrelay.router.types import (
@@ -82,6 +83,12 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None) -> FastAPI:
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(error_body(str(exc.detail), type_="not_found_error" if exc.status_code == 404 else "invalid_request_error"),
                             status_code=exc.status_code)
+
+    @app.exception_handler(EngineOverloaded)
+    async def _overloaded(_: Request, exc: EngineOverloaded) -> JSONResponse:
+        # The official clients retry a 429 after Retry-After (with backoff), as they do for OpenAI's.
+        return JSONResponse(error_body(str(exc), type_="rate_limit_error", code="server_overloaded"),
+                            status_code=429, headers={"Retry-After": str(exc.retry_after_s)})
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:

@@ -100,8 +100,16 @@ class RouterCore:
             req.sampling, prompt_len=len(req.prompt_token_ids), max_context=self.max_context,
             vocab_size=self.vocab_size,
         )
+        self.check_admission()
         return Prepared(rid, tuple(req.prompt_token_ids), _engine_params(resolved, ()), chat=False,
                         stop=resolved.stop, text=text or bool(resolved.stop))
+
+    def check_admission(self) -> None:
+        """EngineOverloaded (HTTP 429 / RESOURCE_EXHAUSTED) before a response starts, when the engine's
+        waiting line is full; a valid request is only refused after validation."""
+        check = getattr(self.engine, "check_admission", None)
+        if check is not None:
+            check()
 
     def prepare_chat(self, req: ChatRequest) -> Prepared:
         rid = self._request_id(req.request_id)
@@ -123,6 +131,7 @@ class RouterCore:
         resolved = validation.resolve_sampling(
             req.sampling, prompt_len=len(prompt), max_context=self.max_context, vocab_size=self.vocab_size
         )
+        self.check_admission()
         return Prepared(rid, tuple(prompt), _engine_params(resolved, harmony.CHAT_STOP_TOKEN_IDS), chat=True,
                         stop=resolved.stop, text=True)
 
