@@ -139,6 +139,7 @@ class RouterServicer(pb_grpc.RouterServicer):
             prep = self.core.prepare_generate(
                 GenerateRequest(tuple(request.prompt_token_ids), sampling_from_proto(request.sampling), request.request_id)
             )
+            self.core.check_admission()
         except ValidationError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineOverloaded as exc:
@@ -156,7 +157,8 @@ class RouterServicer(pb_grpc.RouterServicer):
 
     async def Chat(self, request: pb.ChatRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ChatResponse]:
         try:
-            prep = self.core.prepare_chat(chat_from_proto(request))
+            prep = await self.core.off_loop(self.core.prepare_chat, chat_from_proto(request))
+            self.core.check_admission()
         except ValidationError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineOverloaded as exc:

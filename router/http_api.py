@@ -37,7 +37,7 @@ from kvrelay.router.types import (
     ToolCallStart,
     Usage,
 )
-from kvrelay.router.validation import ValidationError
+from kvrelay.router.validation import ValidationError, check_text
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,8 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest) -> Any:
         if (bad := check_model(body.model)) is not None:
             return bad
-        prep = core.prepare_chat(body.to_chat())
+        prep = await core.off_loop(core.prepare_chat, body.to_chat())
+        core.check_admission()
         chat = ChatStream(core, prep, include_usage=bool(body.stream_options and body.stream_options.include_usage))
         if body.stream:
             return StreamingResponse(chat.sse(), media_type="text/event-stream")
@@ -149,9 +150,10 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None) -> FastAPI:
         if (bad := check_model(body.model)) is not None:
             return bad
         sampling = body.sampling()
-        prompt = _prompt_ids(body.prompt)
-        prep = core.prepare_generate(GenerateRequest(tuple(prompt), sampling, body.request_id or ""), prompt_field="prompt",
-                                     text=True)
+        prompt = await core.off_loop(_prompt_ids, body.prompt)
+        prep = await core.off_loop(lambda: core.prepare_generate(
+            GenerateRequest(tuple(prompt), sampling, body.request_id or ""), prompt_field="prompt", text=True))
+        core.check_admission()
         comp = CompletionStream(core, prep, return_token_ids=body.return_token_ids,
                                 include_usage=bool(body.stream_options and body.stream_options.include_usage))
         if body.stream:
@@ -170,6 +172,7 @@ def _prompt_ids(prompt: Any) -> list[int]:
             raise ValidationError("prompt", f"batched prompts are not supported; got {len(prompt)}, send one per request")
         prompt = prompt[0]
     if isinstance(prompt, str):
+        check_text(prompt, "prompt")
         try:
             return harmony.encode_text(prompt)
         except HarmonyError:

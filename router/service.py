@@ -10,11 +10,13 @@ KV pages are freed while the final chunk is still being written to the client.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import datetime as _dt
 import logging
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, TypeVar
 
 from prometheus_client import Counter, Gauge
 
@@ -27,6 +29,7 @@ from kvrelay.router.types import ChatRequest, ContentDelta, Delta, FinishReason,
 from kvrelay.router.validation import ValidationError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 # As vLLM exposes them (num_requests_running, prompt_tokens_total, generation_tokens_total), so dashboards
@@ -70,6 +73,14 @@ class RouterCore:
         self._today = today
         self._call_id = call_id_factory
         self._in_flight: set[str] = set()
+        # Tokenizing and rendering can take a while for a big request (the tokenizer is linear in the text,
+        # with a bounded constant: validation.check_text): never on the event loop, where it would hold up
+        # every other request and /health. The tokenizer releases the GIL, so these threads run in parallel.
+        self._prep_pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kvrelay-prepare")
+
+    async def off_loop(self, fn: Callable[..., T], *args) -> T:
+        """`fn(*args)` on the preparation threads (tokenizing, rendering, validation)."""
+        return await asyncio.get_running_loop().run_in_executor(self._prep_pool, fn, *args)
 
     @property
     def max_context(self) -> int:
@@ -100,7 +111,6 @@ class RouterCore:
             req.sampling, prompt_len=len(req.prompt_token_ids), max_context=self.max_context,
             vocab_size=self.vocab_size,
         )
-        self.check_admission()
         return Prepared(rid, tuple(req.prompt_token_ids), _engine_params(resolved, ()), chat=False,
                         stop=resolved.stop, text=text or bool(resolved.stop))
 
@@ -131,7 +141,6 @@ class RouterCore:
         resolved = validation.resolve_sampling(
             req.sampling, prompt_len=len(prompt), max_context=self.max_context, vocab_size=self.vocab_size
         )
-        self.check_admission()
         return Prepared(rid, tuple(prompt), _engine_params(resolved, harmony.CHAT_STOP_TOKEN_IDS), chat=True,
                         stop=resolved.stop, text=True)
 

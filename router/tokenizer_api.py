@@ -49,9 +49,9 @@ def add_routes(app: FastAPI, core, check_model, prompt_ids) -> None:
         if (bad := check_model(body.model)) is not None:
             return bad
         if isinstance(body, TokenizeChat):
-            ids = list(core.prepare_chat(body.to_chat()).prompt_ids)
+            ids = list((await core.off_loop(core.prepare_chat, body.to_chat())).prompt_ids)
         else:
-            ids = prompt_ids(body.prompt)
+            ids = await core.off_loop(prompt_ids, body.prompt)
         return response(ids, body.return_token_strs)
 
     @app.post("/detokenize")
