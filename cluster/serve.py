@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import signal
@@ -253,6 +254,10 @@ async def _serve(cluster: Cluster, drain_timeout_s: float, t0: float, api_keys=N
     server = RouterServer(client, client.model_name, topo.router.host, topo.router.grpc_port,
                           topo.router.http_port, api_keys=api_keys or ApiKeys())
     await server.start()
+    # Everything allocated so far (Ray, torch, the tokenizer) lives as long as the process: move it out of
+    # the collector's reach, so a full collection never pauses the event loop for a walk over all of it.
+    gc.collect()
+    gc.freeze()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
