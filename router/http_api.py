@@ -47,10 +47,12 @@ def error_body(message: str, *, type_: str = "invalid_request_error", param: str
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def _usage(u: Usage | None) -> dict[str, int] | None:
+def _usage(u: Usage | None) -> dict[str, Any] | None:
     if u is None:
         return None
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens}
+    # No prefix cache yet: every prompt token is computed (cached_tokens says so, as OpenAI's field does).
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def _sse(payload: dict[str, Any] | str) -> bytes:
@@ -140,7 +142,8 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None) -> FastAPI:
             return bad
         prep = await core.off_loop(core.prepare_chat, body.to_chat())
         core.check_admission()
-        chat = ChatStream(core, prep, include_usage=bool(body.stream_options and body.stream_options.include_usage))
+        chat = ChatStream(core, prep, include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                          continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats))
         if body.stream:
             return StreamingResponse(chat.sse(), media_type="text/event-stream")
         return await chat.complete()
@@ -155,7 +158,8 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None) -> FastAPI:
             GenerateRequest(tuple(prompt), sampling, body.request_id or ""), prompt_field="prompt", text=True))
         core.check_admission()
         comp = CompletionStream(core, prep, return_token_ids=body.return_token_ids,
-                                include_usage=bool(body.stream_options and body.stream_options.include_usage))
+                                include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                                continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats))
         if body.stream:
             return StreamingResponse(comp.sse(), media_type="text/event-stream")
         return await comp.complete()
@@ -193,10 +197,12 @@ class _Stream(abc.ABC):
     object_name = ""  # OpenAI's "object" field of a full response
     id_prefix = "cmpl"
 
-    def __init__(self, core: RouterCore, prep: Prepared, *, include_usage: bool) -> None:
+    def __init__(self, core: RouterCore, prep: Prepared, *, include_usage: bool, continuous_usage: bool = False) -> None:
         self.core = core
         self.prep = prep
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage  # usage so far on every chunk (vLLM's continuous_usage_stats)
+        self.generated = 0
         self.timings: dict[str, float] | None = None
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
@@ -206,6 +212,8 @@ class _Stream(abc.ABC):
             async for step in steps:
                 if step.timings is not None:
                     self.timings = step.timings
+                if step.token_id is not None:
+                    self.generated += 1
                 yield step
 
     def envelope(self, choices: list[dict[str, Any]], usage: Usage | None = None, *, chunk: bool) -> dict[str, Any]:
@@ -216,6 +224,8 @@ class _Stream(abc.ABC):
             "model": self.core.model_name,
             "choices": choices,
         }
+        if chunk and usage is None and self.continuous_usage and choices:
+            usage = Usage(len(self.prep.prompt_ids), self.generated)
         if usage is not None or not chunk:
             out["usage"] = _usage(usage)
             if self.timings is not None:  # where the time to first token went, per the engine
@@ -308,8 +318,9 @@ class CompletionStream(_Stream):
 
     object_name = "text_completion"
 
-    def __init__(self, core: RouterCore, prep: Prepared, *, return_token_ids: bool, include_usage: bool) -> None:
-        super().__init__(core, prep, include_usage=include_usage)
+    def __init__(self, core: RouterCore, prep: Prepared, *, return_token_ids: bool, include_usage: bool,
+                 continuous_usage: bool = False) -> None:
+        super().__init__(core, prep, include_usage=include_usage, continuous_usage=continuous_usage)
         self.return_token_ids = return_token_ids
 
     def _choice(self, text: str, token_ids: list[int], logprobs: list[float], offsets: list[int],

@@ -60,6 +60,7 @@ class ToolIn(_Body):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far on every chunk
 
 
 class _Sampling(_Body):

@@ -20,8 +20,10 @@ from typing import Iterable, Sequence
 
 from kvrelay.router.types import ContentDelta, Delta
 
-# OpenAI's limit; vLLM and SGLang accept more, but clients written against OpenAI never send more.
-MAX_STOP_STRINGS = 4
+# OpenAI takes 4; vLLM and SGLang take any number, and evaluation harnesses send more (lm-eval tasks
+# list 5-10). Bounded so the per-token matching cost stays small: at most this many, each this long.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
 
 
 class StopStrings:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrelay.router.harmony import VOCAB_SIZE
-from kvrelay.router.stop import MAX_STOP_STRINGS
+from kvrelay.router.stop import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from kvrelay.router.types import (
     CHANNELS,
     REASONING_EFFORTS,
@@ -162,6 +162,9 @@ def check_stop_strings(stops: tuple[str, ...] | list[str], field: str = "stop") 
         if not text:
             # An empty string would match before the first character: every request would return "".
             raise ValidationError(f"{field}[{i}]", "stop strings must not be empty")
+        if len(text) > MAX_STOP_CHARS:
+            raise ValidationError(f"{field}[{i}]", f"at most {MAX_STOP_CHARS} characters per stop string, "
+                                                  f"got {len(text)}")
 
 
 # ---- chat ---------------------------------------------------------------------------------------

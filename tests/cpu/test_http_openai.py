@@ -183,6 +183,26 @@ def test_completions_token_prompt_streamed(client, engine) -> None:
     assert engine.prompts[-1] == [1, 2, 3]
 
 
+def test_continuous_usage_stats_and_prompt_tokens_details(client, engine) -> None:
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far; usage says how
+    many prompt tokens were cached (none: there is no prefix cache yet)."""
+    engine.scripts = [_ids("one two three four")]
+    chunks = list(client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=4, stream=True,
+                                            stream_options={"include_usage": True,
+                                                            "continuous_usage_stats": True}))
+    with_text = [c for c in chunks if c.choices]
+    assert [c.usage.completion_tokens for c in with_text] == [1, 2, 3, 4]
+    assert {c.usage.prompt_tokens for c in with_text} == {3}
+    assert chunks[-1].usage.total_tokens == 7 and chunks[-1].usage.prompt_tokens_details.cached_tokens == 0
+    engine.scripts = [FINAL]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                 stream=True, stream_options={"continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == len(FINAL)
+    resp = client.completions.create(model=MODEL, prompt=[1, 2], max_tokens=2)
+    assert resp.usage.prompt_tokens_details.cached_tokens == 0
+
+
 def test_completions_default_max_tokens_is_16(client, engine) -> None:
     engine.scripts = [lambda prompt: itertools.repeat(1000)]
     resp = client.completions.create(model=MODEL, prompt=[1])

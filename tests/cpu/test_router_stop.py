@@ -194,6 +194,14 @@ def test_completions_stop_on_the_last_allowed_token_and_offsets(oai, engine) -> 
     assert "last-token" not in engine.aborted
 
 
+def test_completions_take_as_many_stop_strings_as_harnesses_send(oai, engine) -> None:
+    """lm-eval tasks send 5-10 stop strings; the one that matches may be the last of them."""
+    engine.scripts = [COMPLETION_IDS]
+    stops = [f"never{i}" for i in range(9)] + ["orl"]
+    resp = oai.completions.create(model=MODEL, prompt=[1], max_tokens=16, stop=stops)
+    assert (resp.choices[0].text, resp.choices[0].finish_reason) == ("Hello w", "stop")
+
+
 # ---- HTTP /v1/chat/completions ----------------------------------------------------------------------
 
 
@@ -275,8 +283,9 @@ def test_grpc_chat(server, engine, case: Case) -> None:
 # ---- validation ---------------------------------------------------------------------------------------
 
 BAD = [
-    (["a", "b", "c", "d", "e"], "stop: at most 4 stop strings are supported, got 5"),
+    ([f"s{i}" for i in range(65)], "stop: at most 64 stop strings are supported, got 65"),
     (["a", ""], "stop[1]: stop strings must not be empty"),
+    (["a", "x" * 1025], "stop[1]: at most 1024 characters per stop string, got 1025"),
 ]
 
 
