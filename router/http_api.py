@@ -8,6 +8,7 @@ Response shapes follow the conventions in harmony-spec section 10: chain of thou
 from __future__ import annotations
 
 import abc
+import asyncio
 import contextlib
 import json
 import logging
@@ -153,13 +154,23 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None) -> FastAPI:
         if (bad := check_model(body.model)) is not None:
             return bad
         sampling = body.sampling()
-        prompt = await core.off_loop(_prompt_ids, body.prompt)
-        prep = await core.off_loop(lambda: core.prepare_generate(
-            GenerateRequest(tuple(prompt), sampling, body.request_id or ""), prompt_field="prompt", text=True))
+        prompts = await core.off_loop(_prompt_list, body.prompt)
+        preps = []
+        for i, prompt in enumerate(prompts):
+            # A batch's prompts are separate requests: request ids (if given) get the prompt's index.
+            rid = body.request_id or ""
+            rid, field = (rid, "prompt") if len(prompts) == 1 else (rid and f"{rid}-{i}", f"prompt[{i}]")
+            req = GenerateRequest(tuple(prompt), sampling, rid)
+            preps.append(await core.off_loop(lambda r=req, f=field: core.prepare_generate(r, prompt_field=f,
+                                                                                          text=True)))
         core.check_admission()
-        comp = CompletionStream(core, prep, return_token_ids=body.return_token_ids,
-                                include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                                continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats))
+        opts = body.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        streams = [CompletionStream(core, prep, return_token_ids=body.return_token_ids, index=i,
+                                    include_usage=include_usage and len(preps) == 1,
+                                    continuous_usage=bool(opts and opts.continuous_usage_stats))
+                   for i, prep in enumerate(preps)]
+        comp = streams[0] if len(streams) == 1 else CompletionBatch(streams, include_usage=include_usage)
         if body.stream:
             return StreamingResponse(comp.sse(), media_type="text/event-stream")
         return await comp.complete()
@@ -170,10 +181,22 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None) -> FastAPI:
     return app
 
 
+MAX_BATCH_PROMPTS = 256
+
+
+def _prompt_list(prompt: Any) -> list[list[int]]:
+    """OpenAI's `prompt`: a string, token ids, or a list of either (a batch: one choice per prompt)."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) > MAX_BATCH_PROMPTS:
+            raise ValidationError("prompt", f"at most {MAX_BATCH_PROMPTS} prompts per request, got {len(prompt)}")
+        return [_prompt_ids(p) for p in prompt]
+    return [_prompt_ids(prompt)]
+
+
 def _prompt_ids(prompt: Any) -> list[int]:
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:
-            raise ValidationError("prompt", f"batched prompts are not supported; got {len(prompt)}, send one per request")
+            raise ValidationError("prompt", f"one prompt expected here, got {len(prompt)}")
         prompt = prompt[0]
     if isinstance(prompt, str):
         check_text(prompt, "prompt")
@@ -203,6 +226,7 @@ class _Stream(abc.ABC):
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage  # usage so far on every chunk (vLLM's continuous_usage_stats)
         self.generated = 0
+        self.usage: Usage | None = None  # the final usage, once the stream has ended
         self.timings: dict[str, float] | None = None
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
@@ -214,6 +238,8 @@ class _Stream(abc.ABC):
                     self.timings = step.timings
                 if step.token_id is not None:
                     self.generated += 1
+                if step.usage is not None:
+                    self.usage = step.usage
                 yield step
 
     def envelope(self, choices: list[dict[str, Any]], usage: Usage | None = None, *, chunk: bool) -> dict[str, Any]:
@@ -319,13 +345,14 @@ class CompletionStream(_Stream):
     object_name = "text_completion"
 
     def __init__(self, core: RouterCore, prep: Prepared, *, return_token_ids: bool, include_usage: bool,
-                 continuous_usage: bool = False) -> None:
+                 continuous_usage: bool = False, index: int = 0) -> None:
         super().__init__(core, prep, include_usage=include_usage, continuous_usage=continuous_usage)
         self.return_token_ids = return_token_ids
+        self.index = index  # the choice's index: the prompt's position in a batched request
 
     def _choice(self, text: str, token_ids: list[int], logprobs: list[float], offsets: list[int],
                 finish: str | None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        choice: dict[str, Any] = {"index": self.index, "text": text, "finish_reason": finish, "logprobs": None}
         if self.prep.params.logprobs:
             choice["logprobs"] = {
                 "tokens": [harmony.decode_tokens([t]) for t in token_ids],
@@ -361,3 +388,67 @@ class CompletionStream(_Stream):
 
 def _content(step: TokenStep) -> str:
     return "".join(d.text for d in step.deltas if isinstance(d, ContentDelta))
+
+
+class CompletionBatch:
+    """Several prompts in one /v1/completions request (lm-eval's batches): each runs as its own request,
+    concurrently; one response with a choice per prompt (`index` = its position), usage summed. Streamed,
+    the prompts' chunks interleave as they come; a client that goes away aborts all of them."""
+
+    def __init__(self, streams: list[CompletionStream], *, include_usage: bool) -> None:
+        self.streams = streams
+        self.include_usage = include_usage
+        for s in streams[1:]:
+            s.id, s.created = streams[0].id, streams[0].created
+
+    def _usage(self) -> Usage:
+        done = [s.usage for s in self.streams if s.usage is not None]
+        return Usage(sum(u.prompt_tokens for u in done), sum(u.completion_tokens for u in done))
+
+    async def complete(self) -> dict[str, Any]:
+        tasks = [asyncio.ensure_future(s.complete()) for s in self.streams]
+        try:
+            outs = await asyncio.gather(*tasks)
+        finally:  # one failed (or the client went away): the others stop too, and free their KV
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        out = self.streams[0].envelope([o["choices"][0] for o in outs], self._usage(), chunk=False)
+        out.pop("kvrelay_timings", None)  # per request; a batch is several
+        return out
+
+    async def sse(self) -> AsyncIterator[bytes]:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(s: CompletionStream) -> None:
+            try:
+                async with contextlib.aclosing(s.chunks()) as chunks:
+                    async for payload in chunks:
+                        await queue.put(("chunk", payload))
+                await queue.put(("done", None))
+            except Exception as exc:  # noqa: BLE001 - reported in-band below
+                log.exception("stream %s failed", s.prep.request_id)
+                await queue.put(("error", exc))
+
+        tasks = [asyncio.create_task(pump(s)) for s in self.streams]
+        try:
+            left = len(tasks)
+            while left:
+                kind, item = await queue.get()
+                if kind == "chunk":
+                    yield _sse(item)
+                elif kind == "done":
+                    left -= 1
+                else:
+                    yield _sse(error_body(f"internal error: {item}", type_="server_error"))
+                    break
+            else:
+                if self.include_usage:
+                    chunk = self.streams[0].envelope([], self._usage(), chunk=True)
+                    chunk.pop("kvrelay_timings", None)
+                    yield _sse(chunk)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        yield _sse("[DONE]")

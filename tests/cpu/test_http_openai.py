@@ -203,6 +203,31 @@ def test_continuous_usage_stats_and_prompt_tokens_details(client, engine) -> Non
     assert resp.usage.prompt_tokens_details.cached_tokens == 0
 
 
+def test_batched_prompts_one_choice_each(client, engine) -> None:
+    """A list of prompts (lm-eval's --batch_size): one choice per prompt in order, usage summed, the same
+    text each prompt gets alone; streamed, the chunks of both arrive under their index, one [DONE]."""
+    engine.scripts = [lambda prompt: _ids(f"echo {len(prompt)} tokens")]
+    solo = {n: client.completions.create(model=MODEL, prompt=list(range(1, n + 1)), max_tokens=3).choices[0].text
+            for n in (2, 3)}
+    resp = client.completions.create(model=MODEL, prompt=[[1, 2], [1, 2, 3]], max_tokens=3,
+                                     extra_body={"return_token_ids": True})
+    assert [(c.index, c.text) for c in resp.choices] == [(0, solo[2]), (1, solo[3])]
+    assert [_extra(c, "prompt_token_ids") for c in resp.choices] == [[1, 2], [1, 2, 3]]
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (5, 6)
+    chunks = list(client.completions.create(model=MODEL, prompt=["Say hi", "Say hi there"], max_tokens=3,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = {0: "", 1: ""}
+    for c in chunks:
+        for ch in c.choices:
+            text[ch.index] += ch.text
+    n0, n1 = (len(harmony.load_encoding().encode(p)) for p in ("Say hi", "Say hi there"))
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=3).choices[0].text
+             for p in ("Say hi", "Say hi there")]
+    assert [text[0], text[1]] == alone and alone[0] != alone[1] and len({c.id for c in chunks}) == 1
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == n0 + n1
+    assert chunks[-1].usage.completion_tokens == 6
+
+
 def test_completions_default_max_tokens_is_16(client, engine) -> None:
     engine.scripts = [lambda prompt: itertools.repeat(1000)]
     resp = client.completions.create(model=MODEL, prompt=[1])

@@ -168,7 +168,8 @@ def test_http_400(server, engine, case: Case) -> None:
     ("/v1/chat/completions", {}, "messages: Field required"),
     ("/v1/completions", {"prompt": "a <|start|> b"},
      "prompt: text contains the special token '<|start|>'; send token ids to use special tokens"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt: batched prompts are not supported; got 2, send one per request"),
+    ("/v1/completions", {"prompt": ["a"] * 257}, "prompt: at most 256 prompts per request, got 257"),
+    ("/v1/completions", {"prompt": [[1, 2], []]}, "prompt[1]: must not be empty"),
     ("/v1/completions", {"prompt": [1], "logprobs": 5},
      "logprobs: at most 1 is supported (the sampled token's logprob), got 5"),
 ])
