@@ -129,6 +129,25 @@ def test_http_stream_reports_the_ttft_breakdown(running):
     assert t["kv_bytes"] == 0 and t["prefill_compute_s"] > 0
 
 
+def test_batched_prompts_equal_solo_runs(running, reference):
+    """A list of prompts in one /v1/completions request (lm-eval batches this way): one choice per prompt,
+    each equal to the single-process run, queued prompts sharing forwards."""
+    import httpx
+
+    run, server = running
+    prompts = [prompt_of(n, 40 + n) for n in (3, 70, 11, 130)]
+    body = {"model": run.client.model_name, "prompt": prompts, "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    r = httpx.post(f"{server.http_url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    for c, p in zip(choices, prompts):
+        assert c["token_ids"] == solo(reference, p, 12) and c["prompt_token_ids"] == p
+    assert r.json()["usage"]["prompt_tokens"] == sum(map(len, prompts))
+    assert_no_pages_left(run)
+
+
 def test_abort_mid_stream_frees_the_pages(running):
     run, _ = running
 
