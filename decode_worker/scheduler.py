@@ -240,7 +240,10 @@ class Scheduler:
         if self.overlap and getattr(self.runner, "overlap_capable", False):
             self._drop_aborted()
             batch = list(self._running.values())
-            if batch and all(r.params.greedy and not r.params.logprobs for r in batch):
+            # Overlapped steps take argmax on the device: greedy, no logprobs, min_tokens already behind
+            # (a step may run one token ahead of the host's count).
+            if batch and all(r.params.greedy and not r.params.logprobs and not r.params.masks_stops(r.generated)
+                             and not r.params.masks_stops(r.generated + 1) for r in batch):
                 return self._step_overlapped(batch)
         return self._step(())[0]
 

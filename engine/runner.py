@@ -434,12 +434,12 @@ class Runner:
         """(token, logprob) per row; `steps[b]` = tokens request b generated before this one."""
         if logits.dim() == 1:
             logits = logits[None]
-        params = list(params)
-        if all(p.greedy and not p.logprobs for p in params):
+        params, steps = list(params), list(steps)
+        if all(p.greedy and not p.logprobs and not p.masks_stops(n) for p, n in zip(params, steps)):
             # The whole batch in one device-to-host transfer (argmax ties go to the lowest id, as in
             # sampling.sample).
             return [(t, None) for t in torch.argmax(logits.float(), dim=-1).tolist()]
-        return sample(logits, params, list(steps))
+        return sample(logits, params, steps)
 
 
 def _fill_ids(ids: torch.Tensor, fill) -> None:

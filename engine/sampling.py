@@ -25,10 +25,13 @@ class SamplingParams:
     seed: int | None = None  # None = random
     stop_token_ids: tuple[int, ...] = ()
     logprobs: bool = False
+    min_tokens: int = 0  # the stop tokens cannot be sampled before this many tokens (vLLM's min_tokens)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -46,7 +49,11 @@ class SamplingParams:
         if self.seed is not None or self.greedy:
             return self
         return SamplingParams(self.max_tokens, self.temperature, self.top_p, self.top_k,
-                              random.getrandbits(63), self.stop_token_ids, self.logprobs)
+                              random.getrandbits(63), self.stop_token_ids, self.logprobs, self.min_tokens)
+
+    def masks_stops(self, step: int) -> bool:
+        """The token after `step` generated ones must not be a stop token (min_tokens not reached)."""
+        return step < self.min_tokens and bool(self.stop_token_ids)
 
 
 @dataclass(frozen=True)
@@ -85,9 +92,15 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int])
     already generated. Returns (token, logprob or None); the logprob is of the model's distribution
     (log-softmax of the raw logits), not of the temperature/top-p-filtered one."""
     logits = logits.float()
-    greedy_ids = torch.argmax(logits, dim=-1)  # ties go to the lowest id, matching HF greedy
     want_lp = any(p.logprobs for p in params)
+    # The logprob is of the model's distribution, before min_tokens masks the stop tokens.
     logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
+    masked = [b for b, p in enumerate(params) if p.masks_stops(steps[b])]
+    if masked:
+        logits = logits.clone()
+        for b in masked:
+            logits[b, list(params[b].stop_token_ids)] = float("-inf")
+    greedy_ids = torch.argmax(logits, dim=-1)  # ties go to the lowest id, matching HF greedy
     out: list[tuple[int, float | None]] = []
     for b, p in enumerate(params):
         if p.greedy:

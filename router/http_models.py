@@ -77,6 +77,7 @@ class _Sampling(_Body):
     stream_options: Optional[StreamOptions] = None
     request_id: Optional[str] = None
     ignore_eos: bool = False  # vLLM's extension: benchmarks use it to hold output lengths fixed
+    min_tokens: Optional[int] = None  # vLLM's extension: no stop before this many tokens
 
     def common_checks(self) -> None:
         if self.n not in (None, 1):
@@ -123,6 +124,7 @@ class ChatCompletionRequest(_Sampling):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             logprobs=self.logprobs,
             stop=self.stop_strings(),
+            min_tokens=self.min_tokens,
         )
         return ChatRequest(
             messages=tuple(_message(i, m) for i, m in enumerate(self.messages)),
@@ -154,6 +156,7 @@ class CompletionRequest(_Sampling):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             logprobs=self.logprobs is not None,
             stop=self.stop_strings(),
+            min_tokens=self.min_tokens,
         )
 
 

@@ -212,6 +212,9 @@ class _Output:
         self.detok = Detokenizer(harmony.load_encoding()) if prep.text and not prep.chat else None
         self.stops = StopStrings(prep.stop) if prep.stop else None
         self.stop_ids = frozenset(prep.params.stop_token_ids)
+        # min_tokens: stop strings are matched only in text that comes after the first min_tokens tokens
+        # (the engine masks the stop tokens until then), as vLLM skips its stop checks.
+        self.unmatched_tokens = prep.params.min_tokens
         self.offset: int | None = 0 if self.detok else None  # characters decoded so far (Generate)
 
     @property
@@ -231,6 +234,9 @@ class _Output:
             deltas = [ContentDelta(text)] if text else []
         else:
             return []
+        if self.unmatched_tokens > 0:
+            self.unmatched_tokens -= 1
+            return deltas
         return self.stops.filter(deltas) if self.stops else deltas
 
     def finish(self) -> list[Delta]:
@@ -275,4 +281,5 @@ def _engine_params(resolved: validation.ResolvedSampling, extra_stops: tuple[int
         seed=resolved.seed,
         stop_token_ids=stops,
         logprobs=resolved.logprobs,
+        min_tokens=resolved.min_tokens,
     )

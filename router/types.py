@@ -28,6 +28,7 @@ class SamplingOptions:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: bool = False
     stop: tuple[str, ...] = ()  # stop strings, matched by the router on the output text (see router.stop)
+    min_tokens: int | None = None  # no stop (token or string) before this many tokens
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,7 @@ class ResolvedSampling:
     stop_token_ids: tuple[int, ...]
     logprobs: bool
     stop: tuple[str, ...] = ()  # router-side only: SamplingParams has no stop strings
+    min_tokens: int = 0
 
 
 def check_token_ids(ids: tuple[int, ...] | list[int], field: str, vocab_size: int = VOCAB_SIZE) -> None:
@@ -143,6 +144,9 @@ def resolve_sampling(
         )
     else:
         max_tokens = s.max_tokens
+    min_tokens = 0 if s.min_tokens is None else s.min_tokens
+    if not 0 <= min_tokens <= max_tokens:
+        raise ValidationError("min_tokens", f"must be in [0, max_tokens = {max_tokens}], got {min_tokens}")
     return ResolvedSampling(
         max_tokens=max_tokens,
         temperature=1.0 if s.temperature is None else float(s.temperature),
@@ -152,6 +156,7 @@ def resolve_sampling(
         stop_token_ids=tuple(s.stop_token_ids),
         logprobs=s.logprobs,
         stop=tuple(s.stop),
+        min_tokens=min_tokens,
     )
 
 

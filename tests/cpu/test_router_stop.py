@@ -202,6 +202,19 @@ def test_completions_take_as_many_stop_strings_as_harnesses_send(oai, engine) ->
     assert (resp.choices[0].text, resp.choices[0].finish_reason) == ("Hello w", "stop")
 
 
+def test_min_tokens_reaches_the_engine_and_defers_stop_strings(oai, engine) -> None:
+    """vLLM's min_tokens: the engine masks its stop tokens for that many tokens, and the router matches stop
+    strings only in the text after them ("orl" completes inside the 2nd token: ignored with min_tokens=2)."""
+    engine.scripts = [COMPLETION_IDS]
+    resp = oai.completions.create(model=MODEL, prompt=[1], max_tokens=4, stop="orl", extra_body={"min_tokens": 2})
+    whole = harmony.load_encoding().decode(COMPLETION_IDS[:4])
+    assert (resp.choices[0].text, resp.choices[0].finish_reason) == (whole, "length")
+    assert engine.params[-1].min_tokens == 2
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=MODEL, prompt=[1], max_tokens=4, extra_body={"min_tokens": 5})
+    assert e.value.body["message"] == "min_tokens: must be in [0, max_tokens = 4], got 5"
+
+
 # ---- HTTP /v1/chat/completions ----------------------------------------------------------------------
 
 

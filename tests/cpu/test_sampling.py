@@ -70,3 +70,18 @@ def test_finish_reason():
     assert finish_reason(9, 1, p) == "stop"
     assert finish_reason(5, 3, p) == "length"
     assert finish_reason(9, 3, p) == "stop"
+
+
+def test_min_tokens_masks_the_stop_tokens_until_reached():
+    greedy = SamplingParams(temperature=0, stop_token_ids=(1, 4), min_tokens=2, logprobs=True)
+    (tok, lp), = sample(LOGITS, [greedy], [0])
+    assert tok == 2  # 1 and 4 (the two best) are stop tokens and masked at step 0
+    assert lp == pytest.approx(float(torch.log_softmax(LOGITS[0], -1)[2]))  # the model's distribution
+    assert sample(LOGITS, [greedy], [1])[0][0] == 2
+    assert sample(LOGITS, [greedy], [2])[0][0] == 1  # reached: stop tokens allowed again
+    sampled = SamplingParams(max_tokens=400, temperature=1.0, seed=3, stop_token_ids=(1, 4), min_tokens=400)
+    assert not {1, 4} & set(_draws(sampled, 300))
+    assert greedy.masks_stops(1) and not greedy.masks_stops(2) and not SamplingParams(min_tokens=5).masks_stops(0)
+    with pytest.raises(ValueError, match="min_tokens must be in"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    assert SamplingParams(temperature=0.5, min_tokens=3).resolved().min_tokens == 3

@@ -354,3 +354,23 @@ def test_pages_outlive_an_aborted_pull_until_the_read_ends(decode_worker, how):
     finally:
         gate.set()
         w.importer.pull = real_pull
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
+def test_min_tokens_runs_past_an_early_stop_token(solo_runner, overlap):
+    """The token greedy decoding emits second is made a stop token: without min_tokens the request ends
+    there; with min_tokens=6 it is masked for six tokens, then the stop applies again."""
+    ref = solo(solo_runner, prompt_of(7), GREEDY)
+    stop = ref[1]
+    sched = Scheduler(new_runner(), max_batch=4, overlap=overlap)
+    sink: dict[str, list[TokenOutput]] = {}
+    plain = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(stop,))
+    held = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(stop,), min_tokens=6)
+    admit(sched, "plain", prompt_of(7), plain, sink)
+    admit(sched, "held", prompt_of(7), held, sink)
+    run_to_end(sched)
+    assert [t.token_id for t in sink["plain"]] == ref[:2] and sink["plain"][-1].finish_reason == "stop"
+    got = [t.token_id for t in sink["held"]]
+    assert len(got) >= 6 and stop not in got[:6]
+    assert sink["held"][-1].finish_reason in ("stop", "length")
+    assert sched.stats().pages_in_use == {"full": 0, "sliding": 0}

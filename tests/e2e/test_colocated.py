@@ -148,6 +148,24 @@ def test_batched_prompts_equal_solo_runs(running, reference):
     assert_no_pages_left(run)
 
 
+def test_min_tokens_on_the_cluster_equals_llm_generate(running, reference):
+    """HTTP min_tokens with a stop token greedy decoding would emit early: the served stream equals
+    single-process LLM.generate with the same parameters (both mask the stop token for 8 tokens)."""
+    import httpx
+
+    run, server = running
+    prompt = prompt_of(21, 5)
+    stop = solo(reference, prompt, 4)[1]
+    params = SamplingParams(max_tokens=16, temperature=0, stop_token_ids=(stop,), min_tokens=8)
+    want = [o.token_id for o in reference.generate(prompt, params)]
+    body = {"model": run.client.model_name, "prompt": prompt, "max_tokens": 16, "temperature": 0,
+            "stop_token_ids": [stop], "min_tokens": 8, "return_token_ids": True}
+    r = httpx.post(f"{server.http_url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == want and len(want) > 8 and stop not in want[:8]
+    assert_no_pages_left(run)
+
+
 def test_abort_mid_stream_frees_the_pages(running):
     run, _ = running
 
