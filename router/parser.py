@@ -23,7 +23,7 @@ from typing import Callable
 
 from openai_harmony import HarmonyEncoding, Role, StreamableParser, StreamState
 
-from kvrelay.router.harmony import CALL, RETURN, TOOL_NAMESPACE, VOCAB_SIZE
+from kvrelay.router.harmony import CALL, CHANNEL, CONSTRAIN, RETURN, START, TOOL_NAMESPACE, VOCAB_SIZE
 from kvrelay.router.types import (
     CHANNELS,
     ContentDelta,
@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 MAX_HEADER_TOKENS = 64
 
 _FUNCTION_RECIPIENT = re.compile(rf"^{TOOL_NAMESPACE}\.([A-Za-z0-9_\-.]+)$")
+_HEADER_SPECIALS = frozenset({START, CHANNEL, CONSTRAIN})
+_HEADER_TEXT = None  # compiled on first use (parser._could_be_header)
 _REPLACEMENT = "\N{REPLACEMENT CHARACTER}".encode()
 
 
@@ -171,7 +173,25 @@ class HarmonyStreamParser:
             return self._enter_fallback("header ended without <|message|>", self._header)
         if len(self._header) > self._max_header:
             return self._enter_fallback(f"no <|message|> within {self._max_header} header tokens", self._header)
+        if not self._could_be_header():
+            return self._enter_fallback("output does not start with a message header", self._header)
         return []
+
+    def _could_be_header(self) -> bool:
+        """Whether the held tokens can still grow into a header. Plain text that cannot (a model that
+        answers without one) is released at once instead of after MAX_HEADER_TOKENS tokens, which made a
+        streamed reply's first token wait for the 64th. Once a header token (<|start|>, <|channel|>,
+        <|constrain|>) is there, harmony decides, as before."""
+        if any(t in _HEADER_SPECIALS for t in self._header):
+            return True
+        global _HEADER_TEXT
+        if _HEADER_TEXT is None:
+            import regex
+
+            # What may precede the header's special tokens: the role, a recipient, a content type.
+            _HEADER_TEXT = regex.compile(r"(?:assistant)?(?:\s*to=[^\s<]+)?(?:\s+[^\s<]+)?\s*<\|channel\|>")
+        text = Detokenizer(self._enc).feed(self._header)
+        return _HEADER_TEXT.fullmatch(text, partial=True) is not None
 
     def _open_message(self) -> list[Delta]:
         assert self._parser is not None

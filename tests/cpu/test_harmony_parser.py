@@ -136,6 +136,22 @@ def test_plain_text_output_is_released_after_the_header_cap(enc) -> None:
     assert "".join(d.text for d in early + parser.finish()) == " word" * (MAX_HEADER_TOKENS + 10)
 
 
+def test_text_that_cannot_be_a_header_is_released_at_once(enc) -> None:
+    """A model that answers without a header: its first token goes out with its own step, not after
+    MAX_HEADER_TOKENS tokens (a stream's time to first token was the 64th token's). What can still become
+    a header (a recipient, a content type before <|channel|>) is held, a few tokens at most."""
+    parser = HarmonyStreamParser(enc)
+    first = parser.feed(_ids(enc, "Hello")[0])
+    assert [d.text for d in first] == ["Hello"]
+    assert "".join(d.text for d in parser.feed(_ids(enc, " there")[0])) == " there"
+    parser = HarmonyStreamParser(enc)
+    held = [parser.feed(t) for t in _ids(enc, " to=functions.get_weather")]
+    assert not any(held)  # a recipient may precede <|channel|>: still a header candidate
+    parser, deltas = _run(enc, _ids(enc, " to=functions.get_weather<|channel|>commentary json"
+                                         '<|message|>{"city":"Paris"}<|call|>'))
+    assert isinstance(deltas[0], ToolCallStart) and parser.called_tool
+
+
 def test_truncated_header_is_flushed_on_finish(enc) -> None:
     parser, deltas = _run(enc, _ids(enc, "<|channel|>fin"))
     assert "".join(d.text for d in deltas) == "<|channel|>fin"
