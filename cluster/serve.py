@@ -119,6 +119,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds in-flight requests get to finish on shutdown")
     parser.add_argument("--log-requests", action="store_true",
                         help="log one JSON metrics line per finished request")
+    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="the model's name(s) in the API: the first is the id responses carry, requests may "
+                             "use any (default: the model's own name)")
     parser.add_argument("--api-key", action="append", default=None, metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on /v1 routes and gRPC calls (repeatable; "
                              "router.api_keys_env names an environment variable with more)")
@@ -173,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {topo.source}: {reason}", file=sys.stderr)
         return 2
     try:
-        return asyncio.run(_serve(cluster, args.drain_timeout, t0, api_keys))
+        return asyncio.run(_serve(cluster, args.drain_timeout, t0, api_keys, args.served_model_name))
     finally:
         cluster.shutdown()
         print("kvrelay: stopped", flush=True)
@@ -243,7 +246,8 @@ async def _watch_ray(gcs_address: str, cluster: Cluster, stop: asyncio.Event, ev
                 return
 
 
-async def _serve(cluster: Cluster, drain_timeout_s: float, t0: float, api_keys=None) -> int:
+async def _serve(cluster: Cluster, drain_timeout_s: float, t0: float, api_keys=None,
+                 served_names: list[str] | None = None) -> int:
     import ray
 
     from kvrelay.router.auth import ApiKeys
@@ -251,7 +255,7 @@ async def _serve(cluster: Cluster, drain_timeout_s: float, t0: float, api_keys=N
 
     topo = cluster.topology
     client = cluster.engine_client()
-    server = RouterServer(client, client.model_name, topo.router.host, topo.router.grpc_port,
+    server = RouterServer(client, served_names or client.model_name, topo.router.host, topo.router.grpc_port,
                           topo.router.http_port, api_keys=api_keys or ApiKeys())
     await server.start()
     # Everything allocated so far (Ray, torch, the tokenizer) lives as long as the process: move it out of
@@ -262,10 +266,12 @@ async def _serve(cluster: Cluster, drain_timeout_s: float, t0: float, api_keys=N
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    ready = {"model": client.model_name, "grpc": server.grpc_target, "http": server.http_url,
+    ready = {"model": server.core.model_name, "grpc": server.grpc_target, "http": server.http_url,
              "ray": ray.get_runtime_context().gcs_address, "namespace": topo.ray.namespace,
              "startup_s": round(time.perf_counter() - t0, 2)}
-    print(f"kvrelay: serving {client.model_name}\n  gRPC  {server.grpc_target}\n  HTTP  {server.http_url}"
+    names = server.core.model_names
+    alias = "" if names == (client.model_name,) else f" as {', '.join(names)}"
+    print(f"kvrelay: serving {client.model_name}{alias}\n  gRPC  {server.grpc_target}\n  HTTP  {server.http_url}"
           f"  (OpenAI-compatible: {server.http_url}/v1/chat/completions)\n  Ray   {ready['ray']} "
           f"namespace {topo.ray.namespace}  (kvrelay status --address {ready['ray']})\n"
           f"  Auth  {f'{len(server.api_keys)} API key(s) required on /v1 and gRPC' if server.api_keys else 'none'}\n"

@@ -171,5 +171,5 @@ class RouterServicer(pb_grpc.RouterServicer):
         return pb.HealthResponse(serving=True, model=self.core.model_name)
 
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
-        model = pb.Model(id=self.core.model_name, max_context=self.core.max_context, owned_by="kvrelay")
-        return pb.ListModelsResponse(models=[model])
+        return pb.ListModelsResponse(models=[pb.Model(id=name, max_context=self.core.max_context, owned_by="kvrelay")
+                                             for name in self.core.model_names])

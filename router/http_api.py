@@ -99,7 +99,7 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None) -> FastAPI:
         return JSONResponse(error_body(f"internal error: {exc}", type_="server_error"), status_code=500)
 
     def check_model(model: str | None) -> JSONResponse | None:
-        if model and model != core.model_name:
+        if model and model not in core.model_names:
             return JSONResponse(
                 error_body(f"The model '{model}' does not exist; this server serves '{core.model_name}'",
                            param="model", code="model_not_found"),
@@ -133,9 +133,9 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {"id": core.model_name, "object": "model", "created": 0, "owned_by": "kvrelay",
-                "max_model_len": core.max_context}
-        return {"object": "list", "data": [card]}
+        cards = [{"id": name, "object": "model", "created": 0, "owned_by": "kvrelay", "max_model_len": core.max_context}
+                 for name in core.model_names]
+        return {"object": "list", "data": cards}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest) -> Any:

@@ -12,7 +12,7 @@ import logging
 import socket
 import sys
 import threading
-from typing import Callable
+from typing import Callable, Sequence
 
 import grpc
 import uvicorn
@@ -32,7 +32,7 @@ class RouterServer:
     def __init__(
         self,
         engine_client: EngineClient,
-        model_name: str | None = None,
+        model_name: str | Sequence[str] | None = None,
         host: str = "127.0.0.1",
         grpc_port: int = 0,
         http_port: int = 0,
@@ -42,7 +42,11 @@ class RouterServer:
         grace_s: float = 1.0,
         api_keys: ApiKeys = ApiKeys(),
     ) -> None:
-        self.core = RouterCore(engine_client, model_name=model_name, today=today, call_id_factory=call_id_factory)
+        # Several names (vLLM's --served-model-name a b): the first is the id responses carry, and requests
+        # may use any of them.
+        names = (model_name,) if model_name is None or isinstance(model_name, str) else tuple(model_name)
+        self.core = RouterCore(engine_client, model_name=names[0], today=today, call_id_factory=call_id_factory)
+        self.core.model_names = tuple(dict.fromkeys((self.core.model_name, *(n for n in names if n))))
         self.api_keys = api_keys
         self.host = host
         self._grpc_port_requested = grpc_port

@@ -70,6 +70,7 @@ class RouterCore:
     ) -> None:
         self.engine = engine
         self.model_name = model_name or engine.model_name
+        self.model_names: tuple[str, ...] = (self.model_name,)  # every name requests may use (aliases)
         self._today = today
         self._call_id = call_id_factory
         self._in_flight: set[str] = set()

@@ -60,7 +60,9 @@ def test_serve_status_and_sigterm_drain(tmp_path):
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(CONFIG)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cluster.cli", "serve", str(cfg)], env=env,
+    # As an operator would run it behind a client that names the model its own way, with a key.
+    proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cluster.cli", "serve", str(cfg),
+                             "--served-model-name", "acme/tiny", "tiny-alias", "--api-key", "sk-e2e"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
@@ -92,7 +94,13 @@ def test_serve_status_and_sigterm_drain(tmp_path):
         from kvrelay.router.client import RouterClient
         from kvrelay.router.types import SamplingOptions
 
-        with RouterClient(ready["grpc"], timeout_s=120) as client:
+        import httpx
+
+        assert ready["model"] == "acme/tiny"
+        assert httpx.get(f"{ready['http']}/v1/models", timeout=30).status_code == 401
+        models = httpx.get(f"{ready['http']}/v1/models", headers={"Authorization": "Bearer sk-e2e"}, timeout=30)
+        assert [m["id"] for m in models.json()["data"]] == ["acme/tiny", "tiny-alias"]
+        with RouterClient(ready["grpc"], timeout_s=120, api_key="sk-e2e") as client:
             stream = client.generate(list(range(1, 30)), SamplingOptions(temperature=0.0, max_tokens=150))
             got = list(next(stream).token_ids)
             proc.send_signal(signal.SIGTERM)  # mid-stream: the drain lets it finish
@@ -104,6 +112,7 @@ def test_serve_status_and_sigterm_drain(tmp_path):
         assert proc.wait(timeout=90) == 0, "".join(lines[-30:])
         out = "".join(lines)
         assert "draining in-flight requests" in out and "kvrelay: stopped" in out
+        assert "as acme/tiny, tiny-alias" in out and "Auth  1 API key(s) required" in out
     finally:
         if proc.poll() is None:
             proc.kill()
