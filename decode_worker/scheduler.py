@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvrelay.engine.kv_cache import GROUPS
+from kvrelay.engine.kv_geometry import GROUPS, worst_case_pages
 from kvrelay.engine.runner import Runner
 from kvrelay.engine.sampling import SamplingParams, TokenOutput, finish_reason
 
@@ -125,12 +125,7 @@ class Scheduler:
 
     def pages_for(self, total_tokens: int) -> dict[str, int]:
         """Most pages a sequence growing to `total_tokens` positions ever holds at once, per group."""
-        ps = self.runner.page_size
-        full = -(-total_tokens // ps)
-        # A sliding layer holds positions [n - window + 1, n] around the token being written: `window`
-        # positions that can straddle one extra page boundary.
-        window = (self.runner.cfg.sliding_window - 1) // ps + 2
-        return {"full": full, "sliding": min(full, window)}
+        return worst_case_pages(total_tokens, self.runner.page_size, self.runner.cfg.sliding_window)
 
     def reserve(self, request_id: str, prompt_tokens: int, max_tokens: int) -> dict[str, int]:
         """Commit the request's worst-case pages or raise AdmissionRefused with the reason."""

@@ -22,13 +22,11 @@ import numpy as np
 import torch
 
 from kvrelay.engine.config import ModelConfig
+from kvrelay.engine.kv_geometry import FULL, GROUPS, SLIDING, first_live_page, pages_spanned
 from kvrelay.engine.layers.attention import head_range
 from kvrelay.engine.layers.linear import Shard
 from kvrelay.kernels.reference import PagedKV
 
-FULL = "full"
-SLIDING = "sliding"
-GROUPS = (FULL, SLIDING)
 
 
 class OutOfPages(RuntimeError):
@@ -158,14 +156,10 @@ class KVCache:
 
     # ---- capacity ------------------------------------------------------------------------------
     def _first_needed_page(self, group: str, length: int) -> int:
-        """Logical index of the first page a sequence of `length` positions still needs: the next query
-        (at position `length`) sees keys down to length - window + 1."""
-        if group == FULL:
-            return 0
-        return max(0, length - self.window + 1) // self.page_size
+        return first_live_page(group, length, self.page_size, self.window)
 
     def _pages_spanned(self, length: int) -> int:
-        return -(-length // self.page_size)
+        return pages_spanned(length, self.page_size)
 
     def pages_needed(self, n_tokens: int, *, length: int = 0) -> dict[str, int]:
         """Peak pages per group that appending n_tokens to a sequence of `length` allocates. A sliding

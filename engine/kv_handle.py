@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
+from kvrelay.engine.kv_geometry import live_pages
 from kvrelay.engine.parallel import head_range
 from kvrelay.engine.sampling import TokenOutput
 
@@ -104,13 +105,9 @@ class KVLayout:
 
 
 def live_blocks(group: str, num_tokens: int, page_size: int, sliding_window: int) -> range:
-    """Logical page indices the next decode step can attend to. The query at position `num_tokens` of a
-    sliding layer sees keys down to `num_tokens - sliding_window + 1` (engine/kv_cache.py keeps exactly
-    those pages, and both sides must agree on the count); full layers keep every page."""
-    last = -(-num_tokens // page_size)
-    if group == "sliding":
-        return range(max(0, num_tokens - sliding_window + 1) // page_size, last)
-    return range(0, last)
+    """Logical page indices the next decode step can attend to: exactly the pages engine/kv_cache.py
+    keeps (both sides of a handoff count them with engine/kv_geometry.py)."""
+    return live_pages(group, num_tokens, page_size, sliding_window)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from typing import Hashable, Iterator, Sequence
 import torch
 
 from kvrelay.engine.config import ModelConfig
+from kvrelay.engine.kv_geometry import pages_spanned
 from kvrelay.engine.parallel import SINGLE, ParallelContext
 from kvrelay.engine.runner import Runner
 from kvrelay.engine.sampling import SamplingParams, TokenOutput, finish_reason
@@ -91,7 +92,7 @@ class LLM:
 
     # ---- engine loop ---------------------------------------------------------------------------
     def _pages_for(self, n_tokens: int) -> int:
-        return -(-n_tokens // self.runner.page_size)
+        return pages_spanned(n_tokens, self.runner.page_size)
 
     def add_request(self, req_id: Hashable, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         prompt = [int(t) for t in prompt_ids]

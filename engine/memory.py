@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvrelay.engine import kv_geometry
+
 GIB = 1 << 30
 
 
@@ -45,7 +47,7 @@ def page_bytes(cfg, *, page_size: int, kv_heads: int, dtype_bytes: int = 2) -> d
 
 def window_pages(cfg, page_size: int) -> int:
     """Most sliding pages one sequence holds between forwards (a window can straddle one extra page)."""
-    return (cfg.sliding_window - 1) // page_size + 2
+    return kv_geometry.window_pages(cfg.sliding_window, page_size)
 
 
 def chunk_headroom(*, chunk_tokens: int, page_size: int, max_seqs: int) -> int:
