@@ -27,7 +27,7 @@ _FINISH = {
 
 def sampling_to_proto(s: SamplingOptions) -> pb.SamplingParams:
     out = pb.SamplingParams(stop_token_ids=list(s.stop_token_ids), logprobs=s.logprobs, stop=list(s.stop))
-    for name in ("temperature", "top_p", "top_k", "seed", "max_tokens"):
+    for name in ("temperature", "top_p", "top_k", "seed", "max_tokens", "min_tokens"):
         value = getattr(s, name)
         if value is not None:
             setattr(out, name, value)
@@ -102,6 +102,21 @@ class RouterClient:
 
     def health(self) -> pb.HealthResponse:
         return self._stub.Health(pb.HealthRequest(), timeout=self._timeout, metadata=self._md)
+
+    def tokenize(self, prompt: str = "", *, messages: Sequence[ChatMessage] = (), tools: Sequence[ToolSpec] = (),
+                 reasoning_effort: str = "medium", return_token_strs: bool = False) -> pb.TokenizeResponse:
+        """Text, or a conversation rendered exactly as `chat` renders it; one of the two."""
+        req = pb.TokenizeRequest(prompt=prompt, return_token_strs=return_token_strs)
+        if messages:
+            req.chat.CopyFrom(pb.ChatRequest(
+                messages=[message_to_proto(m) for m in messages], reasoning_effort=_effort(reasoning_effort),
+                tools=[pb.Tool(name=t.name, description=t.description, parameters_json_schema=t.parameters_json)
+                       for t in tools]))
+        return self._stub.Tokenize(req, timeout=self._timeout, metadata=self._md)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return self._stub.Detokenize(pb.DetokenizeRequest(tokens=list(token_ids)), timeout=self._timeout,
+                                     metadata=self._md).prompt
 
     def list_models(self) -> list[pb.Model]:
         return list(self._stub.ListModels(pb.ListModelsRequest(), timeout=self._timeout, metadata=self._md).models)

@@ -13,8 +13,9 @@ from typing import AsyncIterator
 
 import grpc
 
+from kvrelay.router import harmony
 from kvrelay.router.engine_client import EngineOverloaded
-from kvrelay.router.service import RouterCore
+from kvrelay.router.service import RouterCore, encode_prompt_text
 from kvrelay.router.types import (
     ChatMessage,
     ChatRequest,
@@ -29,7 +30,7 @@ from kvrelay.router.types import (
     ToolSpec,
     Usage,
 )
-from kvrelay.router.validation import ValidationError
+from kvrelay.router.validation import ValidationError, check_token_ids
 from kvrelay.v1 import router_pb2 as pb
 from kvrelay.v1 import router_pb2_grpc as pb_grpc
 
@@ -59,6 +60,7 @@ def sampling_from_proto(s: pb.SamplingParams) -> SamplingOptions:
         stop_token_ids=tuple(s.stop_token_ids),
         logprobs=s.logprobs,
         stop=tuple(s.stop),
+        min_tokens=s.min_tokens if s.HasField("min_tokens") else None,
     )
 
 
@@ -169,6 +171,33 @@ class RouterServicer(pb_grpc.RouterServicer):
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         return pb.HealthResponse(serving=True, model=self.core.model_name)
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        chat = request.HasField("chat") and len(request.chat.messages) > 0
+        try:
+            if chat == bool(request.prompt):
+                raise ValidationError("prompt", "set exactly one of prompt and chat.messages")
+            if chat:
+                prep = await self.core.off_loop(self.core.prepare_chat, chat_from_proto(request.chat))
+                ids = list(prep.prompt_ids)
+            else:
+                ids = await self.core.off_loop(encode_prompt_text, request.prompt)
+        except ValidationError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        strs = [harmony.decode_tokens([t]) for t in ids] if request.return_token_strs else []
+        return pb.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.core.max_context, token_strs=strs)
+
+    async def Detokenize(self, request: pb.DetokenizeRequest,
+                         context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
+        try:
+            check_token_ids(list(request.tokens), "tokens", self.core.vocab_size)
+            try:
+                text = harmony.decode_tokens(list(request.tokens))
+            except Exception as e:  # ids the vocabulary has no text for
+                raise ValidationError("tokens", f"cannot be decoded: {e}") from None
+        except ValidationError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.DetokenizeResponse(prompt=text)
 
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(models=[pb.Model(id=name, max_context=self.core.max_context, owned_by="kvrelay")

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -20,7 +19,6 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from openai_harmony import HarmonyError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -28,7 +26,7 @@ from kvrelay.router import harmony
 from kvrelay.router.auth import ApiKeys, install_http
 from kvrelay.router.engine_client import EngineOverloaded
 from kvrelay.router.http_models import ChatCompletionRequest, CompletionRequest
-from kvrelay.router.service import Prepared, RouterCore
+from kvrelay.router.service import Prepared, RouterCore, encode_prompt_text
 from kvrelay.router.types import (
     ContentDelta,
     GenerateRequest,
@@ -38,7 +36,7 @@ from kvrelay.router.types import (
     ToolCallStart,
     Usage,
 )
-from kvrelay.router.validation import ValidationError, check_text
+from kvrelay.router.validation import ValidationError
 
 log = logging.getLogger(__name__)
 
@@ -199,19 +197,8 @@ def _prompt_ids(prompt: Any) -> list[int]:
             raise ValidationError("prompt", f"one prompt expected here, got {len(prompt)}")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        check_text(prompt, "prompt")
-        try:
-            return harmony.encode_text(prompt)
-        except HarmonyError:
-            specials = harmony.load_encoding().special_tokens_set
-            found = next((m for m in _SPECIAL_TEXT.findall(prompt) if m in specials), "a special token")
-            raise ValidationError(
-                "prompt", f"text contains the special token {found!r}; send token ids to use special tokens"
-            ) from None
+        return encode_prompt_text(prompt)
     return list(prompt)
-
-
-_SPECIAL_TEXT = re.compile(r"<\|[A-Za-z0-9_]+\|>")
 
 
 class _Stream(abc.ABC):

@@ -14,10 +14,12 @@ import asyncio
 import concurrent.futures
 import datetime as _dt
 import logging
+import re
 import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, TypeVar
 
+from openai_harmony import HarmonyError
 from prometheus_client import Counter, Gauge
 
 from kvrelay.engine.sampling import SamplingParams
@@ -284,3 +286,20 @@ def _engine_params(resolved: validation.ResolvedSampling, extra_stops: tuple[int
         logprobs=resolved.logprobs,
         min_tokens=resolved.min_tokens,
     )
+
+
+_SPECIAL_TEXT = re.compile(r"<\|[A-Za-z0-9_]+\|>")
+
+
+def encode_prompt_text(text: str, field: str = "prompt") -> list[int]:
+    """A text prompt -> ids (HTTP completions and /tokenize, gRPC Tokenize). Text the tokenizer would
+    choke on, or text spelling a special token, is a ValidationError naming `field`."""
+    validation.check_text(text, field)
+    try:
+        return harmony.encode_text(text)
+    except HarmonyError:
+        specials = harmony.load_encoding().special_tokens_set
+        found = next((m for m in _SPECIAL_TEXT.findall(text) if m in specials), "a special token")
+        raise ValidationError(
+            field, f"text contains the special token {found!r}; send token ids to use special tokens"
+        ) from None

@@ -43,6 +43,8 @@ def test_generated_router_service_surface() -> None:
         "Chat": (False, True),
         "Health": (False, False),
         "ListModels": (False, False),
+        "Tokenize": (False, False),
+        "Detokenize": (False, False),
     }
     assert hasattr(router_pb2_grpc, "RouterStub")
     # Optional sampling fields distinguish "unset" from an explicit 0 (greedy temperature).

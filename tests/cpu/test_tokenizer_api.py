@@ -17,10 +17,44 @@ DATE = "2025-06-28"
 
 
 @pytest.fixture(scope="module")
-def url():
+def server():
     engine = ScriptedEngineClient([[200002]], model_name="gpt-oss-test", max_context=4096)
     with BackgroundRouter(engine, today=lambda: DATE) as srv:
-        yield srv.http_url, engine
+        yield srv, engine
+
+
+@pytest.fixture(scope="module")
+def url(server):
+    srv, engine = server
+    return srv.http_url, engine
+
+
+def test_grpc_tokenize_and_detokenize_equal_the_http_endpoints(server):
+    import grpc
+
+    from kvrelay.router.client import RouterClient
+    from kvrelay.router.types import ChatMessage, SamplingOptions
+
+    srv, engine = server
+    with RouterClient(srv.grpc_target, timeout_s=30) as c:
+        text = c.tokenize("Hello, world!", return_token_strs=True)
+        http = httpx.post(f"{srv.http_url}/tokenize", json={"prompt": "Hello, world!"}).json()
+        assert list(text.tokens) == http["tokens"] and text.count == http["count"] and text.max_model_len == 4096
+        assert "".join(text.token_strs) == "Hello, world!"
+        chat = c.tokenize(messages=[ChatMessage("user", "What is 2+2?")])
+        http = httpx.post(f"{srv.http_url}/tokenize",
+                          json={"messages": [{"role": "user", "content": "What is 2+2?"}]}).json()
+        assert list(chat.tokens) == http["tokens"]
+        assert c.detokenize(list(text.tokens)) == "Hello, world!"
+        for bad in (lambda: c.tokenize(), lambda: c.tokenize("x", messages=[ChatMessage("user", "y")]),
+                    lambda: c.tokenize("a <|end|> b"), lambda: c.detokenize([1, 10**9])):
+            with pytest.raises(grpc.RpcError) as e:
+                bad()
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # min_tokens over gRPC reaches the engine (as over HTTP).
+        engine.params.clear()
+        list(c.generate([1, 2, 3], SamplingOptions(max_tokens=4, min_tokens=2)))
+        assert engine.params[-1].min_tokens == 2
 
 
 def test_tokenize_text_is_what_completions_feed_the_model(url):

@@ -54,6 +54,16 @@ class RouterStub:
                 request_serializer=kvrelay_dot_v1_dot_router__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=kvrelay_dot_v1_dot_router__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/kvrelay.v1.Router/Tokenize',
+                request_serializer=kvrelay_dot_v1_dot_router__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_v1_dot_router__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/kvrelay.v1.Router/Detokenize',
+                request_serializer=kvrelay_dot_v1_dot_router__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_v1_dot_router__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -86,6 +96,20 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The server's tokenizer, as HTTP /tokenize and /detokenize: a text prompt, or a chat rendered exactly
+        as Chat renders it (ending with the assistant's turn opening).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -108,6 +132,16 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=kvrelay_dot_v1_dot_router__pb2.ListModelsRequest.FromString,
                     response_serializer=kvrelay_dot_v1_dot_router__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=kvrelay_dot_v1_dot_router__pb2.TokenizeRequest.FromString,
+                    response_serializer=kvrelay_dot_v1_dot_router__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=kvrelay_dot_v1_dot_router__pb2.DetokenizeRequest.FromString,
+                    response_serializer=kvrelay_dot_v1_dot_router__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -218,6 +252,60 @@ class Router:
             '/kvrelay.v1.Router/ListModels',
             kvrelay_dot_v1_dot_router__pb2.ListModelsRequest.SerializeToString,
             kvrelay_dot_v1_dot_router__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrelay.v1.Router/Tokenize',
+            kvrelay_dot_v1_dot_router__pb2.TokenizeRequest.SerializeToString,
+            kvrelay_dot_v1_dot_router__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrelay.v1.Router/Detokenize',
+            kvrelay_dot_v1_dot_router__pb2.DetokenizeRequest.SerializeToString,
+            kvrelay_dot_v1_dot_router__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
