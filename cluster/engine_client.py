@@ -44,7 +44,7 @@ KV_BYTES = Counter("kvrelay_kv_transfer_bytes", "KV bytes moved prefill -> decod
 TTFT_S = Histogram("kvrelay_ttft_seconds", "Time to first token", buckets=_BUCKETS)
 TPOT_S = Histogram("kvrelay_tpot_seconds", "Mean time per output token after the first", buckets=_BUCKETS)
 REQUESTS = Counter("kvrelay_requests", "Finished requests", ["outcome"])
-RETRIES = Counter("kvrelay_request_retries", "Requests re-prefilled on another worker pair")
+RETRIES = Counter("kvrelay_request_retries", "Requests re-prefilled on another worker pair, by cause", ["cause"])
 
 
 class EngineUnavailable(RuntimeError):
@@ -52,7 +52,12 @@ class EngineUnavailable(RuntimeError):
 
 
 class _Retry(Exception):
-    """An attempt failed in a way a fresh attempt on other workers can fix."""
+    """An attempt failed in a way a fresh attempt on other workers can fix. `cause` labels the
+    re-prefill in /metrics (kvrelay_request_retries{cause=...})."""
+
+    def __init__(self, message: str, cause: str):
+        super().__init__(message)
+        self.cause = cause
 
 
 class _Aborted(Exception):
@@ -206,7 +211,7 @@ class DisaggregatedEngineClient:
                         raise EngineUnavailable(f"request {request_id}: gave up after {attempt + 1} "
                                                 f"attempts; last failure: {e}") from None
                     acc.retries += 1
-                    RETRIES.inc()
+                    RETRIES.labels(e.cause).inc()
                     log.warning("request %s: %s; re-prefilling %d + %d tokens on another pair",
                                 request_id, e, len(prompt_ids), len(streamed))
         finally:
@@ -251,7 +256,7 @@ class DisaggregatedEngineClient:
                 res = await prefill.actor.prefill.remote(attempt_id, full, params, done)
             except ray.exceptions.RayActorError as e:
                 prefill.dead = True
-                raise _Retry(f"prefill worker {prefill.rank} died ({type(e).__name__})") from None
+                raise _Retry(f"prefill worker {prefill.rank} died ({type(e).__name__})", "prefill_died") from None
             finally:
                 prefill.queued_tokens -= len(full)
             acc.queue_s += res.queue_s
@@ -338,13 +343,13 @@ class DisaggregatedEngineClient:
                                                    channel_id)
         except ray.exceptions.RayActorError as e:
             decode.dead = True
-            raise _Retry(f"decode worker {decode.rank} died ({type(e).__name__})") from None
+            raise _Retry(f"decode worker {decode.rank} died ({type(e).__name__})", "decode_died") from None
         except ray.exceptions.RayTaskError as e:
             # An expired lease, a READ that failed (the prefill worker died under it) or a prefill worker
             # gone before the pull was confirmed: prefill again and pull fresh pages. A layout mismatch
             # would only recur.
             if isinstance(e.cause, KVTransferError) and not isinstance(e.cause, KVLayoutMismatch):
-                raise _Retry(str(e.cause)) from None
+                raise _Retry(str(e.cause), "kv_transfer") from None
             raise e.cause if isinstance(e.cause, Exception) else e from None
 
     async def _next(self, queue: asyncio.Queue, decode: _Worker) -> list[tuple[int, float | None, str | None]]:
@@ -356,7 +361,7 @@ class DisaggregatedEngineClient:
             except asyncio.TimeoutError:
                 # No token for a while: a busy worker answers a ping, a hung or gone one does not.
                 if not await self._alive(decode):
-                    raise _Retry(f"decode worker {decode.rank} stopped answering") from None
+                    raise _Retry(f"decode worker {decode.rank} stopped answering", "decode_unresponsive") from None
         items = [item]
         while not queue.empty():
             items.append(queue.get_nowait())
@@ -364,7 +369,7 @@ class DisaggregatedEngineClient:
         for item in items:
             if item is _CHANNEL_GONE:
                 if decode.dead or not await self._alive(decode):
-                    raise _Retry(f"decode worker {decode.rank} died")
+                    raise _Retry(f"decode worker {decode.rank} died", "decode_died")
                 raise EngineUnavailable(f"the token channel to decode worker {decode.rank} broke")
             token, logprob, reason, error = item
             if error == "aborted":

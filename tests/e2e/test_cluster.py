@@ -154,6 +154,14 @@ def test_expired_lease_is_a_clear_error(running):
     assert_no_pages_left(running)
 
 
+def _retries(cause: str) -> float:
+    """kvrelay_request_retries{cause} in this process's Prometheus registry (what the router's /metrics
+    serves)."""
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("kvrelay_request_retries_total", {"cause": cause}) or 0.0
+
+
 def test_killed_prefill_worker_is_retried_on_the_other(running, reference):
     import ray
 
@@ -164,10 +172,12 @@ def test_killed_prefill_worker_is_retried_on_the_other(running, reference):
     victim = min(live, key=lambda w: (w.queued_tokens, w.last_pick)).rank
     ray.kill(running.cluster.prefill[victim], no_restart=True)
     prompt, k = prompt_of(30, 11), 16
+    before = _retries("prefill_died")
     t0 = time.monotonic()
     tokens, finish = grpc_tokens(running.grpc_target, prompt, k, request_id="prefill-victim")
     assert time.monotonic() - t0 < 60
     assert (tokens, finish) == (solo(reference, prompt, k), 2)
+    assert _retries("prefill_died") == before + 1  # counted in /metrics with its cause
     assert ("prefill", victim) in running.client.dead_workers()
     rows = {(r["role"], r["rank"]): r for r in running.cluster.statuses()}
     assert "error" in rows[("prefill", victim)] and rows[("prefill", 1 - victim)]["healthy"]
@@ -184,6 +194,7 @@ def test_killed_decode_worker_does_not_hang_the_stream(running, reference):
     prompt, k = prompt_of(50, 7), 200
     tokens: list[int] = []
     killed = None
+    before = _retries("decode_died") + _retries("decode_unresponsive")
     with RouterClient(running.grpc_target, timeout_s=120) as c:
         for resp in c.generate(prompt, SamplingOptions(temperature=0.0, max_tokens=k), request_id="victim"):
             tokens.extend(resp.token_ids)
@@ -195,6 +206,7 @@ def test_killed_decode_worker_does_not_hang_the_stream(running, reference):
     assert killed is not None
     # Re-prefilled prompt + streamed tokens on the surviving pair: no gap, no repeat.
     assert tokens == solo(reference, prompt, k)
+    assert _retries("decode_died") + _retries("decode_unresponsive") == before + 1
     rows = {(r["role"], r["rank"]): r for r in running.cluster.statuses()}
     assert "error" in rows[("decode", killed)] and rows[("decode", 1 - killed)]["healthy"]
     assert ("decode", killed) in running.client.dead_workers()
