@@ -75,10 +75,10 @@ class _InFlight:
     batch: list[_Running]
     lengths: list[int]
     pending: object  # engine.runner.PendingStep
+    ids: frozenset[str] = frozenset()  # the batch's request ids (release asks for each finishing request)
 
-    @property
-    def ids(self) -> set[str]:
-        return {r.request_id for r in self.batch}
+    def __post_init__(self) -> None:
+        self.ids = frozenset(r.request_id for r in self.batch)
 
 
 @dataclass

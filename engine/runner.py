@@ -250,8 +250,6 @@ class Runner:
         while planned is not None and not planned.query():  # polled: releases the GIL, no device sync
             time.sleep(20e-6)
         lists = g_["items"]
-        n = 0 if lists is None else len(lists["positions"])
-        pad = bs - n
         mx, o, o32 = g_["mx"], g_["o"], g_["o32"]
         a64, a32, idx_len = graph_host_arrays(lists, bs, mx, o, o32, g_["n32"], self._scratch)
         host64 = torch.from_numpy(a64).pin_memory()
@@ -332,13 +330,7 @@ class Runner:
 
     def decode(self, seq_ids: Sequence[Hashable], last_tokens: Sequence[int]) -> torch.Tensor:
         """One step for each sequence: append its last sampled token; logits [B, vocab]."""
-        if len(seq_ids) != len(last_tokens):
-            raise ValueError("decode: one last token per sequence")
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError("decode: a sequence appears twice in one step")
-        for sid in seq_ids:
-            if sid not in self.kv.seqs:
-                raise KeyError(f"decode: unknown sequence {sid!r}")
+        self._check_step("decode", seq_ids, last_tokens)
         if self.cuda_graph_batch_sizes and 0 < len(seq_ids) <= self.cuda_graph_batch_sizes[-1]:
             return self._decode_graph([(sid, int(t)) for sid, t in zip(seq_ids, last_tokens)])
         return self._run([(sid, [int(t)]) for sid, t in zip(seq_ids, last_tokens)])
@@ -349,13 +341,9 @@ class Runner:
         caller can plan the next step while this one runs (vLLM's async scheduling, SGLang's overlap
         scheduler). A row whose last token is None takes it from `prev`, the step before, still on the
         device: the token that step sampled for the same sequence. `decode_collect` reads the tokens."""
-        if len(seq_ids) != len(last_tokens) or not seq_ids:
-            raise ValueError("decode_launch: one last token per sequence, at least one sequence")
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError("decode_launch: a sequence appears twice in one step")
-        for sid in seq_ids:
-            if sid not in self.kv.seqs:
-                raise KeyError(f"decode_launch: unknown sequence {sid!r}")
+        if not seq_ids:
+            raise ValueError("decode_launch: at least one sequence")
+        self._check_step("decode_launch", seq_ids, last_tokens)
         fill = None
         missing = [i for i, t in enumerate(last_tokens) if t is None]
         if missing:
@@ -382,6 +370,15 @@ class Runner:
             event = torch.cuda.Event()
             event.record()
         return PendingStep(list(seq_ids), tokens, host, event)
+
+    def _check_step(self, name: str, seq_ids: Sequence[Hashable], last_tokens: Sequence) -> None:
+        if len(seq_ids) != len(last_tokens):
+            raise ValueError(f"{name}: one last token per sequence")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"{name}: a sequence appears twice in one step")
+        for sid in seq_ids:
+            if sid not in self.kv.seqs:
+                raise KeyError(f"{name}: unknown sequence {sid!r}")
 
     @staticmethod
     def decode_collect(step: PendingStep) -> list[int]:

@@ -3,6 +3,7 @@ the router's gRPC server on 127.0.0.1 in front of the disaggregated engine clien
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -38,19 +39,26 @@ def tiny_topology(text: str = TOPOLOGY):
     return parse_topology(text, source="e2e")
 
 
-@pytest.fixture(scope="module")
-def running():
+@contextlib.contextmanager
+def serving(text: str = TOPOLOGY):
+    """A real cluster of `text`'s topology with a router on 127.0.0.1: (RunningCluster, RouterServer)."""
     from kvrelay.cluster.serve import Cluster
     from kvrelay.router.server import BackgroundRouter
 
-    topo = tiny_topology()
+    topo = tiny_topology(text)
     cluster = Cluster.start(topo)
     try:
         client = cluster.engine_client(stall_check_s=5.0)
         with BackgroundRouter(client, model_name=client.model_name, host="127.0.0.1") as server:
-            yield RunningCluster(topo, cluster, server.grpc_target, client)
+            yield RunningCluster(topo, cluster, server.grpc_target, client), server
     finally:
         cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def running():
+    with serving() as (run, _):
+        yield run
 
 
 @pytest.fixture(scope="module")

@@ -32,19 +32,10 @@ colocate: true
 
 @pytest.fixture(scope="module")
 def running():
-    from kvrelay.cluster.serve import Cluster
-    from kvrelay.router.server import BackgroundRouter
+    from conftest import serving
 
-    from conftest import RunningCluster, tiny_topology
-
-    topo = tiny_topology(TOPOLOGY)
-    cluster = Cluster.start(topo)
-    try:
-        client = cluster.engine_client(stall_check_s=5.0)
-        with BackgroundRouter(client, model_name=client.model_name, host="127.0.0.1") as server:
-            yield RunningCluster(topo, cluster, server.grpc_target, client), server
-    finally:
-        cluster.shutdown()
+    with serving(TOPOLOGY) as (run, server):
+        yield run, server
 
 
 def counters(cluster) -> dict:
