@@ -192,8 +192,12 @@ class Prompts:
         self._np, self.seed, self.lo, self.hi, self.issued = np, seed, lo, hi, 0
 
     def next(self, length: int) -> list[int]:
-        rng = self._np.random.default_rng((self.seed, self.issued))
         self.issued += 1
+        return self.at(self.issued - 1, length)
+
+    def at(self, index: int, length: int) -> list[int]:
+        """Prompt number `index` (what the index-th `next` returns)."""
+        rng = self._np.random.default_rng((self.seed, index))
         return rng.integers(self.lo, self.hi, size=length).tolist()
 
 
@@ -297,6 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-id-range", default=DEFAULT_TOKEN_RANGE,
                    help="LO,HI: prompt ids are drawn from [LO, HI) (small test models need a small HI)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--client-procs", type=int, default=0,
+                   help="client processes per point (0: 1 up to C=32, else up to 4 by the CPU count)")
     p.add_argument("--out-dir", default=str(C.DEFAULT_OUT), help="directory for the JSON and PNG")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                    help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY; never stored in results)")
@@ -341,6 +347,7 @@ async def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict:
         import httpx
     except ImportError:
         raise SystemExit("error: kvrelay.bench.serve needs httpx (pip install httpx)") from None
+    from kvrelay.bench.serve_procs import auto_procs, run_point_procs
 
     args.base_url = re.sub(r"/v1/?$", "", args.base_url.rstrip("/"))
     concurrency = C.parse_ints(args.concurrency)
@@ -364,7 +371,7 @@ async def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict:
             "settings": {"concurrency": concurrency, "workloads": [list(w) for w in workloads],
                          "requests": args.requests, "max_requests": args.max_requests, "duration_s": args.duration_s,
                          "warmup": args.warmup, "timeout_s": args.timeout_s, "stagger_s": args.stagger_s,
-                         "waves": args.waves, "token_id_range": [lo, hi],
+                         "waves": args.waves, "token_id_range": [lo, hi], "client_procs": args.client_procs,
                          "seed": args.seed, "endpoint": "/v1/completions (streamed, token-id prompts, ignore_eos)"},
             "breakdown_note": "queue_s .. delivery_s are p50s of the server's kvrelay_timings (null if not sent)",
             "points": [], "skipped": [],
@@ -390,8 +397,14 @@ async def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict:
                     n = max(int(round(args.waves * conc)), 4)
                 else:
                     n = min(max(2 * conc, 8), args.max_requests)
-                results, wall, cpu = await run_point(client, args, prompts, conc, input_len, output_len, n)
+                procs = args.client_procs or auto_procs(conc)
+                if procs > 1:
+                    results, wall, cpu = await asyncio.to_thread(run_point_procs, args, prompts, conc, input_len,
+                                                                 output_len, n, procs)
+                else:
+                    results, wall, cpu = await run_point(client, args, prompts, conc, input_len, output_len, n)
                 pt = summarize(results, conc, input_len, output_len, wall, cpu, args.gpus, args.usd_per_gpu_hour)
+                pt["client_procs"] = procs
                 payload["points"].append(pt)
                 if pt["failed"]:
                     console.print(f"[yellow]{input_len}/{output_len} C={conc}: {pt['failed']} of {pt['requests']} "

@@ -3,7 +3,7 @@
 #   solo TTFT at 1k / 8k / 32k prompts and solo decode at 8k context (8k/256), 64 staggered streams of
 #   1k in / 256 out, and the 1k/1k sweep at concurrency 1..256 (first wave spread over 2 s). Results (JSON + PNG) go to $RESULTS (default bench/results).
 #   Env: SWEEP (concurrencies), WAVES (requests per point = waves x concurrency), ONLY_SWEEP=1 (skip the
-#   solo and 64-stream runs).
+#   solo and 64-stream runs), SKIP_SOLO=1 (skip the solo runs only).
 # usage: bench/serve_h200.sh CONFIG LABEL [GPUS]     (run from the repo root, kvrelay importable)
 set -uo pipefail
 cfg=$1; label=$2; gpus=${3:-1}
@@ -24,7 +24,7 @@ ray=$(grep '^kvrelay-ready' "$log" | sed 's/^kvrelay-ready //' | python3 -c 'imp
 st() { kvrelay status "$cfg" --address "$ray" --json >"$out/serve-$label-$1-status.json" 2>/dev/null || true; }
 b() { python3 -m kvrelay.bench.serve --base-url "$url" --gpus "$gpus" --topology "$cfg" --out-dir "$out" "$@"; }
 if [ -z "${ONLY_SWEEP:-}" ]; then
-  b --label "$label-solo" --workloads 1k/16,8k/256,32k/16 --concurrency 1 --requests 2; st solo
+  [ -z "${SKIP_SOLO:-}" ] && { b --label "$label-solo" --workloads 1k/16,8k/256,32k/16 --concurrency 1 --requests 2; st solo; }
   b --label "$label-64x1k256" --workloads 1k/256 --concurrency 64 --waves 3 --stagger-s 3; st 64x1k256
 fi
 b --label "$label-1k1k" --workloads 1k/1k --concurrency ${SWEEP:-1,4,16,64,128,256} --waves ${WAVES:-1} --stagger-s 2; st 1k1k

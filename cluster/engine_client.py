@@ -33,6 +33,7 @@ from prometheus_client import Counter, Histogram
 from kvrelay.cluster.admission import AdmissionQueue, AdmissionTimeout
 from kvrelay.engine.kv_transfer import KVLayoutMismatch, KVTransferError
 from kvrelay.engine.sampling import SamplingParams, TokenOutput
+from kvrelay.router.engine_client import flatten
 
 log = logging.getLogger("kvrelay.requests")
 
@@ -172,8 +173,14 @@ class DisaggregatedEngineClient:
         return self._max_context
 
     # ---- EngineClient ------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[TokenOutput]:
+    def generate(self, request_id: str, prompt_ids: list[int],
+                 params: SamplingParams) -> AsyncIterator[TokenOutput]:
+        return flatten(self.generate_batches(request_id, prompt_ids, params))
+
+    async def generate_batches(self, request_id: str, prompt_ids: list[int],
+                               params: SamplingParams) -> AsyncIterator[list[TokenOutput]]:
+        """The request's tokens as they arrive: each list holds what came in since the last one (one
+        decode step's token, or several when the consumer runs behind)."""
         if self._draining:
             raise EngineUnavailable("the cluster is shutting down; not accepting new requests")
         params = params.resolved()  # one concrete seed, so a retried request draws the same tokens
@@ -189,16 +196,19 @@ class DisaggregatedEngineClient:
                     # aclosing: if our consumer goes away mid-stream, the attempt's cleanup (abort on
                     # decode, lease release on prefill) runs now, not whenever the GC finalises it.
                     attempt_stream = self._attempt(request_id, attempt, list(prompt_ids), streamed, params, acc)
-                    async with contextlib.aclosing(attempt_stream) as outs:
-                        async for out in outs:
-                            streamed.append(out.token_id)
-                            acc.times.append(time.perf_counter())
-                            if out.finish_reason is not None:
-                                m = self._metrics(request_id, len(prompt_ids), t0, acc)
-                                outcome = "ok"
-                                yield ClusterTokenOutput(out.token_id, out.logprob, out.finish_reason, m)
-                                return
-                            yield out
+                    async with contextlib.aclosing(attempt_stream) as batches:
+                        async for outs in batches:
+                            now = time.perf_counter()
+                            for i, out in enumerate(outs):
+                                streamed.append(out.token_id)
+                                acc.times.append(now)
+                                if out.finish_reason is not None:
+                                    m = self._metrics(request_id, len(prompt_ids), t0, acc)
+                                    outcome = "ok"
+                                    yield outs[:i] + [ClusterTokenOutput(out.token_id, out.logprob,
+                                                                         out.finish_reason, m)]
+                                    return
+                            yield outs
                     if request_id in self._aborted:
                         outcome = "aborted"
                         return
@@ -233,7 +243,7 @@ class DisaggregatedEngineClient:
 
     # ---- one attempt on one (prefill, decode) pair -------------------------------------------
     async def _attempt(self, request_id: str, attempt: int, prompt: list[int], streamed: list[int],
-                       params: SamplingParams, acc: _Acc) -> AsyncIterator[TokenOutput]:
+                       params: SamplingParams, acc: _Acc) -> AsyncIterator[list[TokenOutput]]:
         import ray
 
         attempt_id = request_id if attempt == 0 else f"{request_id}#retry{attempt}"
@@ -264,7 +274,7 @@ class DisaggregatedEngineClient:
             PREFILL_S.observe(res.prefill_s)
             handle = res.handle
             finished = res.first.finish_reason is not None
-            yield res.first
+            yield [res.first]
             if finished or request_id in self._aborted:
                 return
             channel = self._channel(decode)
@@ -281,9 +291,9 @@ class DisaggregatedEngineClient:
                 KV_BYTES.inc(pull.kv_bytes)
                 KV_TRANSFER_S.observe(pull.kv_transfer_s)
                 while True:
-                    for token, logprob, reason in await self._next(queue, decode):
-                        finished = reason is not None
-                        yield TokenOutput(token, logprob, reason)
+                    outs = [TokenOutput(token, logprob, reason) for token, logprob, reason in await self._next(queue, decode)]
+                    finished = outs[-1].finish_reason is not None
+                    yield outs
                     if finished:
                         return
             except _Aborted:
@@ -354,15 +364,15 @@ class DisaggregatedEngineClient:
 
     async def _next(self, queue: asyncio.Queue, decode: _Worker) -> list[tuple[int, float | None, str | None]]:
         """The request's tokens that arrived since the last call (waits for at least one)."""
-        while True:
+        items = []
+        while queue.empty():  # wait_for costs a timer per call: only when nothing is queued yet
             try:
-                item = await asyncio.wait_for(queue.get(), timeout=self.stall_check_s)
+                items.append(await asyncio.wait_for(queue.get(), timeout=self.stall_check_s))
                 break
             except asyncio.TimeoutError:
                 # No token for a while: a busy worker answers a ping, a hung or gone one does not.
                 if not await self._alive(decode):
                     raise _Retry(f"decode worker {decode.rank} stopped answering", "decode_unresponsive") from None
-        items = [item]
         while not queue.empty():
             items.append(queue.get_nowait())
         out = []

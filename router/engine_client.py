@@ -7,6 +7,7 @@ prefill/decode placement) is behind this protocol. The disaggregated client live
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -37,6 +38,8 @@ class EngineClient(Protocol):
     every early exit without knowing how far the engine got). An implementation may also expose
     `vocab_size: int`; the router then rejects prompt ids the model cannot embed, and
     `check_admission()`, which raises EngineOverloaded before a response starts when it would refuse.
+    It may also expose `generate_batches` (same arguments): lists of the tokens that are ready at once,
+    several when the consumer runs behind the engine; the router then writes each list as one chunk.
     """
 
     @property
@@ -52,6 +55,35 @@ class EngineClient(Protocol):
 
 _DONE = object()
 Sink = Callable[[object], None]
+
+
+def token_batches(engine: EngineClient, request_id: str, prompt_ids: list[int],
+                  params: SamplingParams) -> AsyncIterator[list[TokenOutput]]:
+    """The engine's tokens for one request as lists of what is ready at once.
+
+    Under load the router, not the GPU, is what runs behind: one step's token per request per chunk
+    costs a JSON encode, an HTTP write and a client parse each (measured on the H200 at 512 streams:
+    router and client at 100% of a core, the GPU idle for the last third of the run). Tokens that are
+    already waiting go out together, as vLLM's output collector merges them; an engine without
+    `generate_batches` gives one token per list."""
+    batches = getattr(engine, "generate_batches", None)
+    if batches is not None:
+        return batches(request_id, prompt_ids, params)
+    return _singles(engine.generate(request_id, prompt_ids, params))
+
+
+async def _singles(tokens: AsyncIterator[TokenOutput]) -> AsyncIterator[list[TokenOutput]]:
+    async with contextlib.aclosing(tokens) as outs:  # type: ignore[type-var]
+        async for out in outs:
+            yield [out]
+
+
+async def flatten(batches: AsyncIterator[list]) -> AsyncIterator:
+    """One item at a time from an iterator of lists (closing it closes the source)."""
+    async with contextlib.aclosing(batches) as lists:  # type: ignore[type-var]
+        async for items in lists:
+            for item in items:
+                yield item
 
 
 class InProcessEngineClient:
@@ -83,9 +115,12 @@ class InProcessEngineClient:
     def vocab_size(self) -> int:
         return int(self._llm.config.vocab_size)
 
-    async def generate(
+    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenOutput]:
+        return flatten(self.generate_batches(request_id, prompt_ids, params))
+
+    async def generate_batches(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[TokenOutput]:
+    ) -> AsyncIterator[list[TokenOutput]]:
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue[object] = asyncio.Queue()
 
@@ -98,19 +133,27 @@ class InProcessEngineClient:
         self._commands.put(("add", request_id, list(prompt_ids), params, sink))
         done = False
         try:
-            while True:
-                item = await inbox.get()
-                if item is _DONE:
-                    done = True
-                    return
-                if isinstance(item, BaseException):
-                    done = True
-                    raise item
-                assert isinstance(item, TokenOutput)
-                done = item.finish_reason is not None
-                yield item
-                if done:
-                    return
+            while not done:
+                items = [await inbox.get()]
+                while not inbox.empty():
+                    items.append(inbox.get_nowait())
+                ready: list[TokenOutput] = []
+                for item in items:
+                    if item is _DONE:
+                        done = True
+                        break
+                    if isinstance(item, BaseException):
+                        done = True
+                        if ready:
+                            yield ready
+                        raise item
+                    assert isinstance(item, TokenOutput)
+                    ready.append(item)
+                    if item.finish_reason is not None:
+                        done = True
+                        break
+                if ready:
+                    yield ready
         finally:
             if not done:  # cancelled or abandoned mid-stream: free the sequence
                 self._commands.put(("abort", request_id))

@@ -218,16 +218,24 @@ class _Stream(abc.ABC):
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
 
+    async def batches(self) -> AsyncIterator[list[TokenStep]]:
+        """The core's steps in the lists it hands over: a streamed response writes one chunk per list."""
+        async with contextlib.aclosing(self.core.stream_batches(self.prep)) as batches:
+            async for steps in batches:
+                for step in steps:
+                    if step.timings is not None:
+                        self.timings = step.timings
+                    if step.token_id is not None:
+                        self.generated += 1
+                    if step.usage is not None:
+                        self.usage = step.usage
+                yield steps
+
     async def steps(self) -> AsyncIterator[TokenStep]:
-        async with contextlib.aclosing(self.core.stream(self.prep)) as steps:
-            async for step in steps:
-                if step.timings is not None:
-                    self.timings = step.timings
-                if step.token_id is not None:
-                    self.generated += 1
-                if step.usage is not None:
-                    self.usage = step.usage
-                yield step
+        async with contextlib.aclosing(self.batches()) as batches:
+            async for steps in batches:
+                for step in steps:
+                    yield step
 
     def envelope(self, choices: list[dict[str, Any]], usage: Usage | None = None, *, chunk: bool) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -301,28 +309,38 @@ class ChatStream(_Stream):
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
         first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         yield self.envelope([first], chunk=True)
-        async for step in self.steps():
+        async for steps in self.batches():
             delta: dict[str, Any] = {}
-            for d in step.deltas:
-                if isinstance(d, ReasoningDelta):
-                    delta["reasoning_content"] = delta.get("reasoning_content", "") + d.text
-                    delta["reasoning"] = delta["reasoning_content"]
-                elif isinstance(d, ContentDelta):
-                    delta["content"] = delta.get("content", "") + d.text
-                elif isinstance(d, ToolCallStart):
-                    delta.setdefault("tool_calls", []).append(
-                        {"index": d.index, "id": d.id, "type": "function", "function": {"name": d.name, "arguments": ""}})
-                elif isinstance(d, ToolCallArgumentsDelta):
-                    delta.setdefault("tool_calls", []).append({"index": d.index, "function": {"arguments": d.text}})
-            lp = self._logprob(step)
-            if delta or lp is not None:
+            calls: list[dict[str, Any]] = []
+            lps = []
+            for step in steps:
+                for d in step.deltas:
+                    if isinstance(d, ReasoningDelta):
+                        delta["reasoning_content"] = delta.get("reasoning_content", "") + d.text
+                        delta["reasoning"] = delta["reasoning_content"]
+                    elif isinstance(d, ContentDelta):
+                        delta["content"] = delta.get("content", "") + d.text
+                    elif isinstance(d, ToolCallStart):
+                        calls.append({"index": d.index, "id": d.id, "type": "function",
+                                      "function": {"name": d.name, "arguments": ""}})
+                    elif isinstance(d, ToolCallArgumentsDelta):
+                        if calls and calls[-1]["index"] == d.index:  # one entry per call within a chunk
+                            calls[-1]["function"]["arguments"] += d.text
+                        else:
+                            calls.append({"index": d.index, "function": {"arguments": d.text}})
+                if (lp := self._logprob(step)) is not None:
+                    lps.append(lp)
+            if calls:
+                delta["tool_calls"] = calls
+            if delta or lps:
                 yield self.envelope([{"index": 0, "delta": delta, "finish_reason": None,
-                                      "logprobs": {"content": [lp]} if lp else None}], chunk=True)
-            if step.finish_reason is not None:
+                                      "logprobs": {"content": lps} if lps else None}], chunk=True)
+            last = steps[-1]
+            if last.finish_reason is not None:
                 yield self.envelope([{"index": 0, "delta": {}, "logprobs": None,
-                                      "finish_reason": step.finish_reason}], chunk=True)
+                                      "finish_reason": last.finish_reason}], chunk=True)
                 if self.include_usage:
-                    yield self.envelope([], step.usage, chunk=True)
+                    yield self.envelope([], last.usage, chunk=True)
 
 
 class CompletionStream(_Stream):
@@ -364,13 +382,16 @@ class CompletionStream(_Stream):
         return self.envelope([self._choice("".join(text), ids, lps, offsets, finish)], usage, chunk=False)
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
-        async for step in self.steps():
-            ids = [step.token_id] if step.token_id is not None else []
-            lps = [step.logprob] if step.logprob is not None else []
-            offsets = [step.text_offset or 0] * len(ids)
-            yield self.envelope([self._choice(_content(step), ids, lps, offsets, step.finish_reason)], chunk=True)
-            if step.finish_reason is not None and self.include_usage:
-                yield self.envelope([], step.usage, chunk=True)
+        async for steps in self.batches():
+            with_ids = [s for s in steps if s.token_id is not None]
+            ids = [s.token_id for s in with_ids]
+            lps = [s.logprob for s in with_ids if s.logprob is not None]
+            offsets = [s.text_offset or 0 for s in with_ids]
+            last = steps[-1]
+            text = "".join(_content(s) for s in steps)
+            yield self.envelope([self._choice(text, ids, lps, offsets, last.finish_reason)], chunk=True)
+            if last.finish_reason is not None and self.include_usage:
+                yield self.envelope([], last.usage, chunk=True)
 
 
 def _content(step: TokenStep) -> str:

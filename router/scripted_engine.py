@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Iterable, Union
 
 from kvrelay.engine.sampling import SamplingParams, TokenOutput
+from kvrelay.router.engine_client import flatten
 
 Script = Union[Iterable[int], Callable[[list[int]], Iterable[int]]]
 
@@ -27,6 +28,7 @@ class ScriptedEngineClient:
     max_context: int = 8192
     vocab_size: int = 201088
     token_delay_s: float = 0.0
+    batch: int = 1  # tokens per generate_batches list
     prompts: list[list[int]] = field(default_factory=list)
     params: list[SamplingParams] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
@@ -36,23 +38,35 @@ class ScriptedEngineClient:
         script = self.scripts[min(len(self.prompts) - 1, len(self.scripts) - 1)]
         return script(prompt_ids) if callable(script) else script
 
-    async def generate(
+    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenOutput]:
+        return flatten(self.generate_batches(request_id, prompt_ids, params))
+
+    async def generate_batches(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[TokenOutput]:
+    ) -> AsyncIterator[list[TokenOutput]]:
+        """`batch` tokens per list: what a real engine hands over when the router runs behind."""
         self.prompts.append(list(prompt_ids))
         self.params.append(params)
         stops = set(params.stop_token_ids)
         budget = min(params.max_tokens, self.max_context - len(prompt_ids))
+        ready: list[TokenOutput] = []
         for n, token in enumerate(itertools.islice(self._tokens(prompt_ids), budget), start=1):
             if request_id in self.aborted:
                 return
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
             reason = "stop" if token in stops else ("length" if n == budget else None)
-            yield TokenOutput(token_id=int(token), logprob=-0.5 if params.logprobs else None, finish_reason=reason)
+            ready.append(TokenOutput(token_id=int(token), logprob=-0.5 if params.logprobs else None,
+                                     finish_reason=reason))
             if reason is not None:
                 self.finished.append(request_id)
+                yield ready
                 return
+            if len(ready) >= self.batch:
+                yield ready
+                ready = []
+        if ready:
+            yield ready
         # A script shorter than the budget ends like an engine hitting <|endoftext|>-less EOS.
         self.finished.append(request_id)
 

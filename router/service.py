@@ -24,7 +24,7 @@ from prometheus_client import Counter, Gauge
 
 from kvrelay.engine.sampling import SamplingParams
 from kvrelay.router import harmony, validation
-from kvrelay.router.engine_client import EngineClient
+from kvrelay.router.engine_client import EngineClient, flatten, token_batches
 from kvrelay.router.parser import Detokenizer, HarmonyStreamParser, new_call_id
 from kvrelay.router.stop import StopStrings
 from kvrelay.router.types import ChatRequest, ContentDelta, Delta, FinishReason, GenerateRequest, TokenStep, Usage
@@ -149,55 +149,66 @@ class RouterCore:
 
     # ---- streaming ------------------------------------------------------------------------------
 
-    async def stream(self, prep: Prepared) -> AsyncIterator[TokenStep]:
+    def stream(self, prep: Prepared) -> AsyncIterator[TokenStep]:
         """One TokenStep per engine token; the last carries finish_reason and usage.
 
         With stop strings, the step of the token that completed one is the last: its usage counts
         every token generated up to and including it, and its deltas end before the stop string.
         """
+        return flatten(self.stream_batches(prep))
+
+    async def stream_batches(self, prep: Prepared) -> AsyncIterator[list[TokenStep]]:
+        """`stream`'s steps in the lists the engine hands over (what was ready at once): a front-end
+        writes each list as one chunk, so a router that runs behind catches up instead of falling
+        further behind."""
         output = _Output(prep, self._call_id)
         self._in_flight.add(prep.request_id)
         RUNNING.inc()
         PROMPT_TOKENS.inc(len(prep.prompt_ids))
         engine_done = released = False
         produced = 0
-        tokens = self.engine.generate(prep.request_id, list(prep.prompt_ids), prep.params)
+        tokens = token_batches(self.engine, prep.request_id, list(prep.prompt_ids), prep.params)
 
         async def release() -> None:
             nonlocal released
-            aclose = getattr(tokens, "aclose", None)
-            if aclose is not None:
-                try:
-                    await aclose()
-                except Exception as exc:  # closing must not skip the abort below
-                    log.warning("closing the engine stream of %s failed: %r", prep.request_id, exc)
+            try:
+                await tokens.aclose()  # type: ignore[attr-defined]
+            except Exception as exc:  # closing must not skip the abort below
+                log.warning("closing the engine stream of %s failed: %r", prep.request_id, exc)
             if not engine_done:
                 log.info("request %s ended early after %d tokens; aborting it in the engine", prep.request_id, produced)
                 await self.engine.abort(prep.request_id)
             released = True
 
         try:
-            async for out in tokens:
-                produced += 1
-                GENERATION_TOKENS.inc()
-                engine_done = out.finish_reason is not None
-                offset = output.offset
-                deltas = output.feed(out.token_id, out.finish_reason)
-                if not engine_done and not output.stopped:
-                    yield TokenStep(out.token_id, out.logprob, tuple(deltas), text_offset=offset)
-                    continue
-                deltas += output.finish()
-                reason = output.finish_reason(out.finish_reason)
-                if not engine_done:
-                    await release()  # the router stopped it: free the KV now, not after the client write
-                metrics = getattr(out, "metrics", None)
-                yield TokenStep(out.token_id, out.logprob, tuple(deltas), reason, Usage(len(prep.prompt_ids), produced),
-                                text_offset=offset, timings=metrics.timings() if metrics is not None else None)
-                return
+            async for outs in tokens:
+                steps: list[TokenStep] = []
+                for out in outs:
+                    produced += 1
+                    engine_done = out.finish_reason is not None
+                    offset = output.offset
+                    deltas = output.feed(out.token_id, out.finish_reason)
+                    if not engine_done and not output.stopped:
+                        steps.append(TokenStep(out.token_id, out.logprob, tuple(deltas), text_offset=offset))
+                        continue
+                    deltas += output.finish()
+                    reason = output.finish_reason(out.finish_reason)
+                    GENERATION_TOKENS.inc(len(steps) + 1)
+                    if not engine_done:
+                        await release()  # the router stopped it: free the KV now, not after the client write
+                    metrics = getattr(out, "metrics", None)
+                    steps.append(TokenStep(out.token_id, out.logprob, tuple(deltas), reason,
+                                           Usage(len(prep.prompt_ids), produced), text_offset=offset,
+                                           timings=metrics.timings() if metrics is not None else None))
+                    yield steps
+                    return
+                if steps:
+                    GENERATION_TOKENS.inc(len(steps))
+                    yield steps
             # The engine ran dry without naming a reason; close the stream ourselves.
             engine_done = True
             tail = tuple(output.finish())
-            yield TokenStep(None, None, tail, output.finish_reason(None), Usage(len(prep.prompt_ids), produced))
+            yield [TokenStep(None, None, tail, output.finish_reason(None), Usage(len(prep.prompt_ids), produced))]
         finally:
             self._in_flight.discard(prep.request_id)
             RUNNING.dec()

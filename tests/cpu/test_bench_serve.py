@@ -231,3 +231,19 @@ def test_unreachable_endpoint_exits_with_one_line(tmp_path) -> None:
     msg = str(err.value.code)
     assert msg.startswith(f"error: cannot reach http://127.0.0.1:{port}") and "\n" not in msg
     assert not list(tmp_path.iterdir())
+
+
+def test_client_procs_send_the_same_requests(tmp_path, fake_server) -> None:
+    """--client-procs 2: the same prompts (by request number) as one process would send, every request
+    once, the results merged into one point."""
+    url, seen = fake_server
+    argv = ["--concurrency", "3", "--workloads", "16/8", "--requests", "6", "--warmup", "1", "--timeout-s", "60",
+            "--base-url", url, "--out-dir", str(tmp_path), "--client-procs", "2", "--stagger-s", "0.2"]
+    payload = asyncio.run(serve.run(serve.build_parser().parse_args(argv), argv))
+    (p,) = payload["points"]
+    assert p["client_procs"] == 2 and p["requests"] == 6 and p["failed"] == 0 and p["output_tokens"] == 6 * 8
+    # The third stream starts 2/3 of the stagger in, measured from one start time shared by both processes.
+    assert p["wall_s"] > 0.2 * 2 / 3 and p["ttft_p50_s"] >= 0.02
+    expected = serve.Prompts(0, 1000, 100000)
+    sent = {tuple(b["prompt"]) for b in seen[1:]}
+    assert sent == {tuple(expected.at(i, 16)) for i in range(1, 7)}  # request 0 was the warmup

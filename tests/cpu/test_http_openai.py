@@ -58,6 +58,7 @@ def client(server, engine):
     engine.prompts.clear()
     engine.aborted.clear()
     engine.token_delay_s = 0.0
+    engine.batch = 1
     with openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0, timeout=30) as c:
         yield c
 
@@ -145,6 +146,46 @@ def test_tool_call_round_trip_streamed(client, engine) -> None:
             finish = choice.finish_reason or finish
     assert (content, reasoning2, finish) == ("It is 21 °C in Paris.", "Tool said 21.", "stop")
     assert harmony.decode_tokens(engine.prompts[-1]).endswith(TOOL_HISTORY_TAIL)
+
+
+@pytest.mark.parametrize("batch", [2, 5, 1000])
+def test_tokens_ready_together_share_a_chunk(client, engine, batch: int) -> None:
+    """An engine that hands over several tokens at once (a router running behind) gets one chunk per
+    hand-over, and what the client assembles is what it assembles from one chunk per token."""
+    engine.batch = batch
+    engine.scripts = [TOOL_CALL]
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather?"}],
+                                            tools=TOOLS, stream=True, logprobs=True)
+    reasoning, calls, finish, lps, deltas = "", {}, None, 0, 0
+    for chunk in stream:
+        for choice in chunk.choices:
+            reasoning += _extra(choice.delta, "reasoning") or ""
+            for tc in choice.delta.tool_calls or ():
+                entry = calls.setdefault(tc.index, {"id": None, "name": None, "arguments": ""})
+                entry["id"] = tc.id or entry["id"]
+                entry["name"] = (tc.function.name if tc.function else None) or entry["name"]
+                entry["arguments"] += (tc.function.arguments if tc.function else "") or ""
+            lps += len(choice.logprobs.content) if choice.logprobs and choice.logprobs.content else 0
+            deltas += bool(choice.logprobs and choice.logprobs.content)
+            finish = choice.finish_reason or finish
+    assert reasoning == "Need the weather." and finish == "tool_calls"
+    assert list(calls) == [0] and calls[0]["name"] == "get_weather" and calls[0]["id"]
+    assert calls[0]["arguments"] == '{"city":"Paris"}'
+    assert lps == len(TOOL_CALL)  # every token's logprob, however they are grouped
+    assert deltas == -(-len(TOOL_CALL) // batch)
+
+    words = _ids("one two three four five six seven")
+    engine.scripts = [words]
+    chunks = list(client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=7, stream=True, logprobs=1,
+                                            extra_body={"return_token_ids": True}))
+    sizes = [len(_extra(c.choices[0], "token_ids")) for c in chunks]
+    assert sizes == [min(batch, 7 - i) for i in range(0, 7, batch)]
+    assert "".join(c.choices[0].text for c in chunks) == "one two three four five six seven"
+    assert [t for c in chunks for t in _extra(c.choices[0], "token_ids")] == words
+    offsets = [o for c in chunks for o in c.choices[0].logprobs.text_offset]
+    text = "".join(harmony.decode_tokens([t]) for t in words)
+    assert offsets == [len(harmony.decode_tokens(words[:i])) for i in range(7)] and len(text) > offsets[-1]
+    assert chunks[-1].choices[0].finish_reason == "length"
 
 
 def test_chat_length_finish_and_logprobs(client, engine) -> None:
