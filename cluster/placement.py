@@ -134,11 +134,39 @@ def check_supported(topology: Topology) -> None:
             check_partition(cfg, tp, expert_parallel=ep == tp)
 
 
+class NotEnoughResources(RuntimeError):
+    """The Ray cluster lacks the GPUs (or CPUs) the topology's workers ask for."""
+
+
+def check_resources(topology: Topology, have: dict[str, float]) -> None:
+    """Refuse at once what Ray could only wait for: more GPUs or CPUs than the cluster has (a placement
+    group that cannot be placed waits until the start-up timeout, with no word of why)."""
+    need: dict[str, float] = {}
+    for role in roles(topology):
+        for _ in range(section(topology, role).workers):
+            for b in bundles(topology, role):
+                for k, v in b.items():
+                    need[k] = need.get(k, 0.0) + v
+    for k in ("GPU", "CPU"):
+        if need.get(k, 0.0) > have.get(k, 0.0):
+            key = "gpus" if k == "GPU" else "device"
+            raise NotEnoughResources(
+                f"{key}: the workers need {need[k]:g} {k}s ({describe_need(topology)}) but the Ray cluster has "
+                f"{have.get(k, 0.0):g}" + (" (no GPU is visible here: use a cpu topology, or "
+                                            "`kvrelay serve MODEL --device cpu`)" if k == "GPU" and not have.get(k) else ""))
+
+
+def describe_need(topology: Topology) -> str:
+    parts = [f"{section(topology, r).workers} {r} worker(s) x {section(topology, r).tp} rank(s)" for r in roles(topology)]
+    return ", ".join(parts)
+
+
 def place(topology: Topology, timeout_s: float = 120.0) -> list[WorkerSlot]:
     """Create and wait for one placement group per worker."""
     import ray
     from ray.util.placement_group import placement_group
 
+    check_resources(topology, ray.cluster_resources())
     slots = []
     for role in roles(topology):
         for rank in range(section(topology, role).workers):

@@ -108,8 +108,14 @@ class Cluster:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", nargs="?", default=None,
-                        help="topology YAML or shipped config name (default: cpu-tiny.yaml)")
+    parser.add_argument("config", nargs="?", default=None, metavar="CONFIG_OR_MODEL",
+                        help="topology YAML or shipped config name (default: cpu-tiny.yaml); or, as `vllm serve "
+                             "MODEL`, a checkpoint directory or preset name, served with the shipped one-machine "
+                             "topology for --device")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="with a MODEL: where it runs (default: cuda when a GPU is visible, else cpu)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="with a MODEL: model.max_context, prompt + generated tokens per request")
     parser.add_argument("--grpc-port", type=int, default=None, help="override router.grpc_port (0 = any)")
     parser.add_argument("--http-port", type=int, default=None, help="override router.http_port (0 = any)")
     parser.add_argument("--address", default=None, help="join this Ray cluster (overrides ray.address)")
@@ -130,12 +136,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from kvrelay.cluster.topology import TopologyError, load_topology
+    from kvrelay.cluster.topology import TopologyError, is_model_ref, load_topology, topology_for_model
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("kvrelay.requests").setLevel(logging.INFO if args.log_requests else logging.WARNING)
     try:
-        topo = load_topology(args.config)
+        if args.config is not None and is_model_ref(args.config):
+            topo = topology_for_model(args.config, device=args.device or _default_device(),
+                                      max_context=args.max_model_len)
+        else:
+            if args.device or args.max_model_len:
+                raise TopologyError(f"{args.config or 'cpu-tiny.yaml'}: --device and --max-model-len go with a "
+                                    "MODEL (a checkpoint directory or preset); a topology YAML sets device and "
+                                    "model.max_context itself")
+            topo = load_topology(args.config)
     except TopologyError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -146,6 +160,13 @@ def run(args: argparse.Namespace) -> int:
     topo = dataclasses.replace(topo, router=router)
     if args.dummy:
         topo = dataclasses.replace(topo, model=dataclasses.replace(topo.model, dummy=True))
+    from kvrelay.engine.config import PRESETS
+
+    if topo.model.name in PRESETS and not topo.model.dummy:
+        print(f"error: {topo.source}: model.name: {topo.model.name!r} is a preset, which has no weights on disk: "
+              "point model.name at a checkpoint directory, or pass --dummy (model.dummy: true) for random "
+              "weights of its shape", file=sys.stderr)
+        return 1
     from kvrelay.router.auth import ApiKeyError, resolve_api_keys
 
     try:
@@ -162,12 +183,16 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvrelay: starting {topo.prefill.workers} prefill (TP{topo.prefill.tp}) + {topo.decode.workers} "
           f"decode (EP{topo.decode.ep} TP{topo.decode.tp}) worker(s) for {topo.model.name} on {topo.device}",
           flush=True)
+    from kvrelay.cluster import placement
     from kvrelay.engine.parallel import ParallelConfigError
 
     try:
         cluster = Cluster.start(topo, address=args.address)
     except (NotImplementedError, ParallelConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except placement.NotEnoughResources as e:
+        print(f"error: {topo.source}: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # a worker's constructor failed: say why in one line when it is ours to say
         reason = _startup_reason(e)
@@ -180,6 +205,13 @@ def run(args: argparse.Namespace) -> int:
     finally:
         cluster.shutdown()
         print("kvrelay: stopped", flush=True)
+
+
+def _default_device() -> str:
+    """cuda when the NVIDIA driver shows a device (checked without importing torch), else cpu."""
+    import glob
+
+    return "cuda" if glob.glob("/dev/nvidia[0-9]*") else "cpu"
 
 
 def _ports_in_use(topo) -> str | None:

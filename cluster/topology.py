@@ -361,3 +361,38 @@ def describe(t: Topology) -> str:
 
 def to_json(t: Topology) -> str:
     return json.dumps({"source": t.source, "gpus_needed": t.gpus_needed, **t.to_dict()}, indent=2)
+
+
+# ---- `kvrelay serve MODEL`: a topology from a model alone ------------------------------------------------
+def is_model_ref(ref: str) -> bool:
+    """A preset name or a checkpoint directory (what `kvrelay serve MODEL` takes instead of a YAML)."""
+    from kvrelay.engine.config import PRESETS
+
+    return ref in PRESETS or Path(os.path.expanduser(ref)).is_dir()
+
+
+def topology_for_model(ref: str, *, device: str, max_context: int | None = None) -> Topology:
+    """vLLM's `vllm serve MODEL`: the shipped one-machine topology that fits the model and the device
+    (cpu-tiny.yaml on CPU; h200-1gpu-20b.yaml or, for 120b-sized models, h200-1gpu-120b.yaml on a GPU),
+    with model.name set to `ref`. A preset carries no weights: it is served with dummy weights only when
+    asked (`--dummy`); `kvrelay serve` says so before starting anything."""
+    from kvrelay.engine.config import load_model_config
+
+    if device not in ("cpu", "cuda"):
+        raise TopologyError(f"--device: {device!r} is neither cpu nor cuda")
+    try:
+        cfg = load_model_config(os.path.expanduser(ref))
+    except Exception as e:  # the loader's message says what is wrong with the directory
+        raise TopologyError(f"{ref}: {e}") from None
+    if device == "cpu":
+        template = "cpu-tiny.yaml"
+    else:
+        template = "h200-1gpu-120b.yaml" if cfg.num_experts > 32 else "h200-1gpu-20b.yaml"
+    path = resolve_config_path(template)
+    raw = yaml.safe_load(path.read_text())
+    raw["model"]["name"] = str(Path(os.path.expanduser(ref)).resolve()) if Path(os.path.expanduser(ref)).is_dir() else ref
+    raw["model"]["dummy"] = False
+    if max_context is not None:
+        raw["model"]["max_context"] = max_context
+        raw["prefill"]["max_prompt_tokens"] = min(raw["prefill"]["max_prompt_tokens"], max_context)
+    return parse_topology(yaml.safe_dump(raw), source=f"{template} for {ref}", base_dir=path.parent)

@@ -119,6 +119,70 @@ def test_serve_status_and_sigterm_drain(tmp_path):
             proc.wait()
 
 
+def _start_serve(*args: str) -> tuple[subprocess.Popen, list[str], dict]:
+    proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cluster.cli", "serve", *args],
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    deadline = time.monotonic() + 180
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError("serve exited early:\n" + "".join(lines[-30:]))
+        assert time.monotonic() < deadline, "serve did not become ready"
+        ready = next((json.loads(ln.split("kvrelay-ready ", 1)[1]) for ln in list(lines)
+                      if ln.startswith("kvrelay-ready ")), None)
+        if ready is not None:
+            return proc, lines, ready
+        time.sleep(0.2)
+
+
+def test_serve_model_one_liner_serves_a_checkpoint():
+    """`kvrelay serve DIR` as `vllm serve MODEL`: OpenAI's original-format checkpoint, no YAML, on this
+    CPU machine; greedy tokens equal the in-process engine's, whose first one is OpenAI's reference."""
+    import httpx
+
+    from kvrelay.engine.llm import LLM
+    from kvrelay.engine.sampling import SamplingParams
+
+    tiny = Path(__file__).resolve().parents[1] / "data" / "gpt-oss-tiny-original"
+    run = json.loads((tiny / "reference.json").read_text())["runs"][1]
+    proc, lines, ready = _start_serve(str(tiny), "--http-port", "0", "--grpc-port", "0", "--max-model-len", "1024")
+    try:
+        assert ready["model"] == "gpt-oss-tiny-original"
+        r = httpx.post(f"{ready['http']}/v1/completions", timeout=120, json={
+            "model": ready["model"], "prompt": run["prompt"], "max_tokens": 12, "temperature": 0,
+            "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        got = r.json()["choices"][0]["token_ids"]
+        card = httpx.get(f"{ready['http']}/v1/models", timeout=30).json()["data"][0]
+        assert card["max_model_len"] == 1024
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=90)
+    out = "".join(lines)
+    assert "cpu-tiny.yaml for " in out or "gpt-oss-tiny-original" in out
+    llm = LLM(str(tiny), device="cpu")
+    want = [o.token_id for o in llm.generate(run["prompt"], SamplingParams(max_tokens=12, temperature=0.0))]
+    assert got == want and got[0] == run["greedy"][0]
+
+
+def test_serve_refuses_what_cannot_start_at_once(tmp_path):
+    """A GPU topology on a machine without one, and a preset without --dummy: one line, no hang."""
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "kvrelay.cluster.cli", "serve", "h200-1gpu-20b.yaml", "--dummy",
+                          "--http-port", "0", "--grpc-port", "0"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        "error: h200-1gpu-20b.yaml: gpus: the workers need 1 GPUs (1 colocated worker(s) x 1 rank(s)) but the Ray "
+        "cluster has 0")
+    assert time.monotonic() - t0 < 60
+    out = subprocess.run([sys.executable, "-m", "kvrelay.cluster.cli", "serve", "gpt-oss-20b", "--device", "cpu"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "'gpt-oss-20b' is a preset, which has no weights on disk" in out.stderr
+    assert "kvrelay: starting" not in out.stdout
+
+
 def test_demo_runs_end_to_end():
     t0 = time.monotonic()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
