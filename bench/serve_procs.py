@@ -15,7 +15,7 @@ import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from kvrelay.bench.serve import Prompts, RequestResult, one_request, request_body
+from kvrelay.bench.serve_client import Prompts, RequestResult, one_request, request_body
 
 _done = None  # the shared count of finished requests, in each child
 

@@ -12,6 +12,7 @@ import asyncio
 import gc
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -128,6 +129,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="the model's name(s) in the API: the first is the id responses carry, requests may "
                              "use any (default: the model's own name)")
+    parser.add_argument("--ssl-certfile", default=None, metavar="PEM",
+                        help="serve HTTPS and gRPC over TLS with this certificate (with --ssl-keyfile; overrides "
+                             "router.tls_cert_file)")
+    parser.add_argument("--ssl-keyfile", default=None, metavar="PEM", help="the certificate's private key")
     parser.add_argument("--api-key", action="append", default=None, metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on /v1 routes and gRPC calls (repeatable; "
                              "router.api_keys_env names an environment variable with more)")
@@ -157,6 +162,16 @@ def run(args: argparse.Namespace) -> int:
         topo.router,
         grpc_port=topo.router.grpc_port if args.grpc_port is None else args.grpc_port,
         http_port=topo.router.http_port if args.http_port is None else args.http_port)
+    if args.ssl_certfile or args.ssl_keyfile:
+        if not (args.ssl_certfile and args.ssl_keyfile):
+            print("error: --ssl-certfile and --ssl-keyfile go together", file=sys.stderr)
+            return 1
+        for flag, path in (("--ssl-certfile", args.ssl_certfile), ("--ssl-keyfile", args.ssl_keyfile)):
+            if not os.path.isfile(path):
+                print(f"error: {flag}: {path!r} is not a file", file=sys.stderr)
+                return 1
+        router = dataclasses.replace(router, tls_cert_file=os.path.abspath(args.ssl_certfile),
+                                     tls_key_file=os.path.abspath(args.ssl_keyfile))
     topo = dataclasses.replace(topo, router=router)
     if args.dummy:
         topo = dataclasses.replace(topo, model=dataclasses.replace(topo.model, dummy=True))
@@ -283,12 +298,16 @@ async def _serve(cluster: Cluster, drain_timeout_s: float, t0: float, api_keys=N
     import ray
 
     from kvrelay.router.auth import ApiKeys
+    from kvrelay.router.limits import RateLimiter, TlsFiles
     from kvrelay.router.server import RouterServer
 
     topo = cluster.topology
     client = cluster.engine_client()
-    server = RouterServer(client, served_names or client.model_name, topo.router.host, topo.router.grpc_port,
-                          topo.router.http_port, api_keys=api_keys or ApiKeys())
+    r = topo.router
+    server = RouterServer(client, served_names or client.model_name, r.host, r.grpc_port, r.http_port,
+                          api_keys=api_keys or ApiKeys(),
+                          tls=TlsFiles(r.tls_cert_file, r.tls_key_file) if r.tls_cert_file else None,
+                          rate_limit=RateLimiter(r.rate_limit_rpm, r.rate_limit_burst) if r.rate_limit_rpm else None)
     await server.start()
     # Everything allocated so far (Ray, torch, the tokenizer) lives as long as the process: move it out of
     # the collector's reach, so a full collection never pauses the event loop for a walk over all of it.
@@ -306,7 +325,9 @@ async def _serve(cluster: Cluster, drain_timeout_s: float, t0: float, api_keys=N
     print(f"kvrelay: serving {client.model_name}{alias}\n  gRPC  {server.grpc_target}\n  HTTP  {server.http_url}"
           f"  (OpenAI-compatible: {server.http_url}/v1/chat/completions)\n  Ray   {ready['ray']} "
           f"namespace {topo.ray.namespace}  (kvrelay status --address {ready['ray']})\n"
-          f"  Auth  {f'{len(server.api_keys)} API key(s) required on /v1 and gRPC' if server.api_keys else 'none'}\n"
+          f"  Auth  {f'{len(server.api_keys)} API key(s) required on /v1 and gRPC' if server.api_keys else 'none'}"
+          f"{'; TLS on HTTP and gRPC' if server.tls else ''}"
+          f"{f'; {r.rate_limit_rpm} requests/min per client' if server.rate_limit else ''}\n"
           f"kvrelay-ready {json.dumps(ready)}", flush=True)
     # A signal ends serving, or the Ray cluster going away under us (`ray down`, `ray stop`): a router
     # whose workers are gone must not outlive them. (RouterServer.wait() is not used: cancelling its

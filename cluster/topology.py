@@ -73,6 +73,13 @@ class RouterSection:
     # Name of an environment variable holding comma-separated API keys (never the keys themselves: this
     # file is shared). Set: /v1 routes and gRPC calls need `Authorization: Bearer KEY`.
     api_keys_env: str | None = None
+    # TLS on both front-ends (HTTPS, gRPC over TLS): PEM files, relative to this file; both or neither.
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    # Generation requests a minute per API key (per client address without keys), `rate_limit_burst` at once
+    # (default: 10 s worth); over it HTTP 429 with Retry-After / gRPC RESOURCE_EXHAUSTED. null: no limit.
+    rate_limit_rpm: int | None = None
+    rate_limit_burst: int | None = None
 
 
 @dataclass(frozen=True)
@@ -265,6 +272,7 @@ def _check(t: Topology, base_dir: Path) -> Topology:
     if t.router.grpc_port == t.router.http_port != 0:
         raise TopologyError(f"router.http_port: {t.router.http_port} is also router.grpc_port")
 
+    t = _check_router_files(t, base_dir)
     name, n_q, n_kv, n_exp = _model_dims(t.model, base_dir)
     for pool in ("prefill", "decode"):
         tp = getattr(t, pool).tp
@@ -297,6 +305,32 @@ def _check(t: Topology, base_dir: Path) -> Topology:
                 f"{t.prefill.tp} = {t.prefill_gpus} and decode {t.decode.workers}x tp {t.decode.tp} = "
                 f"{t.decode_gpus}) but the topology provides {t.gpus}")
     return dataclasses.replace(t, model=dataclasses.replace(t.model, name=name))
+
+
+def _check_router_files(t: Topology, base_dir: Path) -> Topology:
+    """TLS files exist and are given as a pair (resolved against the topology's folder); rate limits > 0."""
+    r = t.router
+    if (r.tls_cert_file is None) != (r.tls_key_file is None):
+        given, missing = (("router.tls_cert_file", "router.tls_key_file") if r.tls_key_file is None
+                          else ("router.tls_key_file", "router.tls_cert_file"))
+        raise TopologyError(f"{missing}: required with {given} (TLS needs the certificate and its key)")
+    files = {}
+    for key in ("tls_cert_file", "tls_key_file"):
+        value = getattr(r, key)
+        if value is None:
+            continue
+        path = Path(os.path.expanduser(value))
+        path = path if path.is_absolute() else base_dir / path
+        if not path.is_file():
+            raise TopologyError(f"router.{key}: {value!r} is not a file ({path})")
+        files[key] = str(path)
+    for key in ("rate_limit_rpm", "rate_limit_burst"):
+        value = getattr(r, key)
+        if value is not None and value <= 0:
+            raise TopologyError(f"router.{key}: must be > 0 (or null for no limit), got {value}")
+    if r.rate_limit_burst is not None and r.rate_limit_rpm is None:
+        raise TopologyError("router.rate_limit_burst: set router.rate_limit_rpm too (the burst is of that limit)")
+    return dataclasses.replace(t, router=dataclasses.replace(r, **files)) if files else t
 
 
 def parse_topology(text: str, source: str = "<memory>", base_dir: Path | None = None) -> Topology:
@@ -348,8 +382,10 @@ def describe(t: Topology) -> str:
         f"{t.prefill.max_prompt_tokens}, chunk_tokens {t.prefill.chunk_tokens}",
         f"  decode     {t.decode.workers} worker(s) x EP{t.decode.ep} TP{t.decode.tp}, max_batch "
         f"{t.decode.max_batch}, graphs {list(t.decode.cuda_graph_batch_sizes)}",
-        f"  router     gRPC {t.router.host}:{t.router.grpc_port}, HTTP {t.router.host}:{t.router.http_port}, "
-        f"policy {t.router.policy}",
+        f"  router     gRPC {t.router.host}:{t.router.grpc_port}, HTTP{'S' if t.router.tls_cert_file else ''} "
+        f"{t.router.host}:{t.router.http_port}, policy {t.router.policy}"
+        + (", TLS" if t.router.tls_cert_file else "")
+        + (f", {t.router.rate_limit_rpm} requests/min per client" if t.router.rate_limit_rpm else ""),
         f"  kv         {'in place (colocated)' if t.colocate else 'NIXL'} (UCX_TLS={t.kv_transfer.ucx_tls}), lease "
         f"{t.kv_transfer.lease_seconds:g} s",
         f"  ray        {t.ray.address or 'local'} namespace {t.ray.namespace}",

@@ -84,8 +84,15 @@ def _effort(name: str) -> "pb.ReasoningEffort.ValueType":
 
 
 class RouterClient:
-    def __init__(self, target: str, *, timeout_s: float | None = None, api_key: str | None = None) -> None:
-        self._channel = grpc.insecure_channel(target)
+    def __init__(self, target: str, *, timeout_s: float | None = None, api_key: str | None = None,
+                 tls_ca: bytes | str | None = None) -> None:
+        """`tls_ca`: PEM bytes, or a file path, of the CA (or self-signed certificate) that signed a TLS
+        router's certificate; without it the channel is plaintext."""
+        if tls_ca is None:
+            self._channel = grpc.insecure_channel(target)
+        else:
+            pem = tls_ca if isinstance(tls_ca, bytes) else open(tls_ca, "rb").read()
+            self._channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=pem))
         self._stub = pb_grpc.RouterStub(self._channel)
         self._timeout = timeout_s
         # Sent with every call: a router started with API keys wants `authorization: Bearer KEY`.

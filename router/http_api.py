@@ -22,8 +22,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvrelay.router import harmony
+from kvrelay.router import harmony, limits
 from kvrelay.router.auth import ApiKeys, install_http
+from kvrelay.router.limits import RateLimiter
 from kvrelay.router.engine_client import EngineOverloaded
 from kvrelay.router.http_models import ChatCompletionRequest, CompletionRequest
 from kvrelay.router.service import Prepared, RouterCore, encode_prompt_text
@@ -59,8 +60,10 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-def create_app(core: RouterCore, api_keys: ApiKeys | None = None) -> FastAPI:
+def create_app(core: RouterCore, api_keys: ApiKeys | None = None, rate_limit: RateLimiter | None = None) -> FastAPI:
     app = FastAPI(title="kvrelay router", docs_url=None, redoc_url=None)
+    # The middleware added last runs first: the key check, then the rate limit (only valid keys count).
+    limits.install_http(app, rate_limit)
     install_http(app, api_keys or ApiKeys())
 
     @app.exception_handler(ValidationError)

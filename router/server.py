@@ -21,6 +21,7 @@ from kvrelay.router.auth import ApiKeys, GrpcKeyInterceptor
 from kvrelay.router.engine_client import EngineClient
 from kvrelay.router.grpc_service import RouterServicer
 from kvrelay.router.http_api import create_app
+from kvrelay.router.limits import GrpcRateLimitInterceptor, RateLimiter, TlsFiles
 from kvrelay.router.parser import new_call_id
 from kvrelay.router.service import RouterCore, utc_today
 from kvrelay.v1 import router_pb2_grpc as pb_grpc
@@ -41,6 +42,8 @@ class RouterServer:
         call_id_factory: Callable[[], str] = new_call_id,
         grace_s: float = 1.0,
         api_keys: ApiKeys = ApiKeys(),
+        tls: TlsFiles | None = None,
+        rate_limit: RateLimiter | None = None,
     ) -> None:
         # Several names (vLLM's --served-model-name a b): the first is the id responses carry, and requests
         # may use any of them.
@@ -48,6 +51,8 @@ class RouterServer:
         self.core = RouterCore(engine_client, model_name=names[0], today=today, call_id_factory=call_id_factory)
         self.core.model_names = tuple(dict.fromkeys((self.core.model_name, *(n for n in names if n))))
         self.api_keys = api_keys
+        self.tls = tls
+        self.rate_limit = rate_limit
         self.host = host
         self._grpc_port_requested = grpc_port
         self._http_port_requested = http_port
@@ -64,16 +69,24 @@ class RouterServer:
 
     @property
     def http_url(self) -> str:
-        return f"http://{self.host}:{self.http_port}"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.http_port}"
 
     async def start(self) -> None:
         # Tokenizing threads and the event loop share the GIL: with Python's default 5 ms switch interval
         # every hand-off to the loop can wait 5 ms, and a /health answer needs several (measured: 60-75 ms
         # beside a 2.7 MB prompt); at 1 ms it stays a few ms. The router process favours the loop's latency.
         sys.setswitchinterval(min(sys.getswitchinterval(), 0.001))
-        self._grpc = grpc.aio.server(interceptors=[GrpcKeyInterceptor(self.api_keys)] if self.api_keys else None)
+        # The key check runs first: a call without a valid key is refused before it counts against a limit.
+        interceptors = ([GrpcKeyInterceptor(self.api_keys)] if self.api_keys else []) + (
+            [GrpcRateLimitInterceptor(self.rate_limit)] if self.rate_limit else [])
+        self._grpc = grpc.aio.server(interceptors=interceptors or None)
         pb_grpc.add_RouterServicer_to_server(RouterServicer(self.core), self._grpc)
-        self.grpc_port = self._grpc.add_insecure_port(f"{self.host}:{self._grpc_port_requested}")
+        address = f"{self.host}:{self._grpc_port_requested}"
+        if self.tls:
+            cert, key = self.tls.read()
+            self.grpc_port = self._grpc.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+        else:
+            self.grpc_port = self._grpc.add_insecure_port(address)
         if self.grpc_port == 0:
             raise OSError(f"gRPC could not bind {self.host}:{self._grpc_port_requested}")
         await self._grpc.start()
@@ -84,8 +97,9 @@ class RouterServer:
         sock.bind((self.host, self._http_port_requested))
         self.http_port = sock.getsockname()[1]
         config = uvicorn.Config(
-            create_app(self.core, self.api_keys), log_level="warning", lifespan="off",
+            create_app(self.core, self.api_keys, self.rate_limit), log_level="warning", lifespan="off",
             timeout_graceful_shutdown=max(1, int(self._grace_s)),
+            ssl_certfile=self.tls.cert_file if self.tls else None, ssl_keyfile=self.tls.key_file if self.tls else None,
         )
         self._http = uvicorn.Server(config)
         self._http_task = asyncio.create_task(self._http.serve(sockets=[sock]))

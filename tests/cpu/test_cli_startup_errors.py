@@ -62,3 +62,17 @@ def test_serve_refuses_an_unset_api_keys_env_before_starting_anything(tmp_path):
         f"error: {cfg}: router.api_keys_env names KVRELAY_NO_SUCH_VAR, which is not set or empty "
         "(set it to one or more comma-separated keys)")
     assert "kvrelay: starting" not in out.stdout and took < 30
+
+
+def test_serve_refuses_half_a_tls_pair_before_starting_anything(tmp_path):
+    cfg = tmp_path / "tls.yaml"
+    cfg.write_text(CONFIG.replace("PORT", "0"))
+    cert = tmp_path / "cert.pem"
+    cert.write_text("not used")
+    out, took = _cli("serve", str(cfg), "--ssl-certfile", str(cert))
+    assert out.returncode == 1 and out.stderr.strip().splitlines()[-1] == (
+        "error: --ssl-certfile and --ssl-keyfile go together")
+    out, took = _cli("serve", str(cfg), "--ssl-certfile", str(cert), "--ssl-keyfile", str(tmp_path / "no.pem"))
+    assert out.returncode == 1 and out.stderr.strip().splitlines()[-1] == (
+        f"error: --ssl-keyfile: '{tmp_path / 'no.pem'}' is not a file")
+    assert "kvrelay: starting" not in out.stdout and took < 30

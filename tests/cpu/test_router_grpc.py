@@ -217,9 +217,9 @@ def test_harmony_tool_history_via_client_types() -> None:
 class _StopIgnoringEngine(ScriptedEngineClient):
     """An engine that ignores stop ids, so the router's own harmony stop has to end the stream."""
 
-    async def generate(self, request_id, prompt_ids, params):
-        async for out in super().generate(request_id, prompt_ids, replace(params, stop_token_ids=())):
-            yield out
+    async def generate_batches(self, request_id, prompt_ids, params):
+        async for outs in super().generate_batches(request_id, prompt_ids, replace(params, stop_token_ids=())):
+            yield outs
 
 
 @pytest.mark.parametrize("output,reason", [

@@ -1,0 +1,157 @@
+"""The client side of one streamed request of bench.serve: the request body, the prompt numbering, the SSE
+parsing and what one stream measured. Shared by the one-process run (serve.py) and the load split over
+client processes (serve_procs.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def chunk_tokens(choice: dict) -> int | None:
+    """Output tokens one streamed completion choice carries: len(token_ids) when the server sends ids,
+    None for text whose token count is unknown, 0 when it carries no output (a finish-only chunk, or a
+    token whose text the server holds back until its UTF-8 completes)."""
+    ids = choice.get("token_ids")
+    if isinstance(ids, list) and ids:
+        return len(ids)
+    return None if choice.get("text") else 0
+
+
+def itl_samples(times: Sequence[float], tokens: Sequence[int | None], total: int) -> list[float]:
+    """Inter-token latencies from the arrival times of the content chunks. A chunk of k tokens stands
+    for k gaps of (its gap / k). When the per-chunk counts are unknown (text only) or disagree with the
+    server's total, the tokens after the first chunk are spread evenly over the later chunks."""
+    if len(times) < 2:
+        return []
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    if all(k is not None for k in tokens) and sum(tokens) == total:  # type: ignore[arg-type]
+        return [g / k for g, k in zip(gaps, tokens[1:], strict=True) for _ in range(k)]  # type: ignore[misc]
+    first = tokens[0] or 1
+    per_chunk = max(1.0, (total - first) / len(gaps))
+    return [g / per_chunk for g in gaps]
+
+
+# ---- one request -------------------------------------------------------------------------------------------
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str | None = None
+    ttft_s: float | None = None
+    output_tokens: int = 0
+    finish_reason: str | None = None
+    itl_s: list[float] = field(default_factory=list)
+    per_user_tok_s: float | None = None
+    timings: dict[str, Any] | None = None
+    t_done: float = 0.0
+
+
+class StreamParser:
+    """Folds the SSE payloads of one streamed completion into a RequestResult."""
+
+    def __init__(self, t_send: float):
+        self.t_send = t_send
+        self.times: list[float] = []
+        self.tokens: list[int | None] = []
+        self.usage_tokens: int | None = None
+        self.finish: str | None = None
+        self.timings: dict | None = None
+        self.error: str | None = None
+
+    def feed(self, obj: dict, now: float) -> None:
+        if "error" in obj and not obj.get("choices"):
+            err = obj["error"]
+            self.error = "in-stream error: " + str(err.get("message", err) if isinstance(err, dict) else err)[:300]
+            return
+        if isinstance(obj.get("usage"), dict) and obj["usage"].get("completion_tokens") is not None:
+            self.usage_tokens = int(obj["usage"]["completion_tokens"])
+        if isinstance(obj.get("kvrelay_timings"), dict):
+            self.timings = obj["kvrelay_timings"]
+        for choice in obj.get("choices") or ():
+            self.finish = choice.get("finish_reason") or self.finish
+            k = chunk_tokens(choice)
+            if k != 0:
+                self.times.append(now - self.t_send)
+                self.tokens.append(k)
+
+    def result(self, output_len: int, t_done: float) -> RequestResult:
+        known = sum(k or 1 for k in self.tokens)
+        n = self.usage_tokens if self.usage_tokens is not None else known
+        r = RequestResult(output_tokens=n, finish_reason=self.finish, timings=self.timings, t_done=t_done)
+        if self.times:
+            r.ttft_s = self.times[0]
+            r.itl_s = itl_samples(self.times, self.tokens, n)
+            span = self.times[-1] - self.times[0]
+            r.per_user_tok_s = (n - 1) / span if n > 1 and span > 0 else None
+        if self.error:
+            r.error = self.error
+        elif n < output_len:
+            r.error = f"short output: {n} of {output_len} tokens (finish_reason={self.finish})"
+        elif not self.times:
+            r.error = "no content chunk in the stream"
+        r.ok = r.error is None
+        return r
+
+
+async def one_request(client, url: str, body: dict, output_len: int, timeout_s: float) -> RequestResult:
+    t_send = time.perf_counter()
+    parser = StreamParser(t_send)
+
+    async def drive() -> None:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace").replace("\n", " ")
+                parser.error = f"HTTP {resp.status_code}: {text[:300]}"
+                return
+            # Splitting raw bytes ourselves: at hundreds of concurrent streams the client parses tens
+            # of thousands of chunks a second, and aiter_lines' text decoding costs measurably more.
+            buf = b""
+            async for raw in resp.aiter_raw():
+                now = time.perf_counter()
+                buf += raw
+                *lines, buf = buf.split(b"\n")
+                for line in lines:
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        return
+                    parser.feed(json.loads(data), now)
+
+    try:
+        await asyncio.wait_for(drive(), timeout_s)
+    except asyncio.TimeoutError:
+        parser.error = f"timeout after {timeout_s:g} s"
+    except Exception as e:  # noqa: BLE001 - any transport or protocol failure is a failed request
+        parser.error = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    return parser.result(output_len, time.perf_counter())
+
+
+# ---- one point ------------------------------------------------------------------------------------------------
+class Prompts:
+    """Distinct random prompts, reproducible from (seed, request number); numbered across the whole run so
+    no prefix is ever shared, not even with an earlier point (prefix caching must not help)."""
+
+    def __init__(self, seed: int, lo: int, hi: int):
+        import numpy as np
+
+        self._np, self.seed, self.lo, self.hi, self.issued = np, seed, lo, hi, 0
+
+    def next(self, length: int) -> list[int]:
+        self.issued += 1
+        return self.at(self.issued - 1, length)
+
+    def at(self, index: int, length: int) -> list[int]:
+        """Prompt number `index` (what the index-th `next` returns)."""
+        rng = self._np.random.default_rng((self.seed, index))
+        return rng.integers(self.lo, self.hi, size=length).tolist()
+
+
+def request_body(model: str, prompt: list[int], output_len: int) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
