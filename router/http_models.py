@@ -78,10 +78,38 @@ class _Sampling(_Body):
     request_id: Optional[str] = None
     ignore_eos: bool = False  # vLLM's extension: benchmarks use it to hold output lengths fixed
     min_tokens: Optional[int] = None  # vLLM's extension: no stop before this many tokens
+    # Accepted so that a request using them is refused by name (below) rather than served as if they
+    # were not there; at their neutral values they change nothing and pass.
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None  # vLLM's
+    min_p: Optional[float] = None  # vLLM's
+    logit_bias: Optional[dict[str, float]] = None
+    response_format: Optional[dict[str, Any]] = None
+    guided_json: Any = None  # vLLM's structured-output extensions
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    prompt_logprobs: Optional[int] = None  # vLLM's
 
     def common_checks(self) -> None:
         if self.n not in (None, 1):
             raise ValidationError("n", f"only n=1 is supported, got {self.n}")
+        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+                              ("min_p", 0.0)):
+            value = getattr(self, name)
+            if value is not None and value != neutral:
+                raise ValidationError(name, f"not supported yet (only {neutral:g}, the neutral value), got {value:g}")
+        if self.logit_bias:
+            raise ValidationError("logit_bias", "not supported yet (only an empty map)")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise ValidationError("response_format", f"structured outputs are not supported yet (only type 'text'), "
+                                  f"got type {self.response_format.get('type')!r}")
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if getattr(self, name) is not None:
+                raise ValidationError(name, "structured outputs are not supported yet")
+        if self.prompt_logprobs is not None:
+            raise ValidationError("prompt_logprobs", "prompt logprobs are not supported yet")
 
     def stop_strings(self) -> tuple[str, ...]:
         """`stop` as a tuple; the limits are checked by the shared validation (same message as gRPC)."""
@@ -140,6 +168,8 @@ class CompletionRequest(_Sampling):
     logprobs: Optional[int] = None
     echo: bool = False
     return_token_ids: bool = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
 
     def sampling(self) -> SamplingOptions:
         self.common_checks()
@@ -147,6 +177,10 @@ class CompletionRequest(_Sampling):
             raise ValidationError("logprobs", f"at most 1 is supported (the sampled token's logprob), got {self.logprobs}")
         if self.echo:
             raise ValidationError("echo", "echo is not supported")
+        if self.best_of not in (None, 1):
+            raise ValidationError("best_of", f"only best_of=1 is supported, got {self.best_of}")
+        if self.suffix:
+            raise ValidationError("suffix", "suffix (insertion) is not supported by gpt-oss")
         return SamplingOptions(
             temperature=self.temperature,
             top_p=self.top_p,

@@ -321,3 +321,44 @@ def test_engine_failure_mid_stream_and_non_stream(server, engine) -> None:
     assert json.loads(events[-2])["error"]["message"] == "internal error: device lost"
     assert events[-1] == "[DONE]"
     assert "partial" in "".join(events[:-2])
+
+
+UNSUPPORTED = [
+    ("presence_penalty", 0.5, 0.0, "presence_penalty: not supported yet (only 0, the neutral value), got 0.5"),
+    ("frequency_penalty", -1.0, 0.0, "frequency_penalty: not supported yet (only 0, the neutral value), got -1"),
+    ("repetition_penalty", 1.2, 1.0, "repetition_penalty: not supported yet (only 1, the neutral value), got 1.2"),
+    ("min_p", 0.1, 0.0, "min_p: not supported yet (only 0, the neutral value), got 0.1"),
+    ("logit_bias", {"1000": -100}, {}, "logit_bias: not supported yet (only an empty map)"),
+    ("response_format", {"type": "json_object"}, {"type": "text"},
+     "response_format: structured outputs are not supported yet (only type 'text'), got type 'json_object'"),
+    ("guided_json", {"type": "object"}, None, "guided_json: structured outputs are not supported yet"),
+    ("guided_choice", ["a", "b"], None, "guided_choice: structured outputs are not supported yet"),
+    ("prompt_logprobs", 1, None, "prompt_logprobs: prompt logprobs are not supported yet"),
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("name,value,neutral,message", UNSUPPORTED, ids=[u[0] for u in UNSUPPORTED])
+def test_parameters_not_honoured_are_refused_by_name(server, engine, path, name, value, neutral, message) -> None:
+    """No parameter is silently ignored: one we do not honour is a 400 naming it; its neutral value
+    (what a client sends when it means nothing) passes."""
+    engine.scripts = [_ids("<|channel|>final<|message|>ok<|return|>")]
+    base = ({"messages": [{"role": "user", "content": "hi"}]} if path.endswith("chat/completions")
+            else {"prompt": [1, 2, 3]})
+    body = {"model": MODEL, "max_tokens": 4, **base, name: value}
+    r = httpx.post(f"{server.http_url}{path}", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == name and r.json()["error"]["message"] == message
+    if neutral is not None:
+        r = httpx.post(f"{server.http_url}{path}", json={**body, name: neutral}, timeout=30)
+        assert r.status_code == 200, r.text
+
+
+def test_completion_only_parameters_refused_by_name(server, engine) -> None:
+    engine.scripts = [_ids("ok")]
+    for name, value, message in (("best_of", 2, "best_of: only best_of=1 is supported, got 2"),
+                                 ("suffix", "tail", "suffix: suffix (insertion) is not supported by gpt-oss")):
+        r = httpx.post(f"{server.http_url}/v1/completions", timeout=30,
+                       json={"model": MODEL, "prompt": [1, 2], "max_tokens": 2, name: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == name
+        assert r.json()["error"]["message"] == message
