@@ -281,8 +281,9 @@ class DisaggregatedEngineClient:
             queue: asyncio.Queue = asyncio.Queue()
             channel.queues[attempt_id] = queue
             try:
+                # Penalties count every token generated so far, including the ones a failed attempt sent.
                 pull = await self._start(decode, attempt_id, handle, res.first.token_id, done + 1, params,
-                                         prefill.actor, channel.id)
+                                         prefill.actor, channel.id, tuple(streamed[:done]) if params.penalized else ())
                 if pull is None:  # released during the pull (aborted)
                     return
                 handle = None  # decode owns the lease now (it released it after the pull)
@@ -345,12 +346,12 @@ class DisaggregatedEngineClient:
                 q.put_nowait(_CHANNEL_GONE)
 
     async def _start(self, decode: _Worker, attempt_id: str, handle, first: int, generated: int,
-                     params: SamplingParams, prefill_actor, channel_id: str):
+                     params: SamplingParams, prefill_actor, channel_id: str, history: tuple[int, ...] = ()):
         import ray
 
         try:
             return await decode.actor.start.remote(attempt_id, handle, first, generated, params, prefill_actor,
-                                                   channel_id)
+                                                   channel_id, history)
         except ray.exceptions.RayActorError as e:
             decode.dead = True
             raise _Retry(f"decode worker {decode.rank} died ({type(e).__name__})", "decode_died") from None

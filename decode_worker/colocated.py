@@ -198,7 +198,8 @@ class ColocatedWorker(DecodeWorker):
             for _, p in finished:
                 self._prompts.remove(p)
         rows = logits[[i for i, _ in finished]]
-        sampled = self.runner.sample(rows, [p.params for _, p in finished], [p.generated for _, p in finished])
+        sampled = self.runner.sample(rows, [p.params for _, p in finished], [p.generated for _, p in finished],
+                                     [p.ids[len(p.ids) - p.generated:] for _, p in finished])
         t_end = time.perf_counter()
         for (_, p), (token, logprob) in zip(finished, sampled):
             self.prefill_counters.prompts += 1

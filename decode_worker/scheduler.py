@@ -65,6 +65,7 @@ class _Running:
     generated: int  # tokens already produced for this request (incl. the prefill's first token)
     emit: Callable[[TokenOutput], None]
     aborted: bool = False
+    output: list[int] | None = None  # tokens generated so far, kept only when penalties read them
 
 
 @dataclass
@@ -200,15 +201,17 @@ class Scheduler:
         return request_id in self._pulling
 
     def join(self, request_id: str, params: SamplingParams, last_token: int, generated: int,
-             emit: Callable[[TokenOutput], None]) -> None:
-        """Add an imported sequence (KV already in its pages) to the batch from the next step on."""
+             emit: Callable[[TokenOutput], None], history: Sequence[int] = ()) -> None:
+        """Add an imported sequence (KV already in its pages) to the batch from the next step on.
+        `history`: the tokens it generated before `last_token` (presence/frequency penalties count them)."""
         if request_id not in self._budget:
             raise ValueError(f"request {request_id!r} joins without a reservation")
         if not self.runner.has_sequence(request_id):
             raise ValueError(f"request {request_id!r} joins without imported KV")
         if request_id in self._pulling:
             raise ValueError(f"request {request_id!r} joins while its KV pull may still be running")
-        self._running[request_id] = _Running(request_id, params, last_token, generated, emit)
+        output = [*history, last_token] if params.penalized else None
+        self._running[request_id] = _Running(request_id, params, last_token, generated, emit, output=output)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request at the next step boundary (its pages are freed there)."""
@@ -238,7 +241,8 @@ class Scheduler:
             # Overlapped steps take argmax on the device: greedy, no logprobs, min_tokens already behind
             # (a step may run one token ahead of the host's count).
             if batch and all(r.params.greedy and not r.params.logprobs and not r.params.masks_stops(r.generated)
-                             and not r.params.masks_stops(r.generated + 1) for r in batch):
+                             and not r.params.masks_stops(r.generated + 1) and not r.params.penalized
+                             for r in batch):
                 return self._step_overlapped(batch)
         return self._step(())[0]
 
@@ -278,7 +282,8 @@ class Scheduler:
         self.times.steps += 1
         sampled = None
         if batch:
-            sampled = self.runner.sample(logits, [r.params for r in batch], [r.generated for r in batch])
+            sampled = self.runner.sample(logits, [r.params for r in batch], [r.generated for r in batch],
+                                         [r.output or () for r in batch])
         t2 = time.perf_counter()
         if extra:
             self.times.mixed_s += t2 - t0
@@ -349,6 +354,8 @@ class Scheduler:
         for r, (token, logprob), n in zip(batch, sampled, lengths):
             r.generated += 1
             r.last_token = token
+            if r.output is not None:
+                r.output.append(token)
             reason = finish_reason(token, r.generated, r.params)
             # The next step would write position `length`; a full context ends the request here.
             if reason is None and n + 1 >= self.runner.max_context:

@@ -147,7 +147,8 @@ class LLM:
         return admitted
 
     def _emit(self, reqs: list[_Request], logits: torch.Tensor) -> list[tuple[Hashable, TokenOutput]]:
-        picks = self.runner.sample(logits, [r.params for r in reqs], [len(r.output) for r in reqs])
+        picks = self.runner.sample(logits, [r.params for r in reqs], [len(r.output) for r in reqs],
+                                   [r.output for r in reqs])
         outs = []
         for req, (token, logprob) in zip(reqs, picks):
             req.output.append(token)

@@ -427,16 +427,19 @@ class Runner:
 
     # ---- sampling ------------------------------------------------------------------------------
     @staticmethod
-    def sample(logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int]):
-        """(token, logprob) per row; `steps[b]` = tokens request b generated before this one."""
+    def sample(logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int],
+               history: Sequence[Sequence[int]] | None = None):
+        """(token, logprob) per row; `steps[b]` = tokens request b generated before this one, `history[b]`
+        those tokens (read only for requests with presence/frequency penalties)."""
         if logits.dim() == 1:
             logits = logits[None]
         params, steps = list(params), list(steps)
-        if all(p.greedy and not p.logprobs and not p.masks_stops(n) for p, n in zip(params, steps)):
+        if all(p.greedy and not p.logprobs and not p.masks_stops(n) and not p.penalized
+               for p, n in zip(params, steps)):
             # The whole batch in one device-to-host transfer (argmax ties go to the lowest id, as in
             # sampling.sample).
             return [(t, None) for t in torch.argmax(logits.float(), dim=-1).tolist()]
-        return sample(logits, params, steps)
+        return sample(logits, params, steps, history)
 
 
 def _fill_ids(ids: torch.Tensor, fill) -> None:

@@ -7,8 +7,10 @@ worker (step 0) and a decode worker (steps 1..) in different processes reproduce
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +28,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: bool = False
     min_tokens: int = 0  # the stop tokens cannot be sampled before this many tokens (vLLM's min_tokens)
+    # OpenAI's penalties over the tokens generated so far: logit -= frequency x count + presence x (count > 0).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one (vLLM's)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -38,18 +44,27 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
+    @property
+    def penalized(self) -> bool:
+        """The choice depends on the tokens generated so far (the sampler needs them)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
     def resolved(self) -> "SamplingParams":
         """A copy with a concrete seed, so every later step of the request draws from a fixed stream."""
         if self.seed is not None or self.greedy:
             return self
-        return SamplingParams(self.max_tokens, self.temperature, self.top_p, self.top_k,
-                              random.getrandbits(63), self.stop_token_ids, self.logprobs, self.min_tokens)
+        return dataclasses.replace(self, seed=random.getrandbits(63))
 
     def masks_stops(self, step: int) -> bool:
         """The token after `step` generated ones must not be a stop token (min_tokens not reached)."""
@@ -79,6 +94,8 @@ def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         kth = torch.topk(scaled, p.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
+    if p.min_p > 0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
     if p.top_p < 1:
         sorted_p, order = torch.sort(probs, descending=True)
         before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly before each token
@@ -87,19 +104,42 @@ def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list[tuple[int, float | None]]:
+def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
+                    history: Sequence[Sequence[int]] | None) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties on the rows that ask for them, in place: each row's
+    counts of the tokens it generated so far (`history[b]`), scattered on the logits' device."""
+    rows = [b for b, p in enumerate(params) if p.penalized]
+    if not rows:
+        return logits
+    if history is None:
+        raise ValueError("sample(): penalized params need each request's generated tokens (history)")
+    for b in rows:
+        if not history[b]:
+            continue
+        p = params[b]
+        ids = torch.as_tensor(list(history[b]), dtype=torch.long, device=logits.device)
+        counts = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
+        counts.scatter_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))
+        logits[b] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
+           history: Sequence[Sequence[int]] | None = None) -> list[tuple[int, float | None]]:
     """Choose one token per row of logits [B, V] (fp32). `steps[b]` is how many tokens request b has
-    already generated. Returns (token, logprob or None); the logprob is of the model's distribution
-    (log-softmax of the raw logits), not of the temperature/top-p-filtered one."""
+    already generated; `history[b]` those tokens (needed only for penalized rows). Returns (token,
+    logprob or None); the logprob is of the model's distribution (log-softmax of the raw logits), not of
+    the penalized, temperature/top-p-filtered one."""
     logits = logits.float()
     want_lp = any(p.logprobs for p in params)
     # The logprob is of the model's distribution, before min_tokens masks the stop tokens.
     logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
     masked = [b for b, p in enumerate(params) if p.masks_stops(steps[b])]
-    if masked:
+    if masked or any(p.penalized for p in params):
         logits = logits.clone()
         for b in masked:
             logits[b, list(params[b].stop_token_ids)] = float("-inf")
+        apply_penalties(logits, params, history)
     greedy_ids = torch.argmax(logits, dim=-1)  # ties go to the lowest id, matching HF greedy
     out: list[tuple[int, float | None]] = []
     for b, p in enumerate(params):

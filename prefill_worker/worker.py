@@ -176,7 +176,8 @@ class PrefillWorker:
             if not self.runner.can_admit(sum(len(j.ids) + self.runner.page_size for j in jobs)):
                 return None
             logits = self.runner.prefill_batch([(j.request_id, j.ids) for j in jobs])
-            sampled = self.runner.sample(logits, [j.params for j in jobs], [j.generated for j in jobs])
+            sampled = self.runner.sample(logits, [j.params for j in jobs], [j.generated for j in jobs],
+                                         [j.ids[len(j.ids) - j.generated:] for j in jobs])
         return [(t, lp, ()) for t, lp in sampled]
 
     def _prefill(self, rid: str, prompt_ids: list[int], params: SamplingParams, generated: int):
@@ -188,7 +189,8 @@ class PrefillWorker:
                     raise ValueError(f"request {rid}: already being prefilled on this worker")
                 if self.runner.can_admit(len(prompt_ids)):  # every rank's allocator is in the same state
                     logits, peers = self._run_prefill(rid, prompt_ids)
-                    (token, logprob), = self.runner.sample(logits, [params], [generated])
+                    (token, logprob), = self.runner.sample(logits, [params], [generated],
+                                                           [prompt_ids[len(prompt_ids) - generated:]])
                     break
             # Pages are held by leases that decode has not pulled yet; they come back on release or
             # expiry, both bounded by the lease, so this wait is bounded too.

@@ -61,6 +61,9 @@ def sampling_from_proto(s: pb.SamplingParams) -> SamplingOptions:
         logprobs=s.logprobs,
         stop=tuple(s.stop),
         min_tokens=s.min_tokens if s.HasField("min_tokens") else None,
+        presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else None,
+        frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else None,
+        min_p=s.min_p if s.HasField("min_p") else None,
     )
 
 

@@ -78,12 +78,12 @@ class _Sampling(_Body):
     request_id: Optional[str] = None
     ignore_eos: bool = False  # vLLM's extension: benchmarks use it to hold output lengths fixed
     min_tokens: Optional[int] = None  # vLLM's extension: no stop before this many tokens
-    # Accepted so that a request using them is refused by name (below) rather than served as if they
-    # were not there; at their neutral values they change nothing and pass.
-    presence_penalty: Optional[float] = None
+    # The ones not honoured yet are accepted so that a request using them is refused by name (below)
+    # rather than served as if they were not there; at their neutral values they change nothing and pass.
+    presence_penalty: Optional[float] = None  # honoured: passed to the sampler
     frequency_penalty: Optional[float] = None
+    min_p: Optional[float] = None  # vLLM's, honoured
     repetition_penalty: Optional[float] = None  # vLLM's
-    min_p: Optional[float] = None  # vLLM's
     logit_bias: Optional[dict[str, float]] = None
     response_format: Optional[dict[str, Any]] = None
     guided_json: Any = None  # vLLM's structured-output extensions
@@ -95,11 +95,10 @@ class _Sampling(_Body):
     def common_checks(self) -> None:
         if self.n not in (None, 1):
             raise ValidationError("n", f"only n=1 is supported, got {self.n}")
-        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
-                              ("min_p", 0.0)):
-            value = getattr(self, name)
-            if value is not None and value != neutral:
-                raise ValidationError(name, f"not supported yet (only {neutral:g}, the neutral value), got {value:g}")
+        if self.repetition_penalty is not None and self.repetition_penalty != 1.0:
+            # vLLM's repetition penalty also counts the prompt's tokens, which a decode worker never sees.
+            raise ValidationError("repetition_penalty", f"not supported yet (only 1, the neutral value; "
+                                  f"presence_penalty and frequency_penalty are), got {self.repetition_penalty:g}")
         if self.logit_bias:
             raise ValidationError("logit_bias", "not supported yet (only an empty map)")
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
@@ -153,6 +152,9 @@ class ChatCompletionRequest(_Sampling):
             logprobs=self.logprobs,
             stop=self.stop_strings(),
             min_tokens=self.min_tokens,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            min_p=self.min_p,
         )
         return ChatRequest(
             messages=tuple(_message(i, m) for i, m in enumerate(self.messages)),
@@ -191,6 +193,9 @@ class CompletionRequest(_Sampling):
             logprobs=self.logprobs is not None,
             stop=self.stop_strings(),
             min_tokens=self.min_tokens,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            min_p=self.min_p,
         )
 
 

@@ -296,6 +296,9 @@ def _engine_params(resolved: validation.ResolvedSampling, extra_stops: tuple[int
         stop_token_ids=stops,
         logprobs=resolved.logprobs,
         min_tokens=resolved.min_tokens,
+        presence_penalty=resolved.presence_penalty,
+        frequency_penalty=resolved.frequency_penalty,
+        min_p=resolved.min_p,
     )
 
 

@@ -29,6 +29,9 @@ class SamplingOptions:
     logprobs: bool = False
     stop: tuple[str, ...] = ()  # stop strings, matched by the router on the output text (see router.stop)
     min_tokens: int | None = None  # no stop (token or string) before this many tokens
+    presence_penalty: float | None = None  # [-2, 2], over the tokens generated so far (OpenAI's)
+    frequency_penalty: float | None = None  # [-2, 2]
+    min_p: float | None = None  # [0, 1] (vLLM's)
 
 
 @dataclass(frozen=True)

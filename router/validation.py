@@ -95,6 +95,9 @@ class ResolvedSampling:
     logprobs: bool
     stop: tuple[str, ...] = ()  # router-side only: SamplingParams has no stop strings
     min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
 
 
 def check_token_ids(ids: tuple[int, ...] | list[int], field: str, vocab_size: int = VOCAB_SIZE) -> None:
@@ -129,6 +132,12 @@ def resolve_sampling(
         raise ValidationError("top_k", f"must be >= 0 (0 disables top-k), got {s.top_k}")
     if s.seed is not None and s.seed < 0:
         raise ValidationError("seed", f"must be >= 0, got {s.seed}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(s, name)
+        if value is not None and not (math.isfinite(value) and -2.0 <= value <= 2.0):
+            raise ValidationError(name, f"must be in [-2, 2], got {value}")
+    if s.min_p is not None and not (math.isfinite(s.min_p) and 0.0 <= s.min_p <= 1.0):
+        raise ValidationError("min_p", f"must be in [0, 1], got {s.min_p}")
     check_token_ids(s.stop_token_ids, "stop_token_ids", vocab_size)
     check_stop_strings(s.stop)
     room = max_context - prompt_len
@@ -157,6 +166,9 @@ def resolve_sampling(
         logprobs=s.logprobs,
         stop=tuple(s.stop),
         min_tokens=min_tokens,
+        presence_penalty=float(s.presence_penalty or 0.0),
+        frequency_penalty=float(s.frequency_penalty or 0.0),
+        min_p=float(s.min_p or 0.0),
     )
 
 

@@ -324,10 +324,11 @@ def test_engine_failure_mid_stream_and_non_stream(server, engine) -> None:
 
 
 UNSUPPORTED = [
-    ("presence_penalty", 0.5, 0.0, "presence_penalty: not supported yet (only 0, the neutral value), got 0.5"),
-    ("frequency_penalty", -1.0, 0.0, "frequency_penalty: not supported yet (only 0, the neutral value), got -1"),
-    ("repetition_penalty", 1.2, 1.0, "repetition_penalty: not supported yet (only 1, the neutral value), got 1.2"),
-    ("min_p", 0.1, 0.0, "min_p: not supported yet (only 0, the neutral value), got 0.1"),
+    ("repetition_penalty", 1.2, 1.0, "repetition_penalty: not supported yet (only 1, the neutral value; "
+     "presence_penalty and frequency_penalty are), got 1.2"),
+    ("presence_penalty", 2.5, 0.5, "presence_penalty: must be in [-2, 2], got 2.5"),
+    ("frequency_penalty", -3.0, -1.0, "frequency_penalty: must be in [-2, 2], got -3.0"),
+    ("min_p", 1.5, 0.1, "min_p: must be in [0, 1], got 1.5"),
     ("logit_bias", {"1000": -100}, {}, "logit_bias: not supported yet (only an empty map)"),
     ("response_format", {"type": "json_object"}, {"type": "text"},
      "response_format: structured outputs are not supported yet (only type 'text'), got type 'json_object'"),
@@ -340,8 +341,9 @@ UNSUPPORTED = [
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 @pytest.mark.parametrize("name,value,neutral,message", UNSUPPORTED, ids=[u[0] for u in UNSUPPORTED])
 def test_parameters_not_honoured_are_refused_by_name(server, engine, path, name, value, neutral, message) -> None:
-    """No parameter is silently ignored: one we do not honour is a 400 naming it; its neutral value
-    (what a client sends when it means nothing) passes."""
+    """No parameter is silently ignored: one we do not honour is a 400 naming it (its neutral value,
+    what a client sends when it means nothing, passes); one we honour is checked, and a valid value
+    reaches the engine."""
     engine.scripts = [_ids("<|channel|>final<|message|>ok<|return|>")]
     base = ({"messages": [{"role": "user", "content": "hi"}]} if path.endswith("chat/completions")
             else {"prompt": [1, 2, 3]})
@@ -352,6 +354,8 @@ def test_parameters_not_honoured_are_refused_by_name(server, engine, path, name,
     if neutral is not None:
         r = httpx.post(f"{server.http_url}{path}", json={**body, name: neutral}, timeout=30)
         assert r.status_code == 200, r.text
+        if name in ("presence_penalty", "frequency_penalty", "min_p"):
+            assert getattr(engine.params[-1], name) == neutral
 
 
 def test_completion_only_parameters_refused_by_name(server, engine) -> None:

@@ -54,6 +54,22 @@ def assert_no_pages_left(running, timeout_s: float = 10.0) -> None:
         time.sleep(0.2)
 
 
+def test_penalties_across_the_handoff_equal_llm_generate(running, reference):
+    """gRPC frequency/presence penalties on the split cluster: the prefill worker samples the first token,
+    the decode worker the rest, counting it too; the stream equals single-process LLM.generate."""
+    from kvrelay.router.client import RouterClient
+    from kvrelay.router.types import SamplingOptions
+
+    prompt = prompt_of(23, 9)
+    params = SamplingParams(max_tokens=48, temperature=0, frequency_penalty=1.5, presence_penalty=0.3)
+    want = [o.token_id for o in reference.generate(prompt, params)]
+    with RouterClient(running.grpc_target, timeout_s=120) as c:
+        got = [t for r in c.generate(prompt, SamplingOptions(temperature=0.0, max_tokens=48, frequency_penalty=1.5,
+                                                              presence_penalty=0.3)) for t in r.token_ids]
+    assert got == want and want != solo(reference, prompt, 48)
+    assert_no_pages_left(running)
+
+
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 300])
 def test_greedy_stream_equals_llm_generate(running, reference, n):
     # window 8: 7/8/9 put the sliding group's first live page at 0, 0 and 1; 300 spans 19 pages.

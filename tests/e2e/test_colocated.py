@@ -157,6 +157,26 @@ def test_min_tokens_on_the_cluster_equals_llm_generate(running, reference):
     assert_no_pages_left(run)
 
 
+def test_penalties_and_min_p_on_the_cluster_equal_llm_generate(running, reference):
+    """HTTP presence/frequency penalties (greedy, so every step depends on the tokens so far) and min_p
+    with a seed: the served stream equals single-process LLM.generate with the same parameters."""
+    import httpx
+
+    run, server = running
+    prompt = prompt_of(19, 8)
+    for extra in ({"temperature": 0, "frequency_penalty": 1.2, "presence_penalty": 0.6},
+                  {"temperature": 0.9, "seed": 5, "min_p": 0.05, "frequency_penalty": 0.5}):
+        params = SamplingParams(max_tokens=40, **extra)
+        want = [o.token_id for o in reference.generate(prompt, params)]
+        body = {"model": run.client.model_name, "prompt": prompt, "max_tokens": 40, "ignore_eos": True,
+                "return_token_ids": True, **extra}
+        r = httpx.post(f"{server.http_url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == want
+    assert want != solo(reference, prompt, 40)
+    assert_no_pages_left(run)
+
+
 def test_abort_mid_stream_frees_the_pages(running):
     run, _ = running
 
