@@ -52,8 +52,9 @@ class RateLimiter:
             tokens = min(float(self.burst), tokens + (now - last) * self.rate)
             if tokens >= 1.0:
                 self._buckets[client] = (tokens - 1.0, now)
-                if len(self._buckets) > 100_000:  # forget full buckets: they equal a new client's
-                    self._buckets = {k: v for k, v in self._buckets.items() if v[0] < self.burst - 1e-9}
+                if len(self._buckets) > 100_000:  # forget buckets refilled by now: they equal a new client's
+                    self._buckets = {k: (t, at) for k, (t, at) in self._buckets.items()
+                                     if t + (now - at) * self.rate < self.burst}
                 return 0.0
             self._buckets[client] = (tokens, now)
             return (1.0 - tokens) / self.rate

@@ -135,3 +135,15 @@ def test_topology_keys(tmp_path) -> None:
         with pytest.raises(TopologyError) as err:
             parse_topology(BASE + text + "\n", source="x.yaml", base_dir=tmp_path)
         assert str(err.value).startswith(message), str(err.value)
+
+
+def test_rate_limiter_forgets_idle_clients() -> None:
+    now = [0.0]
+    limiter = RateLimiter(rpm=60, burst=1, clock=lambda: now[0])
+    for i in range(100_001):
+        limiter.take(f"c{i}")
+    assert len(limiter._buckets) == 100_001  # nobody has refilled yet
+    now[0] = 5.0
+    assert limiter.take("late") == 0.0
+    assert len(limiter._buckets) == 1  # everyone refilled to a full bucket: forgotten, as good as new
+    assert limiter.take("c0") == 0.0
