@@ -206,7 +206,7 @@ class DisaggregatedEngineClient:
                                     m = self._metrics(request_id, len(prompt_ids), t0, acc)
                                     outcome = "ok"
                                     yield outs[:i] + [ClusterTokenOutput(out.token_id, out.logprob,
-                                                                         out.finish_reason, m)]
+                                                                         out.finish_reason, out.top_logprobs, m)]
                                     return
                             yield outs
                     if request_id in self._aborted:
@@ -292,7 +292,7 @@ class DisaggregatedEngineClient:
                 KV_BYTES.inc(pull.kv_bytes)
                 KV_TRANSFER_S.observe(pull.kv_transfer_s)
                 while True:
-                    outs = [TokenOutput(token, logprob, reason) for token, logprob, reason in await self._next(queue, decode)]
+                    outs = [TokenOutput(*event) for event in await self._next(queue, decode)]
                     finished = outs[-1].finish_reason is not None
                     yield outs
                     if finished:
@@ -333,10 +333,10 @@ class DisaggregatedEngineClient:
         stream = w.actor.channel.options(num_returns="streaming").remote(ch.id)
         try:
             async for ref in stream:
-                for rid, token, logprob, reason, error in await ref:
+                for rid, token, logprob, reason, error, top in await ref:
                     q = ch.queues.get(rid)
                     if q is not None:
-                        q.put_nowait((token, logprob, reason, error))
+                        q.put_nowait((token, logprob, reason, error, top))
         except ray.exceptions.RayActorError:
             w.dead = True
         except Exception as e:  # the channel broke: every request on it must learn it, not wait
@@ -363,7 +363,7 @@ class DisaggregatedEngineClient:
                 raise _Retry(str(e.cause), "kv_transfer") from None
             raise e.cause if isinstance(e.cause, Exception) else e from None
 
-    async def _next(self, queue: asyncio.Queue, decode: _Worker) -> list[tuple[int, float | None, str | None]]:
+    async def _next(self, queue: asyncio.Queue, decode: _Worker) -> list[tuple]:
         """The request's tokens that arrived since the last call (waits for at least one)."""
         items = []
         while queue.empty():  # wait_for costs a timer per call: only when nothing is queued yet
@@ -382,13 +382,13 @@ class DisaggregatedEngineClient:
                 if decode.dead or not await self._alive(decode):
                     raise _Retry(f"decode worker {decode.rank} died", "decode_died")
                 raise EngineUnavailable(f"the token channel to decode worker {decode.rank} broke")
-            token, logprob, reason, error = item
+            token, logprob, reason, error, top = item
             if error == "aborted":
-                out.append((None, None, "aborted"))
+                out.append((None, None, "aborted", None))
                 break
             if error is not None:
                 raise RuntimeError(error)
-            out.append((token, logprob, reason))
+            out.append((token, logprob, reason, top))
         if out and out[-1][2] == "aborted":
             raise _Aborted()
         return out

@@ -32,7 +32,7 @@ from kvrelay.decode_worker.worker import DecodeStatus, DecodeWorker, need_tokens
 from kvrelay.engine.kv_handle import InPlaceKV, PrefillResult, TransferStats, check_prompt_limits
 from kvrelay.engine.memory import chunk_headroom, window_pages
 from kvrelay.engine.rank_group import load_sized_runner
-from kvrelay.engine.sampling import SamplingParams, TokenOutput, finish_reason
+from kvrelay.engine.sampling import SamplingParams, TokenOutput, finish_reason, top_logprobs
 
 
 @dataclass(eq=False)
@@ -200,8 +200,9 @@ class ColocatedWorker(DecodeWorker):
         rows = logits[[i for i, _ in finished]]
         sampled = self.runner.sample(rows, [p.params for _, p in finished], [p.generated for _, p in finished],
                                      [p.ids[len(p.ids) - p.generated:] for _, p in finished])
+        tops = top_logprobs(rows, [p.params for _, p in finished])
         t_end = time.perf_counter()
-        for (_, p), (token, logprob) in zip(finished, sampled):
+        for (_, p), (token, logprob), top in zip(finished, sampled, tops):
             self.prefill_counters.prompts += 1
             reason = finish_reason(token, p.generated + 1, p.params)
             if reason is None and len(p.ids) + 1 >= self.max_context:
@@ -212,7 +213,7 @@ class ColocatedWorker(DecodeWorker):
             else:
                 self._lease += 1
                 handle = InPlaceKV(p.request_id, self._lease, len(p.ids))
-            self._resolve(p, result=PrefillResult(p.request_id, TokenOutput(token, logprob, reason), handle,
+            self._resolve(p, result=PrefillResult(p.request_id, TokenOutput(token, logprob, reason, top), handle,
                                                   len(p.ids), p.t_start - p.t_arrive, t_end - p.t_start))
 
     @staticmethod

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from kvrelay.engine.kv_geometry import GROUPS, worst_case_pages
 from kvrelay.engine.runner import Runner
-from kvrelay.engine.sampling import SamplingParams, TokenOutput, finish_reason
+from kvrelay.engine.sampling import SamplingParams, TokenOutput, finish_reason, top_logprobs
 
 
 class AdmissionRefused(RuntimeError):
@@ -284,6 +284,7 @@ class Scheduler:
         if batch:
             sampled = self.runner.sample(logits, [r.params for r in batch], [r.generated for r in batch],
                                          [r.output or () for r in batch])
+            tops = top_logprobs(logits, [r.params for r in batch])
         t2 = time.perf_counter()
         if extra:
             self.times.mixed_s += t2 - t0
@@ -291,7 +292,7 @@ class Scheduler:
             self.times.launch_s += t1 - t0
             self.times.wait_s += t2 - t1
         if batch:
-            self._emit(batch, sampled, [self.runner.length(rid) for rid in ids])
+            self._emit(batch, sampled, [self.runner.length(rid) for rid in ids], tops)
             self.times.emit_s += time.perf_counter() - t2
         return len(batch), rest
 
@@ -349,9 +350,10 @@ class Scheduler:
             self.release(rid)
         self.times.emit_s += time.perf_counter() - t1
 
-    def _emit(self, batch: list[_Running], sampled, lengths: list[int]) -> None:
-        """Each request's new token; `lengths`: its cache length after the step that made it."""
-        for r, (token, logprob), n in zip(batch, sampled, lengths):
+    def _emit(self, batch: list[_Running], sampled, lengths: list[int], tops=None) -> None:
+        """Each request's new token; `lengths`: its cache length after the step that made it; `tops`:
+        each one's top logprobs (None: nobody asked)."""
+        for i, (r, (token, logprob), n) in enumerate(zip(batch, sampled, lengths)):
             r.generated += 1
             r.last_token = token
             if r.output is not None:
@@ -360,7 +362,7 @@ class Scheduler:
             # The next step would write position `length`; a full context ends the request here.
             if reason is None and n + 1 >= self.runner.max_context:
                 reason = "length"
-            r.emit(TokenOutput(token, logprob, reason))
+            r.emit(TokenOutput(token, logprob, reason, tops[i] if tops is not None else None))
             if reason is not None:
                 self.release(r.request_id)
 

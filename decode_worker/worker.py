@@ -237,8 +237,8 @@ class DecodeWorker:
             raise
 
     async def channel(self, channel_id: str) -> AsyncIterator[list[tuple]]:
-        """Streaming generator: batches of (request_id, token_id, logprob, finish_reason, error) for the
-        requests started with this channel id; error is None, "aborted", or a failure's text."""
+        """Streaming generator: batches of (request_id, token_id, logprob, finish_reason, error, top_logprobs)
+        for the requests started with this channel id; error is None, "aborted", or a failure's text."""
         queue = self._channels.setdefault(channel_id, asyncio.Queue())
         try:
             while True:
@@ -358,11 +358,11 @@ class DecodeWorker:
             if ch is None:
                 continue
             if isinstance(item, BaseException):
-                ev = (rid, None, None, None, f"{type(item).__name__}: {item}")
+                ev = (rid, None, None, None, f"{type(item).__name__}: {item}", None)
             elif item is _ABORTED:
-                ev = (rid, None, None, None, "aborted")
+                ev = (rid, None, None, None, "aborted", None)
             else:
-                ev = (rid, item.token_id, item.logprob, item.finish_reason, None)
+                ev = (rid, item.token_id, item.logprob, item.finish_reason, None, item.top_logprobs)
             if ev[3] is not None or ev[4] is not None:
                 self._route.pop(rid, None)
                 if ev[3] is not None:

@@ -24,7 +24,7 @@ from kvrelay.engine.config import ModelConfig
 from kvrelay.engine.kv_geometry import pages_spanned
 from kvrelay.engine.parallel import SINGLE, ParallelContext
 from kvrelay.engine.runner import Runner
-from kvrelay.engine.sampling import SamplingParams, TokenOutput, finish_reason
+from kvrelay.engine.sampling import SamplingParams, TokenOutput, finish_reason, top_logprobs
 
 
 @dataclass
@@ -149,13 +149,14 @@ class LLM:
     def _emit(self, reqs: list[_Request], logits: torch.Tensor) -> list[tuple[Hashable, TokenOutput]]:
         picks = self.runner.sample(logits, [r.params for r in reqs], [len(r.output) for r in reqs],
                                    [r.output for r in reqs])
+        tops = top_logprobs(logits, [r.params for r in reqs])
         outs = []
-        for req, (token, logprob) in zip(reqs, picks):
+        for req, (token, logprob), top in zip(reqs, picks, tops):
             req.output.append(token)
             reason = finish_reason(token, len(req.output), req.params)
             if reason is None and len(req.prompt) + len(req.output) >= self.max_context:
                 reason = "length"
-            outs.append((req.req_id, TokenOutput(token, logprob, reason)))
+            outs.append((req.req_id, TokenOutput(token, logprob, reason, top)))
             if reason is not None:
                 self._finish(req)
         return outs

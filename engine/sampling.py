@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 FINISH_REASONS = (None, "stop", "length")
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one (vLLM's)
+    top_logprobs: int = 0  # with logprobs: also the most likely tokens and their logprobs, up to 20
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -49,6 +51,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property
@@ -76,6 +82,8 @@ class TokenOutput:
     token_id: int
     logprob: float | None
     finish_reason: str | None
+    # (token, logprob) of the most likely tokens, most likely first, when the request asked for them
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
 
 
 def _step_generator(seed: int, step: int, device: torch.device) -> torch.Generator:
@@ -153,6 +161,25 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
             token = int(torch.multinomial(probs, 1, generator=gen))
         lp = float(logprobs[b, token]) if p.logprobs else None
         out.append((token, lp))
+    return out
+
+
+def top_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> list[tuple[tuple[int, float], ...] | None]:
+    """Per row, the `top_logprobs` most likely tokens of the model's distribution (log-softmax of the raw
+    logits, as the sampled token's logprob) with their logprobs; None for rows that did not ask."""
+    if logits.dim() == 1:
+        logits = logits[None]
+    rows = [b for b, p in enumerate(params) if p.top_logprobs]
+    out: list[tuple[tuple[int, float], ...] | None] = [None] * len(params)
+    if not rows:
+        return out
+    k = max(params[b].top_logprobs for b in rows)
+    lp = torch.log_softmax(logits[rows].float(), dim=-1)
+    values, ids = torch.topk(lp, k, dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    for i, b in enumerate(rows):
+        n = params[b].top_logprobs
+        out[b] = tuple(zip(ids[i][:n], values[i][:n]))
     return out
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from kvrelay.engine.kv_handle import PrefillResult, check_prompt_limits
 from kvrelay.engine.kv_transfer import KVExporter, configure_ucx, layout_of
 from kvrelay.engine.rank_group import Followers, join_group, lead_group, load_sized_runner, node_name
-from kvrelay.engine.sampling import SamplingParams, TokenOutput, finish_reason
+from kvrelay.engine.sampling import SamplingParams, TokenOutput, finish_reason, top_logprobs
 from kvrelay.prefill_worker.ranks import PrefillRank, load_runner, pool_tokens
 
 
@@ -152,9 +152,9 @@ class PrefillWorker:
             except Exception:  # one by one below, where each prompt gets its own error
                 sampled = None
             if sampled is not None:
-                for j, (token, logprob, peers) in zip(jobs, sampled):
+                for j, (token, logprob, peers, top) in zip(jobs, sampled):
                     self._settle(j, lambda: self._finish(j.request_id, j.ids, j.params, j.generated, token,
-                                                         logprob, peers))
+                                                         logprob, peers, top))
                 return
         for j in jobs:
             self._settle(j, lambda: self._prefill(j.request_id, j.ids, j.params, j.generated))
@@ -178,7 +178,8 @@ class PrefillWorker:
             logits = self.runner.prefill_batch([(j.request_id, j.ids) for j in jobs])
             sampled = self.runner.sample(logits, [j.params for j in jobs], [j.generated for j in jobs],
                                          [j.ids[len(j.ids) - j.generated:] for j in jobs])
-        return [(t, lp, ()) for t, lp in sampled]
+            tops = top_logprobs(logits, [j.params for j in jobs])
+        return [(t, lp, (), top) for (t, lp), top in zip(sampled, tops)]
 
     def _prefill(self, rid: str, prompt_ids: list[int], params: SamplingParams, generated: int):
         deadline = time.monotonic() + self.exporter.lease_seconds + self.exporter.grace_seconds + 1
@@ -191,6 +192,7 @@ class PrefillWorker:
                     logits, peers = self._run_prefill(rid, prompt_ids)
                     (token, logprob), = self.runner.sample(logits, [params], [generated],
                                                            [prompt_ids[len(prompt_ids) - generated:]])
+                    top, = top_logprobs(logits, [params])
                     break
             # Pages are held by leases that decode has not pulled yet; they come back on release or
             # expiry, both bounded by the lease, so this wait is bounded too.
@@ -198,14 +200,14 @@ class PrefillWorker:
                 raise RuntimeError(f"request {rid}: prefill worker {self.rank} has no free KV pages for "
                                    f"{len(prompt_ids)} tokens ({self.exporter.active_leases()} leases held)")
             time.sleep(0.005)
-        return self._finish(rid, prompt_ids, params, generated, token, logprob, peers)
+        return self._finish(rid, prompt_ids, params, generated, token, logprob, peers, top)
 
     def _finish(self, rid: str, prompt_ids: list[int], params: SamplingParams, generated: int, token: int,
-                logprob, peers):
+                logprob, peers, top=None):
         reason = finish_reason(token, generated + 1, params)
         if reason is None and len(prompt_ids) + 1 >= self.max_context:
             reason = "length"
-        first = TokenOutput(token, logprob, reason)
+        first = TokenOutput(token, logprob, reason, top)
         if reason is not None:
             with self._engine_lock:
                 self._free(rid)

@@ -279,7 +279,11 @@ class ChatStream(_Stream):
         if step.token_id is None or step.logprob is None:
             return None
         text = harmony.decode_tokens([step.token_id])
-        return {"token": text, "logprob": step.logprob, "bytes": list(text.encode()), "top_logprobs": []}
+        top = []
+        for token, logprob in step.top_logprobs or ():
+            t = harmony.decode_tokens([token])
+            top.append({"token": t, "logprob": logprob, "bytes": list(t.encode())})
+        return {"token": text, "logprob": step.logprob, "bytes": list(text.encode()), "top_logprobs": top}
 
     async def complete(self) -> dict[str, Any]:
         reasoning, content, calls, logprobs = [], [], {}, []
@@ -359,12 +363,22 @@ class CompletionStream(_Stream):
         self.index = index  # the choice's index: the prompt's position in a batched request
 
     def _choice(self, text: str, token_ids: list[int], logprobs: list[float], offsets: list[int],
-                finish: str | None) -> dict[str, Any]:
+                finish: str | None, tops: list | None = None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": self.index, "text": text, "finish_reason": finish, "logprobs": None}
         if self.prep.params.logprobs:
+            # Legacy completions list each token's alternatives as {text: logprob}, most likely first (two
+            # tokens with the same text: the likelier one's logprob).
+            top = None
+            if self.prep.params.top_logprobs:
+                top = []
+                for alts in tops or ():
+                    d: dict[str, float] = {}
+                    for t, lp in alts or ():
+                        d.setdefault(harmony.decode_tokens([t]), lp)
+                    top.append(d)
             choice["logprobs"] = {
                 "tokens": [harmony.decode_tokens([t]) for t in token_ids],
-                "token_logprobs": logprobs, "top_logprobs": None, "text_offset": offsets,
+                "token_logprobs": logprobs, "top_logprobs": top, "text_offset": offsets,
             }
         if self.return_token_ids:
             choice["token_ids"] = token_ids
@@ -372,17 +386,18 @@ class CompletionStream(_Stream):
         return choice
 
     async def complete(self) -> dict[str, Any]:
-        text, ids, lps, offsets = [], [], [], []
+        text, ids, lps, offsets, tops = [], [], [], [], []
         finish, usage = None, None
         async for step in self.steps():
             if step.token_id is not None:
                 ids.append(step.token_id)
                 offsets.append(step.text_offset or 0)
+                tops.append(step.top_logprobs)
                 if step.logprob is not None:
                     lps.append(step.logprob)
             text.append(_content(step))
             finish, usage = step.finish_reason or finish, step.usage or usage
-        return self.envelope([self._choice("".join(text), ids, lps, offsets, finish)], usage, chunk=False)
+        return self.envelope([self._choice("".join(text), ids, lps, offsets, finish, tops)], usage, chunk=False)
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
         async for steps in self.batches():
@@ -392,7 +407,8 @@ class CompletionStream(_Stream):
             offsets = [s.text_offset or 0 for s in with_ids]
             last = steps[-1]
             text = "".join(_content(s) for s in steps)
-            yield self.envelope([self._choice(text, ids, lps, offsets, last.finish_reason)], chunk=True)
+            tops = [s.top_logprobs for s in with_ids]
+            yield self.envelope([self._choice(text, ids, lps, offsets, last.finish_reason, tops)], chunk=True)
             if last.finish_reason is not None and self.include_usage:
                 yield self.envelope([], last.usage, chunk=True)
 

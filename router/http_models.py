@@ -134,8 +134,6 @@ class ChatCompletionRequest(_Sampling):
             raise ValidationError("ignore_eos", "not supported for chat: harmony's stop tokens end the "
                                   "assistant message; use /v1/completions, which stops only on max_tokens, "
                                   "stop and stop_token_ids")
-        if self.top_logprobs:
-            raise ValidationError("top_logprobs", "only the sampled token's logprob is available; use 0")
         tools = tuple(_tool(i, t) for i, t in enumerate(self.tools or ()))
         if self.tool_choice not in (None, "auto", "none"):
             raise ValidationError("tool_choice", "only 'auto' and 'none' are supported")
@@ -155,6 +153,7 @@ class ChatCompletionRequest(_Sampling):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             min_p=self.min_p,
+            top_logprobs=self.top_logprobs,
         )
         return ChatRequest(
             messages=tuple(_message(i, m) for i, m in enumerate(self.messages)),
@@ -175,8 +174,8 @@ class CompletionRequest(_Sampling):
 
     def sampling(self) -> SamplingOptions:
         self.common_checks()
-        if self.logprobs is not None and not 0 <= self.logprobs <= 1:
-            raise ValidationError("logprobs", f"at most 1 is supported (the sampled token's logprob), got {self.logprobs}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValidationError("logprobs", f"must be in [0, 20] (the most likely tokens to list), got {self.logprobs}")
         if self.echo:
             raise ValidationError("echo", "echo is not supported")
         if self.best_of not in (None, 1):
@@ -196,6 +195,7 @@ class CompletionRequest(_Sampling):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             min_p=self.min_p,
+            top_logprobs=self.logprobs or None,  # legacy completions: logprobs=N lists the N most likely
         )
 
 

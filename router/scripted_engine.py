@@ -56,8 +56,10 @@ class ScriptedEngineClient:
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
             reason = "stop" if token in stops else ("length" if n == budget else None)
+            top = (tuple((int(token) + i, -0.5 - i) for i in range(params.top_logprobs))
+                   if params.top_logprobs else None)  # the sampled token first, then made-up runners-up
             ready.append(TokenOutput(token_id=int(token), logprob=-0.5 if params.logprobs else None,
-                                     finish_reason=reason))
+                                     finish_reason=reason, top_logprobs=top))
             if reason is not None:
                 self.finished.append(request_id)
                 yield ready

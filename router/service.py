@@ -189,7 +189,8 @@ class RouterCore:
                     offset = output.offset
                     deltas = output.feed(out.token_id, out.finish_reason)
                     if not engine_done and not output.stopped:
-                        steps.append(TokenStep(out.token_id, out.logprob, tuple(deltas), text_offset=offset))
+                        steps.append(TokenStep(out.token_id, out.logprob, tuple(deltas), text_offset=offset,
+                                               top_logprobs=out.top_logprobs))
                         continue
                     deltas += output.finish()
                     reason = output.finish_reason(out.finish_reason)
@@ -199,6 +200,7 @@ class RouterCore:
                     metrics = getattr(out, "metrics", None)
                     steps.append(TokenStep(out.token_id, out.logprob, tuple(deltas), reason,
                                            Usage(len(prep.prompt_ids), produced), text_offset=offset,
+                                           top_logprobs=out.top_logprobs,
                                            timings=metrics.timings() if metrics is not None else None))
                     yield steps
                     return
@@ -299,6 +301,7 @@ def _engine_params(resolved: validation.ResolvedSampling, extra_stops: tuple[int
         presence_penalty=resolved.presence_penalty,
         frequency_penalty=resolved.frequency_penalty,
         min_p=resolved.min_p,
+        top_logprobs=resolved.top_logprobs,
     )
 
 

@@ -32,6 +32,7 @@ class SamplingOptions:
     presence_penalty: float | None = None  # [-2, 2], over the tokens generated so far (OpenAI's)
     frequency_penalty: float | None = None  # [-2, 2]
     min_p: float | None = None  # [0, 1] (vLLM's)
+    top_logprobs: int | None = None  # [0, 20]: with logprobs, the most likely tokens too
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,7 @@ class TokenStep:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     text_offset: int | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None  # (token, logprob), most likely first
     # The engine's own per-request timings (queue, prefill compute, KV handoff, delivery), on the last
     # step when the engine reports them (the disaggregated client does; HTTP `kvrelay_timings`).
     timings: dict[str, float] | None = None

@@ -98,6 +98,7 @@ class ResolvedSampling:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     min_p: float = 0.0
+    top_logprobs: int = 0
 
 
 def check_token_ids(ids: tuple[int, ...] | list[int], field: str, vocab_size: int = VOCAB_SIZE) -> None:
@@ -138,6 +139,10 @@ def resolve_sampling(
             raise ValidationError(name, f"must be in [-2, 2], got {value}")
     if s.min_p is not None and not (math.isfinite(s.min_p) and 0.0 <= s.min_p <= 1.0):
         raise ValidationError("min_p", f"must be in [0, 1], got {s.min_p}")
+    if s.top_logprobs is not None and not 0 <= s.top_logprobs <= 20:
+        raise ValidationError("top_logprobs", f"must be in [0, 20], got {s.top_logprobs}")
+    if s.top_logprobs and not s.logprobs:
+        raise ValidationError("top_logprobs", "needs logprobs: true")
     check_token_ids(s.stop_token_ids, "stop_token_ids", vocab_size)
     check_stop_strings(s.stop)
     room = max_context - prompt_len
@@ -169,6 +174,7 @@ def resolve_sampling(
         presence_penalty=float(s.presence_penalty or 0.0),
         frequency_penalty=float(s.frequency_penalty or 0.0),
         min_p=float(s.min_p or 0.0),
+        top_logprobs=int(s.top_logprobs or 0),
     )
 
 

@@ -366,3 +366,27 @@ def test_completion_only_parameters_refused_by_name(server, engine) -> None:
                        json={"model": MODEL, "prompt": [1, 2], "max_tokens": 2, name: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == name
         assert r.json()["error"]["message"] == message
+
+
+def test_top_logprobs_chat_and_completions(client, engine) -> None:
+    """OpenAI's shapes: chat `logprobs.content[i].top_logprobs` entries, legacy completions
+    `logprobs.top_logprobs[i]` as {text: logprob}; the scripted engine lists the sampled token first."""
+    engine.scripts = [FINAL]
+    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                          max_completion_tokens=6, logprobs=True, top_logprobs=3)
+    content = resp.choices[0].logprobs.content
+    assert len(content) == 6 and all(len(c.top_logprobs) == 3 for c in content)
+    for c, token in zip(content, FINAL[:6]):
+        assert c.top_logprobs[0].token == c.token == harmony.decode_tokens([token])
+        assert [t.logprob for t in c.top_logprobs] == [-0.5, -1.5, -2.5]
+        assert c.top_logprobs[1].token == harmony.decode_tokens([token + 1])
+
+    words = _ids("one two three")
+    engine.scripts = [words]
+    for stream in (False, True):
+        out = client.completions.create(model=MODEL, prompt=[1, 2], max_tokens=3, logprobs=2, stream=stream)
+        chunks = list(out) if stream else [out]
+        tops = [d for c in chunks for d in (c.choices[0].logprobs.top_logprobs or [])]
+        assert tops == [{harmony.decode_tokens([t]): -0.5, harmony.decode_tokens([t + 1]): -1.5} for t in words]
+    plain = client.completions.create(model=MODEL, prompt=[1, 2], max_tokens=3, logprobs=0)
+    assert plain.choices[0].logprobs.top_logprobs is None and plain.choices[0].logprobs.token_logprobs == [-0.5] * 3

@@ -170,8 +170,11 @@ def test_http_400(server, engine, case: Case) -> None:
      "prompt: text contains the special token '<|start|>'; send token ids to use special tokens"),
     ("/v1/completions", {"prompt": ["a"] * 257}, "prompt: at most 256 prompts per request, got 257"),
     ("/v1/completions", {"prompt": [[1, 2], []]}, "prompt[1]: must not be empty"),
-    ("/v1/completions", {"prompt": [1], "logprobs": 5},
-     "logprobs: at most 1 is supported (the sampled token's logprob), got 5"),
+    ("/v1/completions", {"prompt": [1], "logprobs": 21},
+     "logprobs: must be in [0, 20] (the most likely tokens to list), got 21"),
+    ("/v1/chat/completions", {"messages": [USER], "top_logprobs": 3}, "top_logprobs: needs logprobs: true"),
+    ("/v1/chat/completions", {"messages": [USER], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs: must be in [0, 20], got 21"),
 ])
 def test_http_only_rules(server, path: str, body: dict[str, Any], message: str) -> None:
     resp = httpx.post(f"{server.http_url}{path}", json={"model": "m", **body}, timeout=30)

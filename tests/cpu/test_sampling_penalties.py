@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvrelay.engine.sampling import SamplingParams, sample
+from kvrelay.engine.sampling import SamplingParams, sample, top_logprobs
 
 V = 300
 
@@ -96,3 +96,19 @@ def _last_logits(llm, ids: list[int]) -> np.ndarray:
     logits = llm.runner.prefill("ref", ids)
     llm.runner.free("ref")
     return logits.reshape(-1, logits.shape[-1])[-1].float().numpy()
+
+
+def test_top_logprobs_match_a_float64_reference() -> None:
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(5)) * 2 + 0.2
+    params = [SamplingParams(temperature=0.0, logprobs=True, top_logprobs=4), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, logprobs=True, top_logprobs=1)]
+    got = top_logprobs(logits, params)
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    for b, k in ((0, 4), (2, 1)):
+        order = torch.argsort(ref[b], descending=True)[:k].tolist()
+        assert [t for t, _ in got[b]] == order
+        assert [lp for _, lp in got[b]] == pytest.approx(ref[b, order].tolist(), abs=1e-5)
+    assert got[1] is None
+    assert top_logprobs(logits[0], params[:1])[0] == got[0]  # one row, 1-D logits
+    with pytest.raises(ValueError, match="needs logprobs"):
+        SamplingParams(top_logprobs=2)

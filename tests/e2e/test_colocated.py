@@ -177,6 +177,40 @@ def test_penalties_and_min_p_on_the_cluster_equal_llm_generate(running, referenc
     assert_no_pages_left(run)
 
 
+def check_top_logprobs(server, model: str, reference, prompt: list[int]) -> None:
+    """Completions logprobs=3, streamed, greedy: each token's three alternatives equal single-process
+    LLM.generate's (the sampled token first, its logprob the token's own)."""
+    import httpx
+
+    params = SamplingParams(max_tokens=10, temperature=0, logprobs=True, top_logprobs=3)
+    want = list(reference.generate(prompt, params))
+    body = {"model": model, "prompt": prompt, "max_tokens": 10, "temperature": 0, "logprobs": 3,
+            "stream": True, "return_token_ids": True}
+    ids, tops, lps = [], [], []
+    with httpx.stream("POST", f"{server.http_url}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                ids += choice["token_ids"]
+                lps += choice["logprobs"]["token_logprobs"]
+                tops += choice["logprobs"]["top_logprobs"]
+    assert ids == [o.token_id for o in want]
+    assert lps == pytest.approx([o.logprob for o in want], abs=1e-4)
+    from kvrelay.router import harmony
+
+    for top, o in zip(tops, want):
+        assert list(top) == [harmony.decode_tokens([t]) for t, _ in o.top_logprobs]
+        assert list(top.values()) == pytest.approx([lp for _, lp in o.top_logprobs], abs=1e-4)
+        assert o.top_logprobs[0][0] == o.token_id
+
+
+def test_top_logprobs_on_the_cluster_equal_llm_generate(running, reference):
+    run, server = running
+    check_top_logprobs(server, run.client.model_name, reference, prompt_of(17, 4))
+    assert_no_pages_left(run)
+
+
 def test_abort_mid_stream_frees_the_pages(running):
     run, _ = running
 

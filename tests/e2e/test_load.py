@@ -91,6 +91,15 @@ async def _client(k: int, url: str, model: str, oracle: dict, deadline: float, s
                 stats["itl"] += [(b - a) / m] * m
 
 
+def test_top_logprobs_across_the_handoff(running, reference):
+    """The split path: the prefill worker lists the first token's alternatives, the decode worker the rest."""
+    from test_colocated import check_top_logprobs
+
+    run, server = running
+    check_top_logprobs(server, run.client.model_name, reference, prompt_of(19, 2))
+    assert_no_pages_left(run)
+
+
 def test_256_streams_for_a_minute(running, reference):
     run, server = running
     oracle = {i: solo(reference, prompt_of(12 + i % 20, i), MAX_TOKENS) for i in range(PROMPTS)}
