@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -142,10 +143,16 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None, rate_limit: Ra
     async def chat_completions(body: ChatCompletionRequest) -> Any:
         if (bad := check_model(body.model)) is not None:
             return bad
-        prep = await core.off_loop(core.prepare_chat, body.to_chat())
+        request = body.to_chat()
+        n = body.n or 1
+        preps = [await core.off_loop(core.prepare_chat, copy) for copy in _copies(request, n)]
         core.check_admission()
-        chat = ChatStream(core, prep, include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                          continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats))
+        opts = body.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        streams = [ChatStream(core, prep, include_usage=include_usage and n == 1, index=j,
+                              continuous_usage=bool(opts and opts.continuous_usage_stats))
+                   for j, prep in enumerate(preps)]
+        chat = streams[0] if n == 1 else ChoiceBatch(streams, include_usage=include_usage, n=n)
         if body.stream:
             return StreamingResponse(chat.sse(), media_type="text/event-stream")
         return await chat.complete()
@@ -156,14 +163,15 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None, rate_limit: Ra
             return bad
         sampling = body.sampling()
         prompts = await core.off_loop(_prompt_list, body.prompt)
+        n = body.n or 1
         preps = []
         for i, prompt in enumerate(prompts):
             # A batch's prompts are separate requests: request ids (if given) get the prompt's index.
             rid = body.request_id or ""
             rid, field = (rid, "prompt") if len(prompts) == 1 else (rid and f"{rid}-{i}", f"prompt[{i}]")
-            req = GenerateRequest(tuple(prompt), sampling, rid)
-            preps.append(await core.off_loop(lambda r=req, f=field: core.prepare_generate(r, prompt_field=f,
-                                                                                          text=True)))
+            for copy in _copies(GenerateRequest(tuple(prompt), sampling, rid), n):
+                preps.append(await core.off_loop(lambda r=copy, f=field: core.prepare_generate(r, prompt_field=f,
+                                                                                               text=True)))
         core.check_admission()
         opts = body.stream_options
         include_usage = bool(opts and opts.include_usage)
@@ -171,7 +179,7 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None, rate_limit: Ra
                                     include_usage=include_usage and len(preps) == 1,
                                     continuous_usage=bool(opts and opts.continuous_usage_stats))
                    for i, prep in enumerate(preps)]
-        comp = streams[0] if len(streams) == 1 else CompletionBatch(streams, include_usage=include_usage)
+        comp = streams[0] if len(streams) == 1 else ChoiceBatch(streams, include_usage=include_usage, n=n)
         if body.stream:
             return StreamingResponse(comp.sse(), media_type="text/event-stream")
         return await comp.complete()
@@ -183,6 +191,20 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None, rate_limit: Ra
 
 
 MAX_BATCH_PROMPTS = 256
+
+
+def _copies(req, n: int) -> list:
+    """`n` requests for n choices: request ids get -copy, and a seeded request's copies draw from seed,
+    seed + 1, ... so that they differ (a greedy one's copies are equal, as OpenAI's are)."""
+    if n == 1:
+        return [req]
+    out = []
+    for j in range(n):
+        sampling = req.sampling
+        if sampling.seed is not None:
+            sampling = dataclasses.replace(sampling, seed=sampling.seed + j)
+        out.append(dataclasses.replace(req, sampling=sampling, request_id=req.request_id and f"{req.request_id}-{j}"))
+    return out
 
 
 def _prompt_list(prompt: Any) -> list[list[int]]:
@@ -210,9 +232,11 @@ class _Stream(abc.ABC):
     object_name = ""  # OpenAI's "object" field of a full response
     id_prefix = "cmpl"
 
-    def __init__(self, core: RouterCore, prep: Prepared, *, include_usage: bool, continuous_usage: bool = False) -> None:
+    def __init__(self, core: RouterCore, prep: Prepared, *, include_usage: bool, continuous_usage: bool = False,
+                 index: int = 0) -> None:
         self.core = core
         self.prep = prep
+        self.index = index  # the choice's index (batched prompts, n > 1)
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage  # usage so far on every chunk (vLLM's continuous_usage_stats)
         self.generated = 0
@@ -309,12 +333,13 @@ class ChatStream(_Stream):
             "reasoning": thought or None,
             "tool_calls": [calls[i] for i in sorted(calls)] if calls else None,
         }
-        choice = {"index": 0, "message": message, "finish_reason": finish,
+        choice = {"index": self.index, "message": message, "finish_reason": finish,
                   "logprobs": {"content": logprobs} if self.prep.params.logprobs else None}
         return self.envelope([choice], usage, chunk=False)
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
-        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        first = {"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None}
         yield self.envelope([first], chunk=True)
         async for steps in self.batches():
             delta: dict[str, Any] = {}
@@ -340,11 +365,11 @@ class ChatStream(_Stream):
             if calls:
                 delta["tool_calls"] = calls
             if delta or lps:
-                yield self.envelope([{"index": 0, "delta": delta, "finish_reason": None,
+                yield self.envelope([{"index": self.index, "delta": delta, "finish_reason": None,
                                       "logprobs": {"content": lps} if lps else None}], chunk=True)
             last = steps[-1]
             if last.finish_reason is not None:
-                yield self.envelope([{"index": 0, "delta": {}, "logprobs": None,
+                yield self.envelope([{"index": self.index, "delta": {}, "logprobs": None,
                                       "finish_reason": last.finish_reason}], chunk=True)
                 if self.include_usage:
                     yield self.envelope([], last.usage, chunk=True)
@@ -358,9 +383,8 @@ class CompletionStream(_Stream):
 
     def __init__(self, core: RouterCore, prep: Prepared, *, return_token_ids: bool, include_usage: bool,
                  continuous_usage: bool = False, index: int = 0) -> None:
-        super().__init__(core, prep, include_usage=include_usage, continuous_usage=continuous_usage)
+        super().__init__(core, prep, include_usage=include_usage, continuous_usage=continuous_usage, index=index)
         self.return_token_ids = return_token_ids
-        self.index = index  # the choice's index: the prompt's position in a batched request
 
     def _choice(self, text: str, token_ids: list[int], logprobs: list[float], offsets: list[int],
                 finish: str | None, tops: list | None = None) -> dict[str, Any]:
@@ -417,20 +441,24 @@ def _content(step: TokenStep) -> str:
     return "".join(d.text for d in step.deltas if isinstance(d, ContentDelta))
 
 
-class CompletionBatch:
-    """Several prompts in one /v1/completions request (lm-eval's batches): each runs as its own request,
-    concurrently; one response with a choice per prompt (`index` = its position), usage summed. Streamed,
-    the prompts' chunks interleave as they come; a client that goes away aborts all of them."""
+class ChoiceBatch:
+    """Several choices in one response: the prompts of a batched /v1/completions request (lm-eval's
+    batches) and/or `n` choices per prompt. Each runs as its own engine request, concurrently (n > 1 thus
+    prefills its prompt n times: no KV is shared yet); one response with a choice per stream (`index` as
+    OpenAI numbers them: prompt x n + copy), completion tokens summed, each prompt's tokens counted once.
+    Streamed, the choices' chunks interleave as they come; a client that goes away aborts all of them."""
 
-    def __init__(self, streams: list[CompletionStream], *, include_usage: bool) -> None:
+    def __init__(self, streams: list[_Stream], *, include_usage: bool, n: int = 1) -> None:
         self.streams = streams
         self.include_usage = include_usage
+        self.n = n
         for s in streams[1:]:
             s.id, s.created = streams[0].id, streams[0].created
 
     def _usage(self) -> Usage:
         done = [s.usage for s in self.streams if s.usage is not None]
-        return Usage(sum(u.prompt_tokens for u in done), sum(u.completion_tokens for u in done))
+        prompts = [s.usage for s in self.streams[:: self.n] if s.usage is not None]
+        return Usage(sum(u.prompt_tokens for u in prompts), sum(u.completion_tokens for u in done))
 
     async def complete(self) -> dict[str, Any]:
         tasks = [asyncio.ensure_future(s.complete()) for s in self.streams]
@@ -447,7 +475,7 @@ class CompletionBatch:
     async def sse(self) -> AsyncIterator[bytes]:
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(s: CompletionStream) -> None:
+        async def pump(s: _Stream) -> None:
             try:
                 async with contextlib.aclosing(s.chunks()) as chunks:
                     async for payload in chunks:

@@ -16,6 +16,9 @@ from kvrelay.router.types import ChatMessage, ChatRequest, SamplingOptions, Tool
 from kvrelay.router.validation import ValidationError
 
 
+MAX_N = 16  # choices per request (n); each is its own engine request
+
+
 class _Body(BaseModel):
     # Clients send fields we do not use (user, metadata, ...); ignoring them is what OpenAI does too.
     model_config = ConfigDict(extra="ignore")
@@ -93,8 +96,8 @@ class _Sampling(_Body):
     prompt_logprobs: Optional[int] = None  # vLLM's
 
     def common_checks(self) -> None:
-        if self.n not in (None, 1):
-            raise ValidationError("n", f"only n=1 is supported, got {self.n}")
+        if self.n is not None and not 1 <= self.n <= MAX_N:
+            raise ValidationError("n", f"must be in [1, {MAX_N}], got {self.n}")
         if self.repetition_penalty is not None and self.repetition_penalty != 1.0:
             # vLLM's repetition penalty also counts the prompt's tokens, which a decode worker never sees.
             raise ValidationError("repetition_penalty", f"not supported yet (only 1, the neutral value; "

@@ -390,3 +390,33 @@ def test_top_logprobs_chat_and_completions(client, engine) -> None:
         assert tops == [{harmony.decode_tokens([t]): -0.5, harmony.decode_tokens([t + 1]): -1.5} for t in words]
     plain = client.completions.create(model=MODEL, prompt=[1, 2], max_tokens=3, logprobs=0)
     assert plain.choices[0].logprobs.top_logprobs is None and plain.choices[0].logprobs.token_logprobs == [-0.5] * 3
+
+
+def test_n_choices_for_completions_and_chat(client, engine) -> None:
+    """n > 1: one engine request per choice (seeds seed, seed+1, ...; request ids -0, -1, ...), numbered
+    prompt x n + copy; each prompt's tokens counted once in usage."""
+    words = _ids("alpha beta gamma")
+    engine.scripts = [words]
+    engine.params.clear()
+    resp = client.completions.create(model=MODEL, prompt=[[1, 2], [3, 4, 5]], max_tokens=3, n=2, seed=7,
+                                     temperature=0.8)
+    assert sorted(c.index for c in resp.choices) == [0, 1, 2, 3]
+    assert all(c.text == "alpha beta gamma" for c in resp.choices)
+    assert sorted(p.seed for p in engine.params[-4:]) == [7, 7, 8, 8]
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (5, 12)
+
+    engine.scripts = [FINAL]
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=3,
+                                            stream=True, stream_options={"include_usage": True})
+    content, finish, usage = {}, {}, None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            content[c.index] = content.get(c.index, "") + (c.delta.content or "")
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+    assert content == {i: "It is 21 °C in Paris." for i in range(3)} and finish == {i: "stop" for i in range(3)}
+    assert usage.completion_tokens == 3 * len(FINAL) and usage.prompt_tokens == len(engine.prompts[-1])
+    one = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2)
+    assert [c.index for c in one.choices] == [0, 1]
+    with pytest.raises(openai.BadRequestError, match="n: must be in"):
+        client.completions.create(model=MODEL, prompt=[1], max_tokens=1, n=17)

@@ -157,7 +157,7 @@ def test_http_400(server, engine, case: Case) -> None:
 
 
 @pytest.mark.parametrize("path,body,message", [
-    ("/v1/chat/completions", {"messages": [USER], "n": 2}, "n: only n=1 is supported, got 2"),
+    ("/v1/chat/completions", {"messages": [USER], "n": 0}, "n: must be in [1, 16], got 0"),
     ("/v1/chat/completions", {"messages": [USER], "stop": ""}, "stop: stop strings must not be empty"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content[0]: only text parts are supported, got type 'image_url'"),

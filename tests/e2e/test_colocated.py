@@ -211,6 +211,23 @@ def test_top_logprobs_on_the_cluster_equal_llm_generate(running, reference):
     assert_no_pages_left(run)
 
 
+def test_n_choices_equal_llm_generate_with_consecutive_seeds(running, reference):
+    import httpx
+
+    run, server = running
+    prompt = prompt_of(15, 6)
+    body = {"model": run.client.model_name, "prompt": prompt, "max_tokens": 12, "temperature": 0.9, "seed": 11,
+            "n": 3, "ignore_eos": True, "return_token_ids": True}
+    r = httpx.post(f"{server.http_url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    got = {c["index"]: c["token_ids"] for c in r.json()["choices"]}
+    want = {j: [o.token_id for o in reference.generate(prompt, SamplingParams(max_tokens=12, temperature=0.9,
+                                                                               seed=11 + j))] for j in range(3)}
+    assert got == want and len({tuple(v) for v in want.values()}) > 1
+    assert r.json()["usage"]["prompt_tokens"] == len(prompt) and r.json()["usage"]["completion_tokens"] == 36
+    assert_no_pages_left(run)
+
+
 def test_abort_mid_stream_frees_the_pages(running):
     run, _ = running
 
