@@ -91,6 +91,27 @@ async def _client(k: int, url: str, model: str, oracle: dict, deadline: float, s
                 stats["itl"] += [(b - a) / m] * m
 
 
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_idle_workers_use_under_two_percent_of_a_core(running):
+    """Nothing to do, nothing burnt: each worker process (its step loop, NIXL/UCX progress, Ray's own
+    threads) over 10 s of idling after a request."""
+    run, server = running
+    r = httpx.post(f"{server.http_url}/v1/completions", timeout=60,
+                   json={"model": run.client.model_name, "prompt": prompt_of(10, 1), "max_tokens": 4})
+    assert r.status_code == 200
+    time.sleep(1.0)
+    pids = [r["pid"] for r in run.cluster.statuses() if "pid" in r]
+    before = {p: _cpu_seconds(p) for p in pids}
+    time.sleep(10.0)
+    used = {p: (_cpu_seconds(p) - before[p]) / 10.0 for p in pids}
+    print(f"\nidle CPU share per worker: {used}")
+    assert all(u < 0.02 for u in used.values()), used
+
+
 def test_top_logprobs_across_the_handoff(running, reference):
     """The split path: the prefill worker lists the first token's alternatives, the decode worker the rest."""
     from test_colocated import check_top_logprobs
