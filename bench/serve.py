@@ -21,7 +21,7 @@ from typing import Any
 
 from kvrelay.bench import common as C
 from kvrelay.bench.serve_client import (  # noqa: F401 - part of this module's interface (tests)
-    Prompts, RequestResult, StreamParser, chunk_tokens, itl_samples, one_request, request_body,
+    Prompts, RequestResult, StreamParser, chunk_tokens, itl_samples, one_request, request_body, send_requests,
 )
 
 DEFAULT_CONCURRENCY = "1,4,16,64,128,256"
@@ -69,30 +69,17 @@ async def run_point(client, args, prompts: Prompts, conc: int, input_len: int, o
     not yet started then are not sent). Returns (results, wall seconds, client CPU fraction)."""
     from tqdm import tqdm
 
-    url = f"{args.base_url}/v1/completions"
-    sem = asyncio.Semaphore(conc)
+    base = prompts.issued
+    prompts.issued += n_requests
     bar = tqdm(total=n_requests, desc=f"{input_len}/{output_len} C={conc}", unit="req", leave=False)
     t0, cpu0 = time.perf_counter(), time.process_time()
-    deadline = math.inf if args.duration_s is None else t0 + args.duration_s
-
-    stagger = getattr(args, "stagger_s", 0.0) or 0.0
-
-    async def guarded(i: int) -> RequestResult | None:
-        if i < conc and stagger > 0:
-            # The first wave spread over `stagger` seconds: streams then start and end at different
-            # steps, as in steady serving, instead of all prefilling at once and finishing together.
-            await asyncio.sleep(stagger * i / conc)
-        async with sem:
-            if time.perf_counter() > deadline:
-                return None
-            body = request_body(args.model, prompts.next(input_len), output_len)
-            r = await one_request(client, url, body, output_len, args.timeout_s)
-            bar.update(1)
-            return r
-
-    done = await asyncio.gather(*(guarded(i) for i in range(n_requests)))
+    results = await send_requests(
+        client, f"{args.base_url}/v1/completions", args.model, prompts, base, range(n_requests), slots=conc,
+        conc=conc, input_len=input_len, output_len=output_len, t_start=t0,
+        stagger_s=getattr(args, "stagger_s", 0.0) or 0.0,
+        deadline=math.inf if args.duration_s is None else t0 + args.duration_s, timeout_s=args.timeout_s,
+        on_done=lambda: bar.update(1))
     bar.close()
-    results = [r for r in done if r is not None]
     end = max((r.t_done for r in results), default=time.perf_counter())
     wall = max(end - t0, 1e-9)
     return results, wall, (time.process_time() - cpu0) / wall

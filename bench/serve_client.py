@@ -8,7 +8,7 @@ import asyncio
 import itertools
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,3 +155,27 @@ class Prompts:
 def request_body(model: str, prompt: list[int], output_len: int) -> dict:
     return {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
+
+
+async def send_requests(client, url: str, model: str, prompts: "Prompts", base: int, indices: Sequence[int], *,
+                        slots: int, conc: int, input_len: int, output_len: int, t_start: float, stagger_s: float,
+                        deadline: float, timeout_s: float, on_done: Callable[[], None]) -> list[RequestResult]:
+    """The point's requests `indices` (request i sends prompt number base + i), at most `slots` in flight.
+    The first wave (i < conc) starts spread over `stagger_s` from `t_start`: streams then start and end at
+    different steps, as in steady serving, instead of all prefilling at once and finishing together. No
+    request starts after `deadline`."""
+    sem = asyncio.Semaphore(max(slots, 1))
+
+    async def guarded(i: int) -> RequestResult | None:
+        if i < conc and stagger_s > 0:
+            await asyncio.sleep(max(0.0, t_start + stagger_s * i / conc - time.perf_counter()))
+        async with sem:
+            if time.perf_counter() > deadline:
+                return None
+            r = await one_request(client, url, request_body(model, prompts.at(base + i, input_len), output_len),
+                                  output_len, timeout_s)
+            on_done()
+            return r
+
+    done = await asyncio.gather(*(guarded(i) for i in indices))
+    return [r for r in done if r is not None]

@@ -15,7 +15,7 @@ import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from kvrelay.bench.serve_client import Prompts, RequestResult, one_request, request_body
+from kvrelay.bench.serve_client import Prompts, RequestResult, send_requests
 
 _done = None  # the shared count of finished requests, in each child
 
@@ -43,30 +43,20 @@ async def _drive(spec: dict, k: int, procs: int, base: int, conc: int, input_len
     limits = httpx.Limits(max_connections=slots + 8, max_keepalive_connections=slots + 8)
     timeout = httpx.Timeout(spec["timeout_s"], connect=30.0)
     headers = {"Authorization": f"Bearer {spec['api_key']}"} if spec["api_key"] else None
-    prompts = Prompts(spec["seed"], spec["lo"], spec["hi"])
-    url = f"{spec['base_url']}/v1/completions"
-    sem = asyncio.Semaphore(max(slots, 1))
-    deadline = float("inf") if spec["duration_s"] is None else t_start + spec["duration_s"]
-    stagger = spec["stagger_s"] or 0.0
+    def count() -> None:
+        with _done.get_lock():
+            _done.value += 1
 
     async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
         await asyncio.sleep(max(0.0, t_start - time.perf_counter()))
         cpu0 = time.process_time()
-
-        async def guarded(i: int) -> RequestResult | None:
-            if i < conc and stagger > 0:
-                await asyncio.sleep(max(0.0, t_start + stagger * i / conc - time.perf_counter()))
-            async with sem:
-                if time.perf_counter() > deadline:
-                    return None
-                body = request_body(spec["model"], prompts.at(base + i, input_len), output_len)
-                r = await one_request(client, url, body, output_len, spec["timeout_s"])
-                with _done.get_lock():
-                    _done.value += 1
-                return r
-
-        done = await asyncio.gather(*(guarded(i) for i in range(k, n, procs)))
-        return [r for r in done if r is not None], time.process_time() - cpu0
+        results = await send_requests(
+            client, f"{spec['base_url']}/v1/completions", spec["model"], Prompts(spec["seed"], spec["lo"], spec["hi"]),
+            base, range(k, n, procs), slots=slots, conc=conc, input_len=input_len, output_len=output_len,
+            t_start=t_start, stagger_s=spec["stagger_s"] or 0.0,
+            deadline=float("inf") if spec["duration_s"] is None else t_start + spec["duration_s"],
+            timeout_s=spec["timeout_s"], on_done=count)
+        return results, time.process_time() - cpu0
 
 
 def run_point_procs(args: argparse.Namespace, prompts: Prompts, conc: int, input_len: int, output_len: int,

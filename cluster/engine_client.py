@@ -292,7 +292,7 @@ class DisaggregatedEngineClient:
                 KV_BYTES.inc(pull.kv_bytes)
                 KV_TRANSFER_S.observe(pull.kv_transfer_s)
                 while True:
-                    outs = [TokenOutput(*event) for event in await self._next(queue, decode)]
+                    outs = await self._next(queue, decode)
                     finished = outs[-1].finish_reason is not None
                     yield outs
                     if finished:
@@ -363,8 +363,9 @@ class DisaggregatedEngineClient:
                 raise _Retry(str(e.cause), "kv_transfer") from None
             raise e.cause if isinstance(e.cause, Exception) else e from None
 
-    async def _next(self, queue: asyncio.Queue, decode: _Worker) -> list[tuple]:
-        """The request's tokens that arrived since the last call (waits for at least one)."""
+    async def _next(self, queue: asyncio.Queue, decode: _Worker) -> list[TokenOutput]:
+        """The request's tokens that arrived since the last call (waits for at least one); _Aborted once
+        the worker reports the request aborted."""
         items = []
         while queue.empty():  # wait_for costs a timer per call: only when nothing is queued yet
             try:
@@ -384,13 +385,10 @@ class DisaggregatedEngineClient:
                 raise EngineUnavailable(f"the token channel to decode worker {decode.rank} broke")
             token, logprob, reason, error, top = item
             if error == "aborted":
-                out.append((None, None, "aborted", None))
-                break
+                raise _Aborted()
             if error is not None:
                 raise RuntimeError(error)
-            out.append((token, logprob, reason, top))
-        if out and out[-1][2] == "aborted":
-            raise _Aborted()
+            out.append(TokenOutput(token, logprob, reason, top))
         return out
 
     async def _alive(self, worker: _Worker) -> bool:

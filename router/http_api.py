@@ -143,9 +143,8 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None, rate_limit: Ra
     async def chat_completions(body: ChatCompletionRequest) -> Any:
         if (bad := check_model(body.model)) is not None:
             return bad
-        request = body.to_chat()
         n = body.n or 1
-        preps = [await core.off_loop(core.prepare_chat, copy) for copy in _copies(request, n)]
+        preps = _copies(await core.off_loop(core.prepare_chat, body.to_chat()), n)
         core.check_admission()
         opts = body.stream_options
         include_usage = bool(opts and opts.include_usage)
@@ -169,9 +168,9 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None, rate_limit: Ra
             # A batch's prompts are separate requests: request ids (if given) get the prompt's index.
             rid = body.request_id or ""
             rid, field = (rid, "prompt") if len(prompts) == 1 else (rid and f"{rid}-{i}", f"prompt[{i}]")
-            for copy in _copies(GenerateRequest(tuple(prompt), sampling, rid), n):
-                preps.append(await core.off_loop(lambda r=copy, f=field: core.prepare_generate(r, prompt_field=f,
-                                                                                               text=True)))
+            req = GenerateRequest(tuple(prompt), sampling, rid)
+            preps += _copies(await core.off_loop(lambda: core.prepare_generate(req, prompt_field=field, text=True)),
+                             n)
         core.check_admission()
         opts = body.stream_options
         include_usage = bool(opts and opts.include_usage)
@@ -193,18 +192,16 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None, rate_limit: Ra
 MAX_BATCH_PROMPTS = 256
 
 
-def _copies(req, n: int) -> list:
-    """`n` requests for n choices: request ids get -copy, and a seeded request's copies draw from seed,
-    seed + 1, ... so that they differ (a greedy one's copies are equal, as OpenAI's are)."""
+def _copies(prep: Prepared, n: int) -> list[Prepared]:
+    """`n` engine requests for n choices of one validated (rendered, tokenized once) request: request ids
+    get -copy, and a seeded request's copies draw from seed, seed + 1, ... so that they differ (a greedy
+    one's copies are equal, as OpenAI's are)."""
     if n == 1:
-        return [req]
-    out = []
-    for j in range(n):
-        sampling = req.sampling
-        if sampling.seed is not None:
-            sampling = dataclasses.replace(sampling, seed=sampling.seed + j)
-        out.append(dataclasses.replace(req, sampling=sampling, request_id=req.request_id and f"{req.request_id}-{j}"))
-    return out
+        return [prep]
+    seed = prep.params.seed
+    return [dataclasses.replace(prep, request_id=f"{prep.request_id}-{j}",
+                                params=prep.params if seed is None else dataclasses.replace(prep.params, seed=seed + j))
+            for j in range(n)]
 
 
 def _prompt_list(prompt: Any) -> list[list[int]]:

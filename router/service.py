@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import datetime as _dt
 import logging
 import re
@@ -288,21 +289,11 @@ def _finish_reason(engine_reason: str | None, parser: HarmonyStreamParser | None
 
 
 def _engine_params(resolved: validation.ResolvedSampling, extra_stops: tuple[int, ...]) -> SamplingParams:
-    stops = tuple(dict.fromkeys(extra_stops + resolved.stop_token_ids))  # de-duplicated, order kept
-    return SamplingParams(
-        max_tokens=resolved.max_tokens,
-        temperature=resolved.temperature,
-        top_p=resolved.top_p,
-        top_k=resolved.top_k,
-        seed=resolved.seed,
-        stop_token_ids=stops,
-        logprobs=resolved.logprobs,
-        min_tokens=resolved.min_tokens,
-        presence_penalty=resolved.presence_penalty,
-        frequency_penalty=resolved.frequency_penalty,
-        min_p=resolved.min_p,
-        top_logprobs=resolved.top_logprobs,
-    )
+    """The engine's SamplingParams: ResolvedSampling's fields of the same names (stop strings stay in the
+    router), the stop ids with the front-end's own in front."""
+    fields = {f.name: getattr(resolved, f.name) for f in dataclasses.fields(resolved) if f.name != "stop"}
+    fields["stop_token_ids"] = tuple(dict.fromkeys(extra_stops + resolved.stop_token_ids))  # de-duplicated
+    return SamplingParams(**fields)
 
 
 _SPECIAL_TEXT = re.compile(r"<\|[A-Za-z0-9_]+\|>")

@@ -108,6 +108,15 @@ def test_tool_call_round_trip_non_streamed(client, engine) -> None:
     assert harmony.decode_tokens(engine.prompts[-1]).endswith(TOOL_HISTORY_TAIL)
 
 
+def _add_tool_call_deltas(calls: dict, delta) -> None:
+    """Assemble streamed tool calls by index, as a client does (id and name once, arguments in pieces)."""
+    for tc in delta.tool_calls or ():
+        entry = calls.setdefault(tc.index, {"id": None, "name": None, "arguments": ""})
+        entry["id"] = tc.id or entry["id"]
+        entry["name"] = (tc.function.name if tc.function else None) or entry["name"]
+        entry["arguments"] += (tc.function.arguments if tc.function else "") or ""
+
+
 def test_tool_call_round_trip_streamed(client, engine) -> None:
     engine.scripts = [TOOL_CALL, FINAL]
     messages = [{"role": "user", "content": "Weather in Paris?"}]
@@ -119,11 +128,7 @@ def test_tool_call_round_trip_streamed(client, engine) -> None:
             usage = chunk.usage
         for choice in chunk.choices:
             reasoning += _extra(choice.delta, "reasoning") or ""
-            for tc in choice.delta.tool_calls or ():
-                entry = calls.setdefault(tc.index, {"id": None, "name": None, "arguments": ""})
-                entry["id"] = tc.id or entry["id"]
-                entry["name"] = (tc.function.name if tc.function else None) or entry["name"]
-                entry["arguments"] += (tc.function.arguments if tc.function else "") or ""
+            _add_tool_call_deltas(calls, choice.delta)
             finish = choice.finish_reason or finish
     assert reasoning == "Need the weather."
     assert list(calls) == [0] and calls[0]["name"] == "get_weather"
@@ -160,11 +165,7 @@ def test_tokens_ready_together_share_a_chunk(client, engine, batch: int) -> None
     for chunk in stream:
         for choice in chunk.choices:
             reasoning += _extra(choice.delta, "reasoning") or ""
-            for tc in choice.delta.tool_calls or ():
-                entry = calls.setdefault(tc.index, {"id": None, "name": None, "arguments": ""})
-                entry["id"] = tc.id or entry["id"]
-                entry["name"] = (tc.function.name if tc.function else None) or entry["name"]
-                entry["arguments"] += (tc.function.arguments if tc.function else "") or ""
+            _add_tool_call_deltas(calls, choice.delta)
             lps += len(choice.logprobs.content) if choice.logprobs and choice.logprobs.content else 0
             deltas += bool(choice.logprobs and choice.logprobs.content)
             finish = choice.finish_reason or finish
