@@ -71,3 +71,148 @@ class DecodeGraphs:
         self.prepare(bs, n)
         self.graphs[bs].replay()
         return self.outputs[bs], bs
+
+
+# Token counts a mixed (prompt chunks + decode rows) forward is padded to. Beyond the largest the
+# forward runs eagerly: at a few thousand tokens the GPU time (tens of ms) already hides the host's.
+DEFAULT_TOKEN_BUCKETS = (128, 256, 384, 512, 768, 1024, 1280, 1536, 2048, 2560, 3072, 4096)
+
+
+class PiecewiseGraphs:
+    """Ragged forwards (a colocated worker's prompt chunks riding with the decode batch, decode steps
+    past the largest decode graph) as CUDA graphs of everything *between* the attention kernels,
+    captured per padded token count; attention runs eagerly in between (vLLM's piecewise graphs).
+
+    Why: measured on the H200 (2026-12-01), an eager 20b forward of a few hundred to a few thousand
+    tokens spends ~44 ms launching ~1,300 kernels for ~16 ms of GPU work, so under load the prompt-
+    carrying steps were host-bound and prefill ran at a third of its speed. Attention cannot sit inside
+    these graphs: its plan (FlashInfer's schedule, Triton's tiles) depends on how the tokens split into
+    sequences, which changes every step. Everything else depends only on the token count.
+
+    Per bucket of `bs` tokens, layer after layer: piece 0 = embedding + layer 0's norm/QKV/rotary/KV
+    write; piece i = layer i-1's output projection, residual and MoE + layer i's attention input;
+    the last piece = the last layer's second half. Pieces pass activations through fixed buffers
+    (x: the residual stream, q: the attention input, o: its output), so no pool-allocated tensor
+    outlives a capture and the pool can be shared with the decode graphs. Padding rows (n..bs-1) are
+    token 0 at position 0 writing to the scratch page; attention never reads them and their rows of
+    every output are ignored. The final norm + unembedding of the logit rows runs eagerly (its row
+    count varies)."""
+
+    def __init__(self, model, cache, scratch: dict[str, int], buckets=DEFAULT_TOKEN_BUCKETS, *,
+                 pool=None, warmup: int = 2):
+        from kvrelay.engine.kv_cache import GROUPS
+
+        self.model, self.cache, self.scratch = model, cache, scratch
+        self.groups = GROUPS
+        self.buckets = sorted(set(int(b) for b in buckets))
+        self.warmup = warmup
+        self.pool = pool
+        mx, dev = self.buckets[-1], cache.device
+        heads = model.blocks[0].attn.heads
+        d = model.cfg.head_dim
+        self.x = torch.zeros(mx, model.cfg.hidden_size, dtype=model.dtype, device=dev)
+        self.q = torch.zeros(mx, heads.num_q, d, dtype=model.dtype, device=dev)
+        self.o = torch.zeros(mx, heads.num_q, d, dtype=model.dtype, device=dev)
+        # Per bucket: rows ids, positions, then write pages and offsets per group ([2 + 2 * groups, bs]).
+        self.meta = {bs: torch.zeros(2 + 2 * len(GROUPS), bs, dtype=torch.long, device=dev)
+                     for bs in self.buckets}
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+
+    @property
+    def max_tokens(self) -> int:
+        return self.buckets[-1]
+
+    def padded_size(self, n: int) -> int | None:
+        i = bisect_left(self.buckets, n)
+        return self.buckets[i] if i < len(self.buckets) else None
+
+    # ---- the pieces (read and write only the fixed buffers) --------------------------------------
+    def _piece(self, bs: int, i: int) -> None:
+        m, meta = self.model, self.meta[bs]
+        ng = len(self.groups)
+        lay = _Writes({g: meta[2 + j] for j, g in enumerate(self.groups)},
+                      {g: meta[2 + ng + j] for j, g in enumerate(self.groups)})
+        if i == 0:
+            x, cos, sin = m.embed(meta[0], meta[1])
+        else:
+            cos, sin = m.rotary(meta[1])
+            x = m.blocks[i - 1].attention_out(self.x[:bs], self.o[:bs])
+        if i < len(m.blocks):
+            self.q[:bs].copy_(m.blocks[i].attention_in(x, cos, sin, self.cache, lay))
+        self.x[:bs].copy_(x)
+
+    def _pieces(self, bs: int) -> int:
+        return len(self.model.blocks) + 1
+
+    def _fill_meta(self, bs: int, n: int, ids, host: dict | None) -> None:
+        """Rows 0..n-1 from the batch's pinned host arrays, padding rows after them; one copy."""
+        import numpy as np
+
+        h = np.zeros((2 + 2 * len(self.groups), bs), dtype=np.int64)
+        if n:
+            h[0, :n] = ids
+            h[1, :n] = host["positions"].numpy()
+        for j, g in enumerate(self.groups):
+            if n:
+                h[2 + j, :n] = host["write_pages"][g].numpy()
+                h[2 + len(self.groups) + j, :n] = host["write_offsets"][g].numpy()
+            h[2 + j, n:] = self.scratch[g]
+        src = torch.from_numpy(h)
+        if self.meta[bs].is_cuda:
+            src = src.pin_memory()
+        self.meta[bs].copy_(src, non_blocking=True)
+
+    # ---- capture and run ---------------------------------------------------------------------
+    def capture(self) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for bs in sorted(self.buckets, reverse=True):
+                self._fill_meta(bs, 0, None, None)  # all padding: harmless work on the scratch page
+                for _ in range(self.warmup):  # compiles the Triton kernels of this size, outside capture
+                    for i in range(self._pieces(bs)):
+                        self._piece(bs, i)
+                torch.cuda.synchronize()
+                graphs = []
+                for i in range(self._pieces(bs)):
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=self.pool, stream=stream):
+                        self._piece(bs, i)
+                    if self.pool is None:
+                        self.pool = g.pool()
+                    graphs.append(g)
+                self.graphs[bs] = graphs
+        torch.cuda.current_stream().wait_stream(stream)
+
+    def forward(self, ids: list[int], batch, attn, fill=None, *, replay: bool = True) -> torch.Tensor:
+        """The forward of `batch` (a planned BatchLayout of len(ids) tokens; `attn` planned for it):
+        logits [num_seqs, vocab] fp32 of its logit rows. replay=False runs the same pieces eagerly
+        (tests compare the two)."""
+        n = len(ids)
+        bs = self.padded_size(n)
+        if bs is None:
+            raise ValueError(f"{n} tokens: more than the largest piecewise graph ({self.max_tokens})")
+        self._fill_meta(bs, n, ids, batch.host)
+        if fill is not None:
+            dst, src, tokens = fill
+            self.meta[bs][0][dst] = tokens[src]
+        graphs = self.graphs.get(bs) if replay else None
+        m = self.model
+        for i in range(self._pieces(bs)):
+            if graphs is not None:
+                graphs[i].replay()
+            else:
+                self._piece(bs, i)
+            if i < len(m.blocks):
+                blk = m.blocks[i]
+                group = self.cache.layer_group(i)
+                self.o[:n].copy_(attn.run(self.q[:n], self.cache.layer_pool(i), group, blk.attn.sinks,
+                                          blk.attn.sm_scale, blk.attn.window).view(n, *self.o.shape[1:]))
+        return m.head(self.x[:n], batch.logit_rows)
+
+
+class _Writes:
+    """The slice of a BatchLayout that a layer's attention input reads: where the new K/V rows go."""
+
+    def __init__(self, write_pages: dict, write_offsets: dict):
+        self.write_pages, self.write_offsets = write_pages, write_offsets

@@ -323,7 +323,8 @@ class KVCache:
         indptr, indices, last_len = lists["indptr"], lists["indices"], lists["last_len"]
         w_pages, w_offsets = lists["w_pages"], lists["w_offsets"]
         n_tok, n_seq = len(positions), len(batch)
-        host = {"qo_indptr": qo, "kv_indptr": indptr, "kv_last_page_len": last_len}
+        host = {"qo_indptr": qo, "kv_indptr": indptr, "kv_last_page_len": last_len, "positions": positions,
+                "write_pages": w_pages, "write_offsets": w_offsets}
         if self.device.type != "cuda":
             def t(x: list[int], dtype=torch.int32) -> torch.Tensor:
                 return torch.tensor(x, dtype=dtype, device=self.device)
@@ -336,8 +337,9 @@ class KVCache:
                 write_pages={g: t(w_pages[g], torch.long) for g in GROUPS},
                 write_offsets={g: t(w_offsets[g], torch.long) for g in GROUPS},
                 num_tokens=n_tok, num_seqs=n_seq,
-                host={k: ({g: torch.tensor(v[g], dtype=torch.int32) for g in GROUPS} if isinstance(v, dict)
-                          else torch.tensor(v, dtype=torch.int32)) for k, v in host.items()},
+                host={k: ({g: torch.tensor(v[g], dtype=_HOST_DTYPE.get(k, torch.int32)) for g in GROUPS}
+                          if isinstance(v, dict) else torch.tensor(v, dtype=_HOST_DTYPE.get(k, torch.int32)))
+                      for k, v in host.items()},
             )
         # CUDA: every array in two pinned host buffers (int64 for indexing, int32 for the attention
         # kernels), two asynchronous copies, device views; no copy from pageable memory (which would
@@ -357,8 +359,15 @@ class KVCache:
             write_offsets={g: v64[("wo", g)] for g in GROUPS},
             num_tokens=n_tok, num_seqs=n_seq,
             host={"qo_indptr": h32["qo"], "kv_indptr": {g: h32[("ip", g)] for g in GROUPS},
-                  "kv_last_page_len": {g: h32[("ll", g)] for g in GROUPS}},
+                  "kv_last_page_len": {g: h32[("ll", g)] for g in GROUPS},
+                  # what a piecewise graph step copies into its fixed buffers (engine/cuda_graph.py)
+                  "positions": h64["positions"], "write_pages": {g: h64[("wp", g)] for g in GROUPS},
+                  "write_offsets": {g: h64[("wo", g)] for g in GROUPS}},
         )
+
+
+# Host copies that index rows (int64, as on the device); the rest are the attention kernels' int32.
+_HOST_DTYPE = {"positions": torch.long, "write_pages": torch.long, "write_offsets": torch.long}
 
 
 def _pack(parts: list[tuple], dtype: torch.dtype, device: torch.device):

@@ -38,12 +38,23 @@ class Block:
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                  batch: BatchLayout, attn: BatchAttention) -> torch.Tensor:
+        q = self.attention_in(x, cos, sin, cache, batch)
         group = cache.layer_group(self.layer)
-        a = self.attn(
-            self.attn_norm(x), cos, sin, cache.layer_pool(self.layer), group,
-            batch.write_pages[group], batch.write_offsets[group], attn,
-        )
-        x = x + self.shard.all_reduce(a)
+        o = attn.run(q, cache.layer_pool(self.layer), group, self.attn.sinks, self.attn.sm_scale,
+                     self.attn.window)
+        return self.attention_out(x, o)
+
+    # The two halves around the attention kernel (a piecewise CUDA graph replays them, engine/cuda_graph.py).
+    def attention_in(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                     batch: BatchLayout) -> torch.Tensor:
+        """Norm, QKV, rotary and the KV-cache write for this layer's new tokens: q [T, Hq, D]."""
+        group = cache.layer_group(self.layer)
+        return self.attn.project_in(self.attn_norm(x), cos, sin, cache.layer_pool(self.layer),
+                                    batch.write_pages[group], batch.write_offsets[group])
+
+    def attention_out(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """Output projection, residual, then the MoE half of the block: the block's output."""
+        x = x + self.shard.all_reduce(self.attn.project_out(o))
         return x + self.shard.all_reduce(self.mlp(self.mlp_norm(x)))
 
 
@@ -98,12 +109,20 @@ class GptOss:
             attn = self._default_attention(cache)
         if plan:
             attn.plan(batch)
-        x = self.embedding(ids)
-        cos, sin = self.rotary(batch.positions)
+        x, cos, sin = self.embed(ids, batch.positions)
         for block in self.blocks:
             x = block(x, cos, sin, cache, batch, attn)
-        if not all_logits:
-            x = x[batch.logit_rows]
+        return self.head(x, None if all_logits else batch.logit_rows)
+
+    def embed(self, ids: torch.Tensor, positions: torch.Tensor):
+        """Token embeddings [T, hidden] and the rotary tables of the tokens' positions."""
+        cos, sin = self.rotary(positions)
+        return self.embedding(ids), cos, sin
+
+    def head(self, x: torch.Tensor, logit_rows: torch.Tensor | None) -> torch.Tensor:
+        """Final norm and unembedding of `logit_rows` of x (every row when None): fp32 logits."""
+        if logit_rows is not None:
+            x = x[logit_rows]
         return self.unembedding(self.norm(x)).float()
 
     def _default_attention(self, cache: KVCache) -> BatchAttention:

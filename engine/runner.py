@@ -72,6 +72,7 @@ class Runner:
         attention_fn: AttentionFn | None = None,
         cuda_graphs: bool = True,
         cuda_graph_batch_sizes: Sequence[int] = DEFAULT_GRAPH_BATCH_SIZES,
+        piecewise_token_sizes: Sequence[int] | None = None,
     ):
         self.cfg = cfg
         self.device = torch.device(device)
@@ -97,6 +98,13 @@ class Runner:
         # Graph replay (True) or the same padded step run eagerly (False; tests compare the two).
         self.graph_replay = True
         self._graphs = None
+        # Ragged forwards (prompt chunks + decode rows) of up to max(piecewise_token_sizes) tokens replay
+        # piecewise graphs (engine/cuda_graph.PiecewiseGraphs) wherever decode graphs are used.
+        from kvrelay.engine.cuda_graph import DEFAULT_TOKEN_BUCKETS
+
+        pw = DEFAULT_TOKEN_BUCKETS if piecewise_token_sizes is None else tuple(piecewise_token_sizes)
+        self.piecewise_token_sizes = tuple(sorted({int(t) for t in pw})) if self.cuda_graph_batch_sizes else ()
+        self._pieces = None
         self._new_pool(num_pages)
 
     def _new_pool(self, num_pages: int | dict[str, int]) -> None:
@@ -119,7 +127,7 @@ class Runner:
 
     def drop_kv(self) -> None:
         """Free the pool's device memory (before `resize_kv`); no sequence may be alive."""
-        if self.kv.seqs or self._graphs is not None:
+        if self.kv.seqs or self._graphs is not None or self._pieces is not None:
             raise RuntimeError("drop_kv: sequences are alive or graphs were captured over this pool")
         # New empty tensors, not views: a view would keep the old storage alive.
         self.kv.pools = {g: self.kv.pools[g].new_empty((self.kv.pools[g].shape[0], 0, *self.kv.pools[g].shape[2:]))
@@ -128,15 +136,26 @@ class Runner:
 
     def resize_kv(self, num_pages: int | dict[str, int]) -> None:
         """A fresh pool of `num_pages` (per group); before any sequence and any graph capture."""
-        if self.kv.seqs or self._graphs is not None:
+        if self.kv.seqs or self._graphs is not None or self._pieces is not None:
             raise RuntimeError("resize_kv: sequences are alive or graphs were captured over this pool")
         self.kv = None  # the old pool is freed before the new one is allocated
         self._new_pool(num_pages)
 
     def warmup(self) -> None:
-        """Capture the decode graphs now, so the first request does not pay for it."""
+        """Capture the decode graphs and the piecewise graphs now, so the first request does not pay."""
         if self.cuda_graph_batch_sizes and self._graphs is None:
             self._graph_setup()
+        self._capture_pieces()
+
+    def _capture_pieces(self) -> None:
+        if self.piecewise_token_sizes and self._pieces is None:
+            from kvrelay.engine.cuda_graph import PiecewiseGraphs
+
+            pieces = PiecewiseGraphs(self.model, self.kv, self._scratch, self.piecewise_token_sizes,
+                                     pool=self._graphs.pool if self._graphs is not None else None)
+            with torch.inference_mode():
+                pieces.capture()
+            self._pieces = pieces
 
     @classmethod
     def load(cls, model: str | Path, *, dummy: bool = False, seed: int = 0, **kwargs) -> "Runner":
@@ -172,10 +191,13 @@ class Runner:
         return self.kv.length(seq_id)
 
     # ---- forward -------------------------------------------------------------------------------
-    def _ids(self, flat: list[int]) -> torch.Tensor:
+    def _check_ids(self, flat: list[int]) -> None:
         # Range check on the host: no device round trip per step.
         if flat and (min(flat) < 0 or max(flat) >= self.cfg.vocab_size):
             raise ValueError(f"token id outside [0, {self.cfg.vocab_size})")
+
+    def _ids(self, flat: list[int]) -> torch.Tensor:
+        self._check_ids(flat)
         ids = torch.tensor(flat, dtype=torch.long)
         if self.device.type == "cuda":
             return ids.pin_memory().to(self.device, non_blocking=True)
@@ -189,14 +211,27 @@ class Runner:
             for sid, toks in items:
                 if not toks:
                     raise ValueError(f"sequence {sid!r}: no tokens to run")
-            ids = self._ids([t for _, toks in items for t in toks])
-            if fill is not None:
-                _fill_ids(ids, fill)
+            flat = [t for _, toks in items for t in toks]
+            if self._graphs is not None and not all_logits:
+                self._capture_pieces()  # after the decode graphs: the pool is sized by then
+            pieces = (self._pieces if self._pieces is not None and not all_logits
+                      and len(flat) <= self._pieces.max_tokens else None)
+            if pieces is not None:
+                self._check_ids(flat)  # the ids travel with the pieces' own metadata copy
+            else:
+                ids = self._ids(flat)
+                if fill is not None:
+                    _fill_ids(ids, fill)
             for sid, toks in items:
                 self.kv.reserve(sid, len(toks))
                 reserved.append(sid)
             batch = self.kv.plan([(sid, len(toks)) for sid, toks in items])
-            logits = self.model.forward(ids, self.kv, batch, all_logits=all_logits, attn=self.attn)
+            if pieces is not None:
+                self.attn.plan(batch)
+                with torch.inference_mode():
+                    logits = pieces.forward(flat, batch, self.attn, fill, replay=self.graph_replay)
+            else:
+                logits = self.model.forward(ids, self.kv, batch, all_logits=all_logits, attn=self.attn)
         except BaseException:
             # A failed prefill leaves no sequence behind; a failed decode keeps the sequences (their KV
             # up to the old length is intact) so the caller can retry or free them.

@@ -68,6 +68,14 @@ class Attention:
     ) -> torch.Tensor:
         """x [T, hidden] (already normed) -> this rank's partial output [T, hidden] (not yet reduced).
         `attn` was planned for this batch once, outside the layers; here it only runs."""
+        q = self.project_in(x, cos, sin, pool, write_pages, write_offsets)
+        return self.project_out(attn.run(q, pool, group, self.sinks, self.sm_scale, self.window))
+
+    def project_in(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: torch.Tensor,
+                   write_pages: torch.Tensor, write_offsets: torch.Tensor) -> torch.Tensor:
+        """QKV projection, rotary, and the new K/V rows written to the cache; returns q [T, Hq, D].
+        Split from the attention kernel itself so a piecewise CUDA graph can hold everything but the
+        attention (whose plan depends on the ragged batch) - engine/cuda_graph.py."""
         h, d = self.heads, self.head_dim
         qkv = self.qkv(x)
         q, k, v = qkv.split([h.num_q * d, h.num_kv * d, h.num_kv * d], dim=-1)
@@ -80,8 +88,11 @@ class Attention:
             k = apply_rotary(k.view(-1, h.num_kv, d), cos, sin)
         # The cache holds K after rotary (positions are absolute), so attention never re-rotates.
         write_kv(pool, k, v.view(-1, h.num_kv, d), write_pages, write_offsets)
-        o = attn.run(q, pool, group, self.sinks, self.sm_scale, self.window)
-        return self.out(o.reshape(-1, h.num_q * d))
+        return q
+
+    def project_out(self, o: torch.Tensor) -> torch.Tensor:
+        """The attention output [T, Hq, D] through the output projection: [T, hidden] (not reduced)."""
+        return self.out(o.reshape(-1, self.heads.num_q * self.head_dim))
 
 
 # ---------------------------------------------------------------------------------------------------
