@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from prometheus_client import Counter, Histogram
 
 from kvrelay.cluster.admission import AdmissionQueue, AdmissionTimeout
-from kvrelay.engine.kv_transfer import KVLayoutMismatch, KVTransferError
+from kvrelay.transfer.handle import KVLayoutMismatch, KVTransferError
 from kvrelay.engine.sampling import SamplingParams, TokenOutput
 from kvrelay.router.engine_client import flatten
 
@@ -437,7 +437,7 @@ class DisaggregatedEngineClient:
                            reasons: list[str]) -> _Worker | None:
         import ray
 
-        from kvrelay.decode_worker.scheduler import AdmissionRefused
+        from kvrelay.workers.messages import AdmissionRefused
 
         live = [w for w in self.decode if not w.dead]
         if not live:

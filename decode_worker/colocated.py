@@ -28,11 +28,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from kvrelay.decode_worker.worker import DecodeStatus, DecodeWorker, need_tokens
-from kvrelay.engine.kv_handle import InPlaceKV, PrefillResult, TransferStats, check_prompt_limits
+from kvrelay.decode_worker.worker import DecodeWorker, need_tokens
 from kvrelay.engine.memory import chunk_headroom, window_pages
-from kvrelay.engine.rank_group import load_sized_runner
 from kvrelay.engine.sampling import SamplingParams, TokenOutput, finish_reason, top_logprobs
+from kvrelay.transfer.handle import TransferStats
+from kvrelay.workers.loading import load_sized_runner
+from kvrelay.workers.messages import InPlaceKV, PrefillResult, WorkerStatus
+from kvrelay.workers.specs import check_prompt_limits
 
 
 @dataclass(eq=False)
@@ -229,9 +231,9 @@ class ColocatedWorker(DecodeWorker):
         p.loop.call_soon_threadsafe(set_)
 
     # ---- introspection -----------------------------------------------------------------------
-    async def status(self) -> DecodeStatus:
+    async def status(self) -> WorkerStatus:
         st = await super().status()
-        return dataclasses.replace(st, role="colocated", prompt_tokens=self.prefill_counters.prompt_tokens)
+        return dataclasses.replace(st, prompt_tokens=self.prefill_counters.prompt_tokens)
 
     async def counters(self) -> dict[str, int]:
         """Tokens each role computed: a prompt is prefilled once and never recomputed by decode."""

@@ -1,7 +1,7 @@
 """The follower ranks of a TP/EP decode worker (rank 0 is the `DecodeWorker` actor itself), and the
 leader's view of the whole group as one Runner.
 
-The group plumbing (spawning, rendezvous, lockstep fan-out, health) is engine/rank_group.py; what is
+The group plumbing (spawning, rendezvous, lockstep fan-out, health) is workers/rank_group.py; what is
 decode-specific is here: every rank imports, decodes and frees in lockstep and pulls only its own KV
 heads, from whichever prefill ranks hold them, into pages that must be the same ids on every rank
 (checked on import, not assumed).
@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvrelay.engine.rank_group import Followers, FollowerRank, join_group
-from kvrelay.engine.rank_group import load_runner as load_model_runner
+from kvrelay.transfer.ucx import UcxSettings
+from kvrelay.workers.loading import load_runner as load_model_runner
+from kvrelay.workers.rank_group import Followers, FollowerRank, join_group
 
 
 
@@ -56,9 +57,10 @@ class DecodeRank(FollowerRank):
     role = "decode"
 
     def __init__(self, topology, worker: int, tp_rank: int, port: int, kv_tokens: int):
-        from kvrelay.engine.kv_transfer import KVImporter, configure_ucx, layout_of
+        from kvrelay.transfer.handle import layout_of
+        from kvrelay.transfer.nixl import KVImporter
 
-        configure_ucx(topology.kv_transfer.ucx_tls, "lo" if topology.device == "cpu" else None)
+        UcxSettings(topology.kv_transfer.ucx_tls, "lo" if topology.device == "cpu" else None).apply()
         ctx = decode_join(topology, tp_rank, port)
         # The leader's pool size, not this rank's own free-memory share: the allocators must mirror.
         runner = load_runner(topology, kv_tokens=kv_tokens, shard=ctx)

@@ -27,19 +27,7 @@ from dataclasses import dataclass, field
 from kvrelay.engine.kv_geometry import GROUPS, worst_case_pages
 from kvrelay.engine.runner import Runner
 from kvrelay.engine.sampling import SamplingParams, TokenOutput, finish_reason, top_logprobs
-
-
-class AdmissionRefused(RuntimeError):
-    """The decode worker cannot take the request. `retryable`: it may fit later (pages or batch slots
-    are busy) as opposed to never (it is bigger than the whole pool)."""
-
-    def __init__(self, reason: str, retryable: bool):
-        super().__init__(reason)
-        self.reason = reason
-        self.retryable = retryable
-
-    def __reduce__(self):  # keep both fields when Ray ships the exception to the caller
-        return AdmissionRefused, (self.reason, self.retryable)
+from kvrelay.workers.messages import AdmissionRefused
 
 
 @dataclass(frozen=True)

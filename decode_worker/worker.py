@@ -8,7 +8,7 @@ go to each caller's channel (`start` + `channel`: one Ray message per step for a
 requests) or to a request's own stream (`generate`).
 
 With `decode.tp` > 1 this actor is rank 0 of the worker's group and starts the other ranks itself
-(ranks.py, over engine/rank_group.py): the Scheduler drives a `GroupRunner` that runs every import,
+(ranks.py, over workers/rank_group.py): the Scheduler drives a `GroupRunner` that runs every import,
 decode step and free on all ranks in lockstep, and each rank pulls only its own KV heads from whichever
 prefill ranks hold them.
 """
@@ -21,59 +21,18 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 
 from kvrelay.decode_worker.ranks import DecodeRank, GroupRunner, decode_join, load_runner, pool_tokens
-from kvrelay.decode_worker.scheduler import AdmissionRefused, Scheduler
-from kvrelay.engine.kv_transfer import (KVHandle, KVImporter, KVLeaseExpired, KVReadInFlight, KVTransferError,
-                                        TransferStats, configure_ucx, layout_of)
-from kvrelay.engine.rank_group import Followers, lead_group, node_name
-from kvrelay.engine.rank_group import load_sized_runner as _load_sized_runner
-from kvrelay.engine.sampling import SamplingParams, TokenOutput
+from kvrelay.decode_worker.scheduler import Scheduler
+from kvrelay.engine.sampling import SamplingParams
+from kvrelay.transfer.handle import KVHandle, KVLeaseExpired, KVReadInFlight, KVTransferError, TransferStats, layout_of
+from kvrelay.transfer.nixl import KVImporter
+from kvrelay.transfer.ucx import UcxSettings
+from kvrelay.workers.loading import load_sized_runner
+from kvrelay.workers.messages import DecodeChunk, PullMetrics, WorkerStatus
+from kvrelay.workers.rank_group import Followers, lead_group, node_name
 
 _ABORTED = object()  # put on a stream's queue by `abort`: end the stream without a finish reason
-
-__all__ = ["DecodeWorker", "DecodeChunk", "DecodeStatus", "PullMetrics", "AdmissionRefused"]
-
-
-@dataclass(frozen=True)
-class PullMetrics:
-    kv_bytes: int
-    kv_transfer_s: float  # the NIXL READ
-    admit_s: float  # from the call's arrival to joining the batch (allocation + pull + release)
-
-
-@dataclass(frozen=True)
-class DecodeStatus:
-    rank: int
-    pid: int
-    node: str  # host name / Ray node id prefix
-    healthy: bool
-    pages_in_use: dict[str, int]  # allocated in the pool now
-    pages_reserved: dict[str, int]  # committed to admitted requests (their worst case)
-    pages_total: dict[str, int]
-    free_budget: int  # pages a new request could still reserve
-    admitted: int
-    running: int
-    steps: int
-    completed: int
-    agent: str
-    last_step_error: str | None
-    role: str = "decode"
-    tp_rank: int = 0
-    tp_size: int = 1
-    decode_tokens: int = 0  # computed by decode steps
-    prompt_tokens: int = 0  # prompt tokens computed here (0 unless colocated: pulled KV is not recomputed)
-    # Step loop seconds per phase, summed: launch (host planning), wait (blocked on the device), emit
-    # (token bookkeeping), ops (admission and other queued calls between steps), plus step counts.
-    step_phases: dict[str, float] | None = None
-
-
-@dataclass(frozen=True)
-class DecodeChunk:
-    tokens: tuple[TokenOutput, ...]
-    pull: PullMetrics | None = None  # on the first chunk only
-
 
 def need_tokens(topology) -> int:
     """Positions one request may hold: the pool must fit at least that."""
@@ -84,7 +43,7 @@ class DecodeWorker:
     colocated = False
 
     def __init__(self, topology, rank: int = 0):
-        configure_ucx(topology.kv_transfer.ucx_tls, "lo" if topology.device == "cpu" else None)
+        UcxSettings(topology.kv_transfer.ucx_tls, "lo" if topology.device == "cpu" else None).apply()
         self.rank = rank
         self.tp_size = topology.decode.tp
         self.group: Followers | None = None  # ranks 1.. of a TP group; None at TP1
@@ -130,7 +89,7 @@ class DecodeWorker:
     def _load_single(self, topology):
         """TP1: the pool is sized after the weights, from what is measured free then (engine/memory.py)."""
         d = topology.decode
-        return _load_sized_runner(
+        return load_sized_runner(
             topology.model, device=topology.device, page_size=d.page_size, fraction=d.kv_memory_fraction,
             max_seqs=d.max_batch, chunk_tokens=max(d.max_batch, 16),
             max_tokens=d.max_batch * topology.model.max_context, need_tokens=need_tokens(topology),
@@ -421,14 +380,15 @@ class DecodeWorker:
         like `reserve`)."""
         return self.scheduler.admission_load()
 
-    async def status(self) -> DecodeStatus:
+    async def status(self) -> WorkerStatus:
         s = await self._locked(self.scheduler.stats) if self._thread.is_alive() else self.scheduler.stats()
-        return DecodeStatus(
-            rank=self.rank, pid=os.getpid(), node=node_name(), healthy=await self.health(),
+        return WorkerStatus(
+            role="colocated" if self.colocated else "decode", rank=self.rank, tp_rank=0, tp_size=self.tp_size,
+            pid=os.getpid(), node=node_name(), healthy=await self.health(),
             pages_in_use=s.pages_in_use, pages_reserved=s.pages_reserved, pages_total=s.pages_total,
             free_budget=s.free_budget, admitted=s.reserved, running=s.running, steps=self.steps,
             completed=self.completed, agent=self.importer.agent_name if self.importer else "-",
-            last_step_error=repr(self._step_error) if self._step_error else None, tp_size=self.tp_size,
+            last_step_error=repr(self._step_error) if self._step_error else None,
             decode_tokens=self.decode_tokens, step_phases={**self.scheduler.times.as_dict(), "ops_s": self.ops_s})
 
     async def shutdown(self) -> None:

@@ -1,6 +1,6 @@
 """The follower ranks of a TP prefill worker (rank 0 is the `PrefillWorker` actor itself).
 
-The group plumbing (spawning, rendezvous, lockstep fan-out, health) is engine/rank_group.py; what is
+The group plumbing (spawning, rendezvous, lockstep fan-out, health) is workers/rank_group.py; what is
 prefill-specific is here: a follower runs the leader's prefill on its shard and describes where its
 pages are, so the leader can put every rank's pages into the one handle it leases. Leases live on the
 leader, which frees the pages on every rank once its lease is released or reclaimed.
@@ -8,8 +8,9 @@ leader, which frees the pages on every rank once its lease is released or reclai
 
 from __future__ import annotations
 
-from kvrelay.engine.rank_group import FollowerRank, follower_op, join_group
-from kvrelay.engine.rank_group import load_runner as load_model_runner
+from kvrelay.transfer.ucx import UcxSettings
+from kvrelay.workers.loading import load_runner as load_model_runner
+from kvrelay.workers.rank_group import FollowerRank, follower_op, join_group
 
 
 def pool_tokens(topology) -> int:
@@ -30,9 +31,10 @@ class PrefillRank(FollowerRank):
     role = "prefill"
 
     def __init__(self, topology, worker: int, tp_rank: int, port: int):
-        from kvrelay.engine.kv_transfer import KVExporter, configure_ucx, layout_of
+        from kvrelay.transfer.handle import layout_of
+        from kvrelay.transfer.nixl import KVExporter
 
-        configure_ucx(topology.kv_transfer.ucx_tls, "lo" if topology.device == "cpu" else None)
+        UcxSettings(topology.kv_transfer.ucx_tls, "lo" if topology.device == "cpu" else None).apply()
         ctx = join_group(topology.device, tp_rank, topology.prefill.tp, port)
         runner = load_runner(topology, kv_tokens=pool_tokens(topology), shard=ctx)
         layout, pools = layout_of(runner.kv)

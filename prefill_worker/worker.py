@@ -7,7 +7,7 @@ therefore never touches the Runner itself (a prefill may be mid-forward); it que
 whoever holds the engine next frees it.
 
 With `prefill.tp` > 1 this actor is rank 0 of the worker's group and starts the other ranks itself
-(ranks.py, over engine/rank_group.py): every prefill and free runs on all of them in lockstep, the
+(ranks.py, over workers/rank_group.py): every prefill and free runs on all of them in lockstep, the
 handle lists every rank's pages under one lease, and the pages are freed on all ranks once that lease
 is released or reclaimed.
 """
@@ -20,11 +20,15 @@ import threading
 import time
 from dataclasses import dataclass
 
-from kvrelay.engine.kv_handle import PrefillResult, check_prompt_limits
-from kvrelay.engine.kv_transfer import KVExporter, configure_ucx, layout_of
-from kvrelay.engine.rank_group import Followers, join_group, lead_group, load_sized_runner, node_name
 from kvrelay.engine.sampling import SamplingParams, TokenOutput, finish_reason, top_logprobs
 from kvrelay.prefill_worker.ranks import PrefillRank, load_runner, pool_tokens
+from kvrelay.transfer.handle import layout_of
+from kvrelay.transfer.nixl import KVExporter
+from kvrelay.transfer.ucx import UcxSettings
+from kvrelay.workers.loading import load_sized_runner
+from kvrelay.workers.messages import PrefillResult, WorkerStatus
+from kvrelay.workers.rank_group import Followers, join_group, lead_group, node_name
+from kvrelay.workers.specs import check_prompt_limits
 
 
 @dataclass(eq=False)
@@ -41,27 +45,9 @@ class _Job:
     t_end: float = 0.0
 
 
-@dataclass(frozen=True)
-class PrefillStatus:
-    rank: int
-    pid: int
-    node: str  # host name / Ray node id prefix
-    healthy: bool
-    pages_in_use: dict[str, int]
-    pages_total: dict[str, int]
-    queued_tokens: int  # prompt tokens waiting or running
-    leases: int  # pinned sequences awaiting a pull
-    completed: int
-    expired_leases: int
-    agent: str
-    role: str = "prefill"
-    tp_rank: int = 0
-    tp_size: int = 1
-
-
 class PrefillWorker:
     def __init__(self, topology, rank: int = 0, *, lease_seconds: float | None = None):
-        configure_ucx(topology.kv_transfer.ucx_tls, "lo" if topology.device == "cpu" else None)
+        UcxSettings(topology.kv_transfer.ucx_tls, "lo" if topology.device == "cpu" else None).apply()
         self.rank = rank
         self.max_prompt_tokens = topology.prefill.max_prompt_tokens
         self.max_context = topology.model.max_context
@@ -281,17 +267,18 @@ class PrefillWorker:
     def queued_tokens(self) -> int:
         return self._queued_tokens
 
-    def status(self) -> PrefillStatus:
+    def status(self) -> WorkerStatus:
         with self._engine_lock:
             self._drain_frees()
             free = self.runner.free_pages()
             total = {g: a.num_pages for g, a in self.runner.kv.allocators.items()}
-        return PrefillStatus(
-            rank=self.rank, pid=os.getpid(), node=node_name(), healthy=self.health(),
+        return WorkerStatus(
+            role="prefill", rank=self.rank, tp_rank=0, tp_size=self.tp_size, pid=os.getpid(), node=node_name(),
+            healthy=self.health(),
             pages_in_use={g: total[g] - free[g] for g in total}, pages_total=total,
             queued_tokens=self._queued_tokens, leases=self.exporter.active_leases(),
             completed=self.completed, expired_leases=self.exporter.expired_count,
-            agent=self.exporter.agent_name, tp_size=self.tp_size)
+            agent=self.exporter.agent_name)
 
     def shutdown(self) -> None:
         self._stop.set()

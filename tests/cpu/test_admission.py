@@ -129,7 +129,8 @@ def test_router_answers_429_and_resource_exhausted_when_the_line_is_full() -> No
 def test_reservations_from_another_thread_while_steps_run() -> None:
     """The decode actor answers `reserve` on its event loop while the step thread decodes and releases:
     the reservations stay consistent (no lost or doubled budget, no dict mutated mid-iteration)."""
-    from kvrelay.decode_worker.scheduler import AdmissionRefused, Scheduler
+    from kvrelay.decode_worker.scheduler import Scheduler
+    from kvrelay.workers.messages import AdmissionRefused
     from kvrelay.engine.runner import Runner
     from kvrelay.engine.sampling import SamplingParams, TokenOutput
 

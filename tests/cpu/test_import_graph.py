@@ -1,5 +1,7 @@
-"""No import cycles in the package, counting imports inside functions too: a cycle means two modules
-that cannot be understood (or tested) one without the other. Walks the source, so it costs no imports."""
+"""The package's import graph, read from the source (imports inside functions count too, and nothing is
+imported): no cycles anywhere, since a cycle means two modules that cannot be understood (or tested) one
+without the other; and engine/ (the model and its runtime on one device) imports neither Ray nor NIXL,
+which belong to the workers (workers/, the roles) and the KV transfer (transfer/)."""
 
 from __future__ import annotations
 
@@ -8,25 +10,52 @@ import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+# Distribution and transport libraries the engine must not depend on (by top-level import name).
+NOT_IN_ENGINE = {"ray", "nixl", "nixl_cu13"}
+
+
+def package_dirs() -> dict[str, Path]:
+    dirs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    return {pkg: REPO / folder for pkg, folder in dirs.items()}
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the installed package, by dotted name: each file under the package-dir folder
+    that maps it most specifically (kvrelay.v1 is protoc's output inside protos/)."""
+    dirs = package_dirs()
+    out: dict[str, Path] = {}
+    for folder in sorted(set(dirs.values())):
+        for path in folder.rglob("*.py"):
+            pkg, base = max(((p, f) for p, f in dirs.items() if path.is_relative_to(f)),
+                            key=lambda pf: len(pf[1].parts))
+            rel = path.relative_to(base).with_suffix("")
+            out[".".join([pkg, *(p for p in rel.parts if p != "__init__")])] = path
+    return out
+
+
+def _imports(path: Path) -> list[tuple[str, tuple[str, ...]]]:
+    """(module, names imported from it) for every import statement in the file."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.module, tuple(a.name for a in node.names)))
+        elif isinstance(node, ast.Import):
+            found += [(a.name, ()) for a in node.names]
+    return found
 
 
 def import_graph() -> dict[str, set[str]]:
-    dirs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    mods = modules()
     graph: dict[str, set[str]] = {}
-    for pkg, folder in dirs.items():
-        if pkg.count(".") != 1:
-            continue  # kvrelay.v1 is generated code inside protos/
-        for path in (REPO / folder).rglob("*.py"):
-            rel = path.relative_to(REPO / folder).with_suffix("")
-            parts = [p for p in rel.parts if p != "__init__"]
-            mod = ".".join([pkg, *parts])
-            deps = set()
-            for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kvrelay."):
-                    deps.add(node.module)
-                elif isinstance(node, ast.Import):
-                    deps |= {a.name for a in node.names if a.name.startswith("kvrelay.")}
-            graph[mod] = deps
+    for mod, path in mods.items():
+        deps = set()
+        for target, names in _imports(path):
+            if not target.startswith("kvrelay."):
+                continue
+            deps.add(target)
+            # `from kvrelay.engine import kv_geometry` depends on the submodule, not only the package.
+            deps |= {f"{target}.{n}" for n in names if f"{target}.{n}" in mods}
+        graph[mod] = deps - {mod}
     return graph
 
 
@@ -67,10 +96,17 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_the_walk_sees_the_package():
+def test_the_walk_sees_every_module_of_every_package():
     graph = import_graph()
-    assert "kvrelay.decode_worker.colocated" in graph
     assert "kvrelay.decode_worker.worker" in graph["kvrelay.decode_worker.colocated"]
+    assert "kvrelay.engine.layers.attention" in graph and "kvrelay.v1" in graph
+    # Every importable folder at the top of the repository is a package of the wheel, so none is unwalked.
+    mapped = set(package_dirs().values())
+    folders = {p.parent for p in REPO.glob("*/__init__.py")} - {REPO / "tests"}
+    assert folders <= mapped, f"folders missing from pyproject's package-dir: {sorted(map(str, folders - mapped))}"
+    for folder in mapped:
+        for path in folder.rglob("*.py"):
+            assert path in modules().values(), path
 
 
 def test_a_cycle_is_found():
@@ -79,3 +115,15 @@ def test_a_cycle_is_found():
 
 def test_no_import_cycles():
     assert cycles(import_graph()) == []
+
+
+def test_the_engine_imports_no_ray_and_no_nixl():
+    bad = [f"{mod} imports {target}" for mod, path in modules().items() if mod.startswith("kvrelay.engine")
+           for target, _ in _imports(path) if target.split(".")[0] in NOT_IN_ENGINE]
+    assert bad == []
+
+
+def test_a_forbidden_import_is_seen_inside_a_function(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("def f():\n    from ray.util import x\n    import nixl_cu13\n")
+    assert {t.split(".")[0] for t, _ in _imports(path)} == {"ray", "nixl_cu13"}

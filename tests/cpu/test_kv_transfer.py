@@ -13,8 +13,10 @@ import time
 import pytest
 import torch
 
-from kvrelay.engine.kv_transfer import (KVExporter, KVImporter, KVLayout, KVLayoutMismatch,
-                                        KVLeaseExpired, configure_ucx, live_blocks)
+from kvrelay.engine.kv_geometry import live_pages
+from kvrelay.transfer.handle import KVLayout, KVLayoutMismatch, KVLeaseExpired
+from kvrelay.transfer.nixl import KVExporter, KVImporter
+from kvrelay.transfer.ucx import UcxSettings
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,7 +38,7 @@ def make_pools(layout: KVLayout, num_pages: int, seed: int | None) -> dict[str, 
 
 def _peer(conn, lease_seconds: float, grace_seconds: float) -> None:
     """Exporter process: serves pin/release/reap commands over a pipe."""
-    configure_ucx("tcp,cma,self", "lo")
+    UcxSettings("tcp,cma,self", "lo").apply()
     pools = make_pools(LAYOUT, EXPORT_PAGES, seed=1234)
     exp = KVExporter(LAYOUT, pools, lease_seconds=lease_seconds, grace_seconds=grace_seconds)
     released: list[str] = []
@@ -98,7 +100,7 @@ def peer():
 
 @pytest.fixture(scope="module")
 def importer():
-    configure_ucx("tcp,cma,self", "lo")
+    UcxSettings("tcp,cma,self", "lo").apply()
     pools = make_pools(LAYOUT, 40, seed=None)
     imp = KVImporter(LAYOUT, pools)
     imp.test_pools = pools  # the test reads the destination bytes directly
@@ -106,27 +108,27 @@ def importer():
     imp.close()
 
 
-def test_live_blocks():
-    assert list(live_blocks("full", 0, 4, 8)) == []
-    assert list(live_blocks("full", 1, 4, 8)) == [0]
-    assert list(live_blocks("full", 9, 4, 8)) == [0, 1, 2]
-    assert list(live_blocks("sliding", 8, 4, 8)) == [0, 1]
-    assert list(live_blocks("sliding", 9, 4, 8)) == [0, 1, 2]  # next query (pos 9) sees keys 2..9
-    assert list(live_blocks("sliding", 11, 4, 8)) == [1, 2]  # pos 11 sees keys 4..11
-    assert list(live_blocks("sliding", 12, 4, 8)) == [1, 2]
-    assert list(live_blocks("sliding", 16, 4, 8)) == [2, 3]
+def test_live_pages():
+    assert list(live_pages("full", 0, 4, 8)) == []
+    assert list(live_pages("full", 1, 4, 8)) == [0]
+    assert list(live_pages("full", 9, 4, 8)) == [0, 1, 2]
+    assert list(live_pages("sliding", 8, 4, 8)) == [0, 1]
+    assert list(live_pages("sliding", 9, 4, 8)) == [0, 1, 2]  # next query (pos 9) sees keys 2..9
+    assert list(live_pages("sliding", 11, 4, 8)) == [1, 2]  # pos 11 sees keys 4..11
+    assert list(live_pages("sliding", 12, 4, 8)) == [1, 2]
+    assert list(live_pages("sliding", 16, 4, 8)) == [2, 3]
 
 
-def test_live_blocks_agree_with_engine_cache():
+def test_live_pages_agree_with_engine_cache():
     from kvrelay.engine.config import PRESETS
     from kvrelay.engine.kv_cache import KVCache
-    from kvrelay.engine.kv_transfer import layout_of
+    from kvrelay.transfer.handle import layout_of
     cfg = PRESETS["tiny"]
     cache = KVCache(cfg, num_pages=64, page_size=4)
     for n in [1, 3, 4, 5, cfg.sliding_window - 1, cfg.sliding_window, cfg.sliding_window + 1, 40, 41]:
         kv = cache.import_sequence(("s", n), n)
         for g in ("full", "sliding"):
-            live = live_blocks(g, n, 4, cfg.sliding_window)
+            live = live_pages(g, n, 4, cfg.sliding_window)
             assert (kv.first_page[g], len(kv.pages[g])) == (live.start, len(live)), (g, n)
         cache.free(("s", n))
     layout, pools = layout_of(cache)
@@ -153,7 +155,7 @@ def test_layout_hash_covers_every_field_but_the_tp_shape():
 def test_layout_of_uses_the_caches_tp_size_when_kv_heads_are_replicated():
     from kvrelay.engine.config import PRESETS
     from kvrelay.engine.kv_cache import KVCache
-    from kvrelay.engine.kv_transfer import layout_of
+    from kvrelay.transfer.handle import layout_of
     from kvrelay.engine.parallel import ParallelContext
 
     cfg = PRESETS["tiny"]  # 8 query / 2 KV heads: TP4 keeps one replicated KV head per rank
@@ -172,7 +174,7 @@ def test_pull_copies_exactly_the_live_pages(peer, importer, num_tokens):
     handle = peer.call("pin", f"r{num_tokens}", {"full": src_table, "sliding": src_table}, num_tokens, None)
     need = handle.pages_needed()
     assert need["full"] == n_pages
-    live = live_blocks("sliding", num_tokens, ps, LAYOUT.sliding_window)
+    live = live_pages("sliding", num_tokens, ps, LAYOUT.sliding_window)
     assert need["sliding"] == len(live) and handle.first_blocks()["sliding"] == live.start
 
     for t in importer.test_pools["full"] + importer.test_pools["sliding"]:
@@ -242,7 +244,7 @@ def test_pin_rejects_short_page_table(peer):
 def test_an_abandoned_read_is_waited_out_before_the_pages_are_given_back():
     """NIXL refuses to release a READ it cannot cancel; the importer must not return (and let the caller
     free the destination pages) until that READ has ended, and must say so when it never does."""
-    from kvrelay.engine.kv_transfer import KVHandle, KVImporter, KVReadInFlight, KVShard
+    from kvrelay.transfer.handle import KVHandle, KVReadInFlight, KVShard
 
     class Agent:
         def __init__(self, refusals: int):
@@ -273,7 +275,7 @@ def test_an_idle_agent_uses_under_two_percent_of_a_core():
 
     code = (
         "import time, torch\n"
-        "from kvrelay.engine.kv_transfer import _new_agent\n"
+        "from kvrelay.transfer.nixl import _new_agent\n"
         "name, agent = _new_agent('idle')\n"
         "reg = agent.register_memory([torch.zeros(1 << 20)])\n"
         "time.sleep(0.5)\n"

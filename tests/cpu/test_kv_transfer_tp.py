@@ -15,7 +15,10 @@ import os
 import pytest
 import torch
 
-from kvrelay.engine.kv_transfer import KVExporter, KVImporter, KVLayout, configure_ucx, live_blocks
+from kvrelay.engine.kv_geometry import live_pages
+from kvrelay.transfer.handle import KVLayout
+from kvrelay.transfer.nixl import KVExporter, KVImporter
+from kvrelay.transfer.ucx import UcxSettings
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -44,7 +47,7 @@ def rank_pools(pools: dict[str, list[torch.Tensor]], layout: KVLayout) -> dict[s
 
 
 def _prefill_group(conn, tp: int) -> None:
-    configure_ucx("tcp,cma,self", "lo")
+    UcxSettings("tcp,cma,self", "lo").apply()
     full = global_pools(PAGES, seed=99)
     exporters = [KVExporter(rank_layout(tp, r), rank_pools(full, rank_layout(tp, r)), lease_seconds=30,
                             name_prefix=f"p{r}") for r in range(tp)]
@@ -85,7 +88,7 @@ class PrefillGroup:
 @pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 2), (2, 4), (4, 1), (2, 2)])
 def test_each_decode_rank_pulls_exactly_its_heads(prefill_tp, decode_tp):
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    configure_ucx("tcp,cma,self", "lo")
+    UcxSettings("tcp,cma,self", "lo").apply()
     group = PrefillGroup(prefill_tp)
     importers = [KVImporter(rank_layout(decode_tp, r),
                             rank_pools(global_pools(PAGES, seed=0), rank_layout(decode_tp, r)))
@@ -108,7 +111,7 @@ def test_each_decode_rank_pulls_exactly_its_heads(prefill_tp, decode_tp):
                 assert stats.nbytes == sum(len(p) for p in dst.values()) * 2 * (h.kv1 - h.kv0) * BASE.page_size \
                     * BASE.head_dim * 2 * 2  # layers per group (2) x bf16 (2 bytes)
                 for g in ("full", "sliding"):
-                    first = live_blocks(g, num_tokens, BASE.page_size, BASE.sliding_window).start
+                    first = live_pages(g, num_tokens, BASE.page_size, BASE.sliding_window).start
                     for li, (src, got) in enumerate(zip(want[g], imp._pools[g])):
                         for k, d in enumerate(dst[g]):
                             expect = src[src_table[first + k]][..., h.kv0:h.kv1, :]

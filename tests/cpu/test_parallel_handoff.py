@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvrelay.engine.config import PRESETS
-from kvrelay.engine.kv_sharding import assemble_kv, plan_kv_handoff
+from kvrelay.transfer.sharding import assemble_kv, plan_kv_handoff
 from kvrelay.engine.parallel import ParallelContext, run_ranks
 from kvrelay.engine.runner import Runner
 from kvrelay.engine.weights import open_weights

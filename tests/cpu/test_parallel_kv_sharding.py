@@ -1,4 +1,4 @@
-"""engine/kv_sharding.py: which prefill rank holds each KV head and which decode rank needs it."""
+"""transfer/sharding.py: which prefill rank holds each KV head and which decode rank needs it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from kvrelay.engine.kv_sharding import assemble_kv, kv_heads_of_rank, page_copy_runs, plan_kv_handoff
+from kvrelay.transfer.sharding import assemble_kv, kv_heads_of_rank, page_copy_runs, plan_kv_handoff
 from kvrelay.engine.parallel import ParallelConfigError
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvrelay.decode_worker.scheduler import AdmissionRefused, Scheduler
+from kvrelay.decode_worker.scheduler import Scheduler
+from kvrelay.workers.messages import AdmissionRefused
 from kvrelay.engine.runner import Runner
 from kvrelay.engine.sampling import SamplingParams, TokenOutput
 
@@ -272,11 +273,12 @@ def _handle(layout, rid: str, num_tokens: int):
     """A handle for `num_tokens` positions whose pages are never read (the test replaces the READ)."""
     import time
 
-    from kvrelay.engine.kv_transfer import KVHandle, PageGroupDescriptor, live_blocks
+    from kvrelay.engine.kv_geometry import live_pages
+    from kvrelay.transfer.handle import KVHandle, PageGroupDescriptor
 
     groups = []
     for g in ("full", "sliding"):
-        live = live_blocks(g, num_tokens, layout.page_size, layout.sliding_window)
+        live = live_pages(g, num_tokens, layout.page_size, layout.sliding_window)
         layers = layout.group_layers(g)
         groups.append(PageGroupDescriptor(g, layers, (0,) * len(layers), 1, 0, live.start, tuple(range(len(live)))))
     return KVHandle(rid, 1, "fake-prefill", b"", "DRAM", layout, layout.layout_hash, num_tokens, tuple(groups),
@@ -305,7 +307,7 @@ def test_pages_outlive_an_aborted_pull_until_the_read_ends(decode_worker, how):
     import asyncio
     import threading
 
-    from kvrelay.engine.kv_transfer import TransferStats
+    from kvrelay.transfer.handle import TransferStats
 
     w = decode_worker
     started, gate = threading.Event(), threading.Event()

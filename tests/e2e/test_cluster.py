@@ -125,7 +125,7 @@ def test_layout_mismatch_is_a_clear_error(running):
 
     from kvrelay.cluster.engine_client import DisaggregatedEngineClient
     from kvrelay.decode_worker.worker import DecodeWorker
-    from kvrelay.engine.kv_transfer import KVLayoutMismatch
+    from kvrelay.transfer.handle import KVLayoutMismatch
 
     other = dataclasses.replace(running.topology, decode=dataclasses.replace(running.topology.decode, page_size=8))
     bad = _extra_actor(running, DecodeWorker, other)
@@ -146,7 +146,7 @@ def test_layout_mismatch_is_a_clear_error(running):
 def test_expired_lease_is_a_clear_error(running):
     import ray
 
-    from kvrelay.engine.kv_transfer import KVLeaseExpired
+    from kvrelay.transfer.handle import KVLeaseExpired
     from kvrelay.prefill_worker.worker import PrefillWorker
 
     short = _extra_actor(running, PrefillWorker, running.topology, lease_seconds=0.3)

@@ -1,6 +1,6 @@
 """The typed messages of the KV handoff: the layout both pools must share, the handle a prefill worker
-gives out, and the errors a pull can end with. Plain data (no NIXL), so the router, both workers and the
-tests can build and check them without a transfer engine; engine/kv_transfer.py moves the bytes.
+gives out, and the errors a pull can end with. Plain data (no NIXL), so the client, both workers and the
+tests can build and check them without a transfer engine; transfer/nixl.py moves the bytes.
 """
 
 from __future__ import annotations
@@ -11,11 +11,9 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from kvrelay.engine.kv_geometry import live_pages
+from kvrelay.engine.kv_geometry import GROUPS
 from kvrelay.engine.parallel import head_range
-from kvrelay.engine.sampling import TokenOutput
 
-GROUPS = ("full", "sliding")
 _TP_SHAPE = ("tp_size", "tp_rank")  # KVLayout fields the hash leaves out: they travel as data
 
 
@@ -104,12 +102,6 @@ class KVLayout:
         return "; ".join(parts) or "identical fields (hash scheme differs)"
 
 
-def live_blocks(group: str, num_tokens: int, page_size: int, sliding_window: int) -> range:
-    """Logical page indices the next decode step can attend to: exactly the pages engine/kv_cache.py
-    keeps (both sides of a handoff count them with engine/kv_geometry.py)."""
-    return live_pages(group, num_tokens, page_size, sliding_window)
-
-
 @dataclass(frozen=True)
 class PageGroupDescriptor:
     """The exporter's pages of one layer group for one sequence."""
@@ -180,37 +172,3 @@ class TransferStats:
     nbytes: int
     seconds: float
     descriptors: int
-
-
-@dataclass(frozen=True)
-class InPlaceKV:
-    """The handoff between the two roles of one colocated worker: the prompt's pages are already in the
-    pool the decode steps read, so nothing moves; decode adopts the sequence by id."""
-
-    request_id: str
-    lease_id: int
-    num_tokens: int
-    nbytes: int = 0  # nothing is copied
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    """What a prefill (worker or colocated role) returns to the router's client."""
-
-    request_id: str
-    first: TokenOutput  # the sampled token; finish_reason set if the request ends with it
-    handle: KVHandle | InPlaceKV | None  # None when the request already finished (nothing to decode)
-    prompt_tokens: int
-    queue_s: float  # waiting for the worker (other prompts ahead)
-    prefill_s: float  # forward(s) + sampling + pinning
-
-
-
-def check_prompt_limits(request_id: str, n: int, generated: int, max_prompt_tokens: int, max_context: int) -> None:
-    """The prefill role's limits (a prefill worker's and a colocated worker's): a retried request may
-    carry the tokens it already streamed on top of a full-size prompt."""
-    if n == 0:
-        raise ValueError(f"request {request_id}: empty prompt")
-    if n > max_prompt_tokens + generated or n >= max_context:
-        raise ValueError(f"request {request_id}: prompt of {n} tokens exceeds this worker's limit "
-                         f"({max_prompt_tokens} prompt tokens, {max_context} context)")

@@ -1,4 +1,5 @@
-"""KV-cache handoff between a prefill pool and a decode pool over NIXL.
+"""The NIXL backend of the KV handoff between a prefill pool and a decode pool (the messages are in
+transfer/handle.py, which heads go where in transfer/sharding.py, UCX's settings in transfer/ucx.py).
 
 The prefill side (`KVExporter`) registers its paged KV pool with a NIXL agent once, and for each finished
 prompt pins the sequence's pages under a lease and hands out a `KVHandle`: everything the decode side
@@ -8,7 +9,7 @@ checks the layout hash before touching the network, then pulls exactly the neede
 allocated itself. Pulling (READ) rather than pushing (WRITE) lets decode admit a request only once it has
 the pages, so prefill never waits on decode's memory.
 
-Pool layout (FlashInfer NHD, shared with engine/kv_cache.py): one tensor per layer,
+Pool layout (FlashInfer NHD, engine/kv_cache.py's): one tensor per layer,
 `[num_pages, 2, page_size, kv_heads, head_dim]`, so one page of one layer is one contiguous block of
 `2 * page_size * kv_heads * head_dim * itemsize` bytes, and a transfer is a list of such blocks.
 Layers come in two page groups, "full" and "sliding"; a sliding-window layer only ever attends to the last
@@ -16,7 +17,7 @@ Layers come in two page groups, "full" and "sliding"; a sliding-window layer onl
 
 Tensor parallelism: each rank of a TPp prefill group holds only its KV heads, in its own pool behind its
 own NIXL agent, so a handle lists one `KVShard` per prefill rank. The layout hash deliberately leaves the
-TP shape out (it travels in `KVLayout.tp_size`): a TPd decode rank asks `kv_sharding.plan_kv_handoff`
+TP shape out (it travels in `KVLayout.tp_size`): a TPd decode rank asks `sharding.plan_kv_handoff`
 which prefill ranks hold its heads and READs exactly those heads' bytes from each (`page_copy_runs`),
 whole pages when both sides shard alike.
 
@@ -41,37 +42,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvrelay.engine.kv_sharding import HeadSlice, KVHandoffPlan, page_copy_runs, plan_kv_handoff
-
-from kvrelay.engine.kv_handle import (  # noqa: F401  (re-exported: the handoff API lives here)
-    GROUPS,
-    _TP_SHAPE,
-    layout_of,
-    KVTransferError,
-    KVLayoutMismatch,
-    KVLeaseExpired,
-    KVReadInFlight,
-    KVLayout,
-    live_blocks,
-    PageGroupDescriptor,
-    KVShard,
-    KVHandle,
-    TransferStats,
-)
+from kvrelay.engine.kv_geometry import GROUPS, live_pages
+from kvrelay.transfer.handle import (KVHandle, KVLayout, KVLayoutMismatch, KVLeaseExpired, KVReadInFlight, KVShard,
+                                     KVTransferError, PageGroupDescriptor, TransferStats)
+from kvrelay.transfer.sharding import HeadSlice, KVHandoffPlan, page_copy_runs, plan_kv_handoff
 
 
 @functools.lru_cache(maxsize=64)
 def _plan(q_heads: int, kv_heads: int, prefill_tp: int, decode_tp: int) -> KVHandoffPlan:
     return plan_kv_handoff(q_heads, kv_heads, prefill_tp, decode_tp)
-
-
-def configure_ucx(ucx_tls: str | None = None, net_devices: str | None = None) -> None:
-    """Set UCX's transports/devices for this process. UCX reads them once, when the first agent starts,
-    so this must run before any `nixl_agent` is created; explicit environment settings win."""
-    if ucx_tls:
-        os.environ.setdefault("UCX_TLS", ucx_tls)
-    if net_devices:
-        os.environ.setdefault("UCX_NET_DEVICES", net_devices)
 
 
 def _check_pools(layout: KVLayout, pools: Mapping[str, Sequence[torch.Tensor]]) -> None:
@@ -178,7 +157,7 @@ class KVExporter:
                 continue
             table = list(page_tables.get(group, ()))
             start = (first_blocks or {}).get(group, 0)
-            live = live_blocks(group, num_tokens, self.layout.page_size, self.layout.sliding_window)
+            live = live_pages(group, num_tokens, self.layout.page_size, self.layout.sliding_window)
             if live.start < start or live.stop > start + len(table):
                 raise ValueError(f"group {group!r}: page table covers logical pages [{start}, "
                                  f"{start + len(table)}) but {num_tokens} tokens need [{live.start}, {live.stop})")

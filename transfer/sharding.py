@@ -4,7 +4,7 @@ A TPp prefill group leaves each sequence's K/V split by KV head over its p ranks
 heads its query heads read, see `parallel.head_range`); a TPd decode group needs the same heads split
 over d ranks. With p != d (either direction) a decode rank's heads live on one or several prefill ranks,
 and a prefill rank's heads go to one or several decode ranks. This module answers that question once,
-as pure data, so the transfer code (NIXL descriptors in engine/kv_transfer.py) and the in-process tests
+as pure data, so the transfer code (NIXL descriptors in transfer/nixl.py) and the in-process tests
 use the same answer and each decode rank pulls exactly its own heads, never a whole peer's page.
 
 When ranks outnumber KV heads a head is replicated on several ranks; every copy is identical (the same

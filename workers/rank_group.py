@@ -4,7 +4,9 @@ Both roles run the same group plumbing, so it lives here rather than in either w
 never import each other): starting the followers in the worker's placement group, the process-group
 rendezvous, running one engine op on every rank in lockstep, health, and taking the whole worker down
 when its ranks stop agreeing. What each rank does with its shard (prefill and export, or import, pull
-and decode) stays in prefill_worker/ranks.py and decode_worker/ranks.py.
+and decode) stays in prefill_worker/ranks.py and decode_worker/ranks.py. Here, not in engine/: this is
+distribution over Ray actors (and the one place that takes a process down, `os._exit`), which the
+engine's model and runtime know nothing of.
 
 Every rank is its own Ray actor holding its shard of the model and its own KV pool behind its own NIXL
 agent. The leader alone talks to the router, decides what runs and samples (the model all-gathers
@@ -15,7 +17,7 @@ then runs it itself, so the collectives inside the forward meet; it waits for al
 next op. Followers therefore see ops in the leader's order and, since every rank's page allocator
 starts empty and sees the same calls, hand out the same page ids (checked by the callers, not assumed).
 
-Ray and torch are imported inside the functions: the engine is importable (and unit-tested) without a
+Ray is imported inside the functions: the roles' modules are importable (and unit-tested) without a
 Ray runtime.
 """
 
@@ -26,10 +28,11 @@ import socket
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
 from kvrelay.engine.kv_cache import OutOfPages
+from kvrelay.transfer import ucx
+from kvrelay.workers.messages import WorkerStatus
 
 T = TypeVar("T")
 # Errors the Runner raises while checking a call, before any collective (bad ids, unknown or duplicate
@@ -38,23 +41,7 @@ REQUEST_ERRORS: tuple[type[BaseException], ...] = (ValueError, LookupError, OutO
 STARTUP_S = 300.0
 # Forwarded to the follower actors: UCX picks its transports once per process, and Ray's own listeners
 # must stay on loopback in the followers exactly as in the leader.
-_FORWARDED_ENV = ("UCX_TLS", "UCX_NET_DEVICES", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
-
-
-@dataclass(frozen=True)
-class RankStatus:
-    """`kvrelay status` row of a follower rank."""
-
-    rank: int  # the worker's index in its pool
-    tp_rank: int
-    tp_size: int
-    pid: int
-    node: str
-    healthy: bool
-    pages_in_use: dict[str, int]
-    pages_total: dict[str, int]
-    agent: str
-    role: str
+_FORWARDED_ENV = (*ucx.ENV_KEYS, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
 
 
 def node_name() -> str:
@@ -65,48 +52,6 @@ def node_name() -> str:
     except Exception:  # outside Ray (unit tests)
         node = "local"
     return f"{socket.gethostname()}/{node}"
-
-
-def load_runner(model, *, device: str, page_size: int, kv_tokens: int, shard=None,
-                graph_sizes: tuple[int, ...] | None = None):
-    """The engine Runner a worker serves: `model` is the topology's model section (name, dummy, seed,
-    quant), `shard` this rank's ParallelContext in a TP group (None: the whole model), with a pool of
-    `kv_tokens` positions per group. Both roles must use the same page size for pages to be copyable.
-    `graph_sizes`: the decode batch sizes captured as CUDA graphs (None: the engine's default; () none)."""
-    import torch
-
-    from kvrelay.engine.runner import Runner
-
-    extra: dict[str, Any] = {} if shard is None else {"shard": shard}
-    if graph_sizes is not None:
-        extra.update(cuda_graphs=bool(graph_sizes), cuda_graph_batch_sizes=tuple(graph_sizes))
-    return Runner.load(model.name, dummy=model.dummy, seed=model.seed,
-                       device="cuda" if device == "cuda" else "cpu", dtype=torch.bfloat16,
-                       quant=model.quant, page_size=page_size, num_pages=-(-kv_tokens // page_size), **extra)
-
-
-def load_sized_runner(model, *, device: str, page_size: int, fraction: float, max_seqs: int,
-                      chunk_tokens: int, max_tokens: int, need_tokens: int, key: str,
-                      graph_sizes: tuple[int, ...] | None = None, log=None):
-    """A single-rank Runner whose KV pool is sized after its weights (engine/memory.py): loaded with a
-    pool just big enough to profile one `chunk_tokens` forward, then resized to the measured budget and
-    its decode graphs captured. On CPU the pool holds `max_tokens` positions (the old rule). Raises
-    memory.KVDoesNotFit naming `key` when one `need_tokens` request would not fit."""
-    from kvrelay.engine.memory import plan_cuda_pool
-
-    if device != "cuda":
-        return load_runner(model, device=device, page_size=page_size, kv_tokens=max_tokens,
-                           graph_sizes=graph_sizes)
-    profile_tokens = chunk_tokens + 2 * page_size
-    runner = load_runner(model, device=device, page_size=page_size, kv_tokens=profile_tokens,
-                         graph_sizes=graph_sizes)
-    plan = plan_cuda_pool(runner, fraction=fraction, max_seqs=max_seqs, chunk_tokens=chunk_tokens,
-                          max_tokens=max_tokens, need_tokens=need_tokens, key=key)
-    runner.resize_kv(plan.pages)
-    runner.warmup()
-    if log is not None:
-        log(plan.describe())
-    return runner
 
 
 def join_group(device: str, tp_rank: int, tp_size: int, port: int, *, expert_parallel: bool = True):
@@ -307,12 +252,14 @@ class FollowerRank:
     def health(self) -> bool:
         return not self._stopped
 
-    def status(self) -> RankStatus:
+    def status(self) -> WorkerStatus:
         with self._lock:
             free = self.runner.free_pages()
             total = {g: a.num_pages for g, a in self.runner.kv.allocators.items()}
-        return RankStatus(self.worker, self.tp_rank, self.tp_size, os.getpid(), node_name(), not self._stopped,
-                          {g: total[g] - free[g] for g in total}, total, self.transfer.agent_name, self.role)
+        return WorkerStatus(role=self.role, rank=self.worker, tp_rank=self.tp_rank, tp_size=self.tp_size,
+                            pid=os.getpid(), node=node_name(), healthy=not self._stopped,
+                            pages_in_use={g: total[g] - free[g] for g in total}, pages_total=total,
+                            agent=self.transfer.agent_name)
 
     def shutdown(self) -> None:
         self._stopped = True
