@@ -186,6 +186,9 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None, rate_limit: Ra
     from kvrelay.router import tokenizer_api
 
     tokenizer_api.add_routes(app, core, check_model, _prompt_ids)
+    from kvrelay.router import responses
+
+    responses.add_routes(app, core, check_model)
     return app
 
 

@@ -19,7 +19,7 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-LIMITED_HTTP_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+LIMITED_HTTP_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 LIMITED_GRPC_METHODS = frozenset({"/kvrelay.v1.Router/Generate", "/kvrelay.v1.Router/Chat"})
 
 
