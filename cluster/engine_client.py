@@ -38,12 +38,14 @@ from kvrelay.router.engine_client import flatten
 log = logging.getLogger("kvrelay.requests")
 
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
-QUEUE_S = Histogram("kvrelay_queue_seconds", "Admission wait + prefill queue per request", buckets=_BUCKETS)
-PREFILL_S = Histogram("kvrelay_prefill_seconds", "Prefill forward + first token per request", buckets=_BUCKETS)
+# vLLM's request_queue_time_seconds and request_prefill_time_seconds; time to first token and inter-token
+# latency are the router's (router/metrics.py), measured for every engine client alike.
+QUEUE_S = Histogram("kvrelay_request_queue_time_seconds", "Admission wait + prefill queue per request",
+                    buckets=_BUCKETS)
+PREFILL_S = Histogram("kvrelay_request_prefill_time_seconds", "Prefill forward + first token per request",
+                      buckets=_BUCKETS)
 KV_TRANSFER_S = Histogram("kvrelay_kv_transfer_seconds", "NIXL READ of a request's KV", buckets=_BUCKETS)
 KV_BYTES = Counter("kvrelay_kv_transfer_bytes", "KV bytes moved prefill -> decode")
-TTFT_S = Histogram("kvrelay_ttft_seconds", "Time to first token", buckets=_BUCKETS)
-TPOT_S = Histogram("kvrelay_tpot_seconds", "Mean time per output token after the first", buckets=_BUCKETS)
 REQUESTS = Counter("kvrelay_requests", "Finished requests", ["outcome"])
 RETRIES = Counter("kvrelay_request_retries", "Requests re-prefilled on another worker pair, by cause", ["cause"])
 
@@ -487,14 +489,27 @@ class DisaggregatedEngineClient:
             tpot_s=tpot, decode_tokens_per_s=(n - 1) / span if span > 0 else 0.0, retries=acc.retries,
             prefill_worker=acc.prefill_worker, decode_worker=acc.decode_worker)
         QUEUE_S.observe(m.queue_s)
-        TTFT_S.observe(ttft)
-        if n > 1:
-            TPOT_S.observe(tpot)
         log.info("request %s metrics %s", request_id, m.to_json())
         return m
 
     def dead_workers(self) -> list[tuple[str, int]]:
         return [(w.role, w.rank) for w in self.prefill + self.decode if w.dead]
+
+    @property
+    def draining(self) -> bool:
+        """Shutting down: not ready for new requests (/health/ready)."""
+        return self._draining
+
+    async def gauges(self) -> dict:
+        """What /metrics reads at scrape time (router/metrics.refresh): the admission line's length and
+        each live decode worker's share of KV pages in use."""
+        live = [w for w in self.decode if not w.dead]
+        stats = await asyncio.gather(*(w.actor.status.remote() for w in live), return_exceptions=True)
+        usage = {}
+        for w, st in zip(live, stats):
+            if not isinstance(st, BaseException) and sum(st.pages_total.values()):
+                usage[f"decode-{w.rank}"] = sum(st.pages_in_use.values()) / sum(st.pages_total.values())
+        return {"waiting": self.admission.waiting, "kv_cache_usage": usage}
 
     async def drain(self, timeout_s: float) -> bool:
         """Refuse new requests and wait for the in-flight ones; True if all finished in time."""

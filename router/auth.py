@@ -17,7 +17,9 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-OPEN_GRPC_METHODS = frozenset({"/kvrelay.v1.Router/Health"})
+# Probes: kvrelay's own Health and the standard grpc.health.v1 service (router/health.py).
+OPEN_GRPC_METHODS = frozenset({"/kvrelay.v1.Router/Health", "/grpc.health.v1.Health/Check",
+                               "/grpc.health.v1.Health/Watch"})
 
 
 class ApiKeyError(ValueError):

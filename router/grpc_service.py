@@ -13,7 +13,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from kvrelay.router import harmony
+from kvrelay.router import harmony, health
 from kvrelay.router.engine_client import EngineOverloaded
 from kvrelay.router.service import RouterCore, encode_prompt_text
 from kvrelay.router.types import (
@@ -173,7 +173,8 @@ class RouterServicer(pb_grpc.RouterServicer):
                 yield chat_step_to_proto(prep.request_id, step)
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
-        return pb.HealthResponse(serving=True, model=self.core.model_name)
+        # serving: ready for requests (router/health.py), as /health/ready and grpc.health.v1 answer.
+        return pb.HealthResponse(serving=health.readiness(self.core.engine).ready, model=self.core.model_name)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         chat = request.HasField("chat") and len(request.chat.messages) > 0

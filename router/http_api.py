@@ -24,7 +24,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvrelay.router import harmony, limits
+from kvrelay.router import metrics as router_metrics
 from kvrelay.router.auth import ApiKeys, install_http
+from kvrelay.router.health import readiness
 from kvrelay.router.limits import RateLimiter
 from kvrelay.router.engine_client import EngineOverloaded
 from kvrelay.router.http_models import ChatCompletionRequest, CompletionRequest
@@ -66,6 +68,7 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None, rate_limit: Ra
     # The middleware added last runs first: the key check, then the rate limit (only valid keys count).
     limits.install_http(app, rate_limit)
     install_http(app, api_keys or ApiKeys())
+    router_metrics.install_http(app)  # outermost: counts the key check's and the rate limit's refusals too
 
     @app.exception_handler(ValidationError)
     async def _invalid(_: Request, exc: ValidationError) -> JSONResponse:
@@ -120,17 +123,15 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None, rate_limit: Ra
 
     @app.get("/health/ready")
     async def ready() -> Any:
-        """Every worker behind the router is alive (a readiness probe stops sending traffic otherwise)."""
-        dead = list(getattr(core.engine, "dead_workers", lambda: [])())
-        if dead:
-            return JSONResponse({"status": "not ready", "dead_workers": [f"{r} {i}" for r, i in dead]},
-                                status_code=503)
-        return {"status": "ready", "model": core.model_name}
+        """Every worker behind the router is up and it is not shutting down (router/health.py)."""
+        state = readiness(core.engine)
+        return JSONResponse(state.body(core.model_name), status_code=200 if state.ready else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        # Prometheus text format of the process's default registry: the per-request histograms the
-        # engine client records (queue, prefill, KV transfer, TTFT, time per output token) live there.
+        # Prometheus text format of the process's default registry (router/metrics.py, docs/metrics.md);
+        # the gauges the workers hold are read now.
+        await router_metrics.refresh(core.engine)
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

@@ -16,12 +16,15 @@ from typing import Callable, Sequence
 
 import grpc
 import uvicorn
+from grpc_health.v1 import health_pb2_grpc
 
 from kvrelay.router.auth import ApiKeys, GrpcKeyInterceptor
 from kvrelay.router.engine_client import EngineClient
 from kvrelay.router.grpc_service import RouterServicer
 from kvrelay.router.http_api import create_app
+from kvrelay.router.health import HealthServicer
 from kvrelay.router.limits import GrpcRateLimitInterceptor, RateLimiter, TlsFiles
+from kvrelay.router.metrics import GrpcErrorInterceptor
 from kvrelay.router.parser import new_call_id
 from kvrelay.router.service import RouterCore, utc_today
 from kvrelay.v1 import router_pb2_grpc as pb_grpc
@@ -62,6 +65,7 @@ class RouterServer:
         self._http_task: asyncio.Task[None] | None = None
         self.grpc_port = 0
         self.http_port = 0
+        self.health: HealthServicer | None = None
 
     @property
     def grpc_target(self) -> str:
@@ -77,10 +81,14 @@ class RouterServer:
         # beside a 2.7 MB prompt); at 1 ms it stays a few ms. The router process favours the loop's latency.
         sys.setswitchinterval(min(sys.getswitchinterval(), 0.001))
         # The key check runs first: a call without a valid key is refused before it counts against a limit.
-        interceptors = ([GrpcKeyInterceptor(self.api_keys)] if self.api_keys else []) + (
+        # Errors are counted first, so the key check's and the rate limit's refusals count too.
+        interceptors = [GrpcErrorInterceptor()] + ([GrpcKeyInterceptor(self.api_keys)] if self.api_keys else []) + (
             [GrpcRateLimitInterceptor(self.rate_limit)] if self.rate_limit else [])
-        self._grpc = grpc.aio.server(interceptors=interceptors or None)
+        self._grpc = grpc.aio.server(interceptors=interceptors)
         pb_grpc.add_RouterServicer_to_server(RouterServicer(self.core), self._grpc)
+        self.health = HealthServicer(self.core.engine)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
+        await self.health.start()
         address = f"{self.host}:{self._grpc_port_requested}"
         if self.tls:
             cert, key = self.tls.read()
@@ -111,6 +119,8 @@ class RouterServer:
         log.info("router serving %s: gRPC %s, HTTP %s", self.core.model_name, self.grpc_target, self.http_url)
 
     async def stop(self) -> None:
+        if self.health is not None:
+            await self.health.stop()
         if self._http is not None and self._http_task is not None:
             self._http.should_exit = True
             await self._http_task

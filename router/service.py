@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, TypeVar
 
 from openai_harmony import HarmonyError
-from prometheus_client import Counter, Gauge
 
 from kvrelay.engine.sampling import SamplingParams
 from kvrelay.router import harmony, validation
 from kvrelay.router.engine_client import EngineClient, flatten, token_batches
+from kvrelay.router.metrics import RequestTimer
 from kvrelay.router.parser import Detokenizer, HarmonyStreamParser, new_call_id
 from kvrelay.router.stop import StopStrings
 from kvrelay.router.types import ChatRequest, ContentDelta, Delta, FinishReason, GenerateRequest, TokenStep, Usage
@@ -33,13 +33,6 @@ from kvrelay.router.validation import ValidationError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-# As vLLM exposes them (num_requests_running, prompt_tokens_total, generation_tokens_total), so dashboards
-# built for it read these with a renamed prefix.
-RUNNING = Gauge("kvrelay_num_requests_running", "Requests streaming now (router view)")
-PROMPT_TOKENS = Counter("kvrelay_prompt_tokens", "Prompt tokens of requests sent to the engine")
-GENERATION_TOKENS = Counter("kvrelay_generation_tokens", "Tokens the engine generated")
 
 
 def utc_today() -> str:
@@ -164,8 +157,7 @@ class RouterCore:
         further behind."""
         output = _Output(prep, self._call_id)
         self._in_flight.add(prep.request_id)
-        RUNNING.inc()
-        PROMPT_TOKENS.inc(len(prep.prompt_ids))
+        timer = RequestTimer(len(prep.prompt_ids))  # vLLM's request metrics (router/metrics.py)
         engine_done = released = False
         produced = 0
         tokens = token_batches(self.engine, prep.request_id, list(prep.prompt_ids), prep.params)
@@ -195,7 +187,8 @@ class RouterCore:
                         continue
                     deltas += output.finish()
                     reason = output.finish_reason(out.finish_reason)
-                    GENERATION_TOKENS.inc(len(steps) + 1)
+                    timer.tokens(len(steps) + 1)
+                    timer.finish(reason)
                     if not engine_done:
                         await release()  # the router stopped it: free the KV now, not after the client write
                     metrics = getattr(out, "metrics", None)
@@ -206,15 +199,17 @@ class RouterCore:
                     yield steps
                     return
                 if steps:
-                    GENERATION_TOKENS.inc(len(steps))
+                    timer.tokens(len(steps))
                     yield steps
             # The engine ran dry without naming a reason; close the stream ourselves.
             engine_done = True
             tail = tuple(output.finish())
-            yield [TokenStep(None, None, tail, output.finish_reason(None), Usage(len(prep.prompt_ids), produced))]
+            reason = output.finish_reason(None)
+            timer.finish(reason)
+            yield [TokenStep(None, None, tail, reason, Usage(len(prep.prompt_ids), produced))]
         finally:
             self._in_flight.discard(prep.request_id)
-            RUNNING.dec()
+            timer.finish(None)  # failed or abandoned (a no-op after a finish)
             if not released:
                 await release()
 

@@ -100,6 +100,24 @@ def test_final_item_carries_request_metrics(running):
     assert after - before == m.kv_bytes
 
 
+def test_gauges_read_from_the_workers(running):
+    """What /metrics reads at scrape time: a streaming request's pages show on its decode worker."""
+    client = running.cluster.engine_client()
+
+    async def go():
+        during, n = None, 0
+        async for _ in client.generate("gauges-1", prompt_of(100), SamplingParams(max_tokens=64, temperature=0)):
+            n += 1
+            if n == 3:  # decoding on its decode worker (the first token came from the prefill one)
+                during = await client.gauges()
+        return during, await client.gauges()
+
+    during, after = asyncio.run(go())
+    assert set(during["kv_cache_usage"]) == {"decode-0", "decode-1"} and during["waiting"] == 0
+    assert max(during["kv_cache_usage"].values()) > 0, during
+    assert after["kv_cache_usage"] == {"decode-0": 0.0, "decode-1": 0.0}, after
+
+
 def test_32_concurrent_streams_equal_their_solo_runs(running, reference):
     lengths = [1, 2, 7, 8, 9, 15, 16, 17, 33, 64, 100, 150, 200, 260, 300, 5] * 2
     jobs = [(prompt_of(n, i), 8 + (i * 7) % 33) for i, n in enumerate(lengths)]
