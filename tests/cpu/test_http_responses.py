@@ -6,6 +6,7 @@ token for token with openai-harmony's own rendering of the conversation we expec
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -307,6 +308,38 @@ def test_encrypted_reasoning_round_trips_without_the_store(client, engine) -> No
                                          _assistant("Need the weather.", "analysis"), _call(), _result("21"))
 
 
+def test_engine_failure_mid_stream_is_response_failed(client, engine) -> None:
+    def failing(prompt):
+        yield from TOOL_CALL[:6]
+        raise RuntimeError("decode worker died")
+
+    engine.scripts = [failing]
+    with client.responses.stream(model=MODEL, input="hi") as stream:
+        events = list(stream)
+    last = events[-1]
+    assert last.type == "response.failed" and last.response.status == "failed"
+    assert last.response.error.code == "server_error" and "decode worker died" in last.response.error.message
+    (item,) = last.response.output  # what was written before the failure, closed as incomplete
+    assert (item.type, item.status, item.content[0].text) == ("reasoning", "incomplete", "Need the weather")
+    with pytest.raises(openai.InternalServerError):
+        client.responses.create(model=MODEL, input="hi")
+
+
+def test_client_going_away_aborts_the_engine_request(client, engine) -> None:
+    engine.scripts, engine.token_delay_s = [FINAL * 50], 0.01
+    try:
+        with client.responses.stream(model=MODEL, input="hi") as stream:
+            response_id = next(iter(stream)).response.id
+        deadline = time.monotonic() + 10
+        while response_id not in engine.aborted and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert response_id in engine.aborted
+    finally:
+        engine.token_delay_s = 0.0
+    with pytest.raises(openai.BadRequestError):  # an aborted response is not stored
+        client.responses.create(model=MODEL, input="x", previous_response_id=response_id)
+
+
 # ---- the store -------------------------------------------------------------------------------------
 
 
@@ -320,8 +353,8 @@ def test_retrieve_and_delete_stored_responses(client, engine, server) -> None:
             call()
     r = _post(server, {"model": MODEL, "input": "x", "previous_response_id": resp.id})
     assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
-    assert httpx.get(f"{server.http_url}/v1/responses/{resp.id}?stream=true").json()["error"]["param"] in (
-        "stream", "response_id")
+    r = httpx.get(f"{server.http_url}/v1/responses/{resp.id}?stream=true")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
 
 
 def test_store_bounds_entries_characters_and_age() -> None:
