@@ -89,6 +89,10 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None, rate_limit: Ra
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and isinstance(exc.__cause__, UnicodeDecodeError):
+            # FastAPI's "There was an error parsing the body": bytes that are not UTF-8 text cannot be JSON.
+            return JSONResponse(error_body(f"body: not valid JSON: not UTF-8 text ({exc.__cause__})", param="body"),
+                                status_code=400)
         return JSONResponse(error_body(str(exc.detail), type_="not_found_error" if exc.status_code == 404 else "invalid_request_error"),
                             status_code=exc.status_code)
 
