@@ -13,19 +13,23 @@ handles cross Ray.
 Per request: reserve pages on the decode worker with the most free budget (so a prompt is never
 prefilled for a decode side that cannot take it), prefill on the worker with the fewest queued prompt
 tokens (the same actor when colocated), stream the first token at once, then the decode worker's tokens. If a worker dies (or
-the lease expired), the request is re-prefilled with prompt + tokens already streamed on a healthy pair
-and continues without a gap or a repeat; when no healthy pair is left it fails with `EngineUnavailable`.
+the lease expired, or a KV pull failed), the request is re-prefilled with prompt + tokens already streamed
+on a healthy pair and continues without a gap or a repeat. When no pair is live (the only one died), it
+waits up to `resume_timeout_s` for the supervisor's replacement (cluster/supervisor.py swaps it in with
+`replace_worker`) and resumes there; past that bound it fails with `EngineUnavailable` (HTTP 503 /
+an in-band error event / gRPC UNAVAILABLE). New requests wait for a live pair the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from prometheus_client import Counter, Histogram
@@ -33,7 +37,7 @@ from prometheus_client import Counter, Histogram
 from kvrelay.cluster.admission import AdmissionQueue, AdmissionTimeout
 from kvrelay.transfer.handle import KVLayoutMismatch, KVTransferError
 from kvrelay.engine.sampling import SamplingParams, TokenOutput
-from kvrelay.router.engine_client import flatten
+from kvrelay.router.engine_client import EngineUnavailable, flatten
 
 log = logging.getLogger("kvrelay.requests")
 
@@ -50,17 +54,27 @@ REQUESTS = Counter("kvrelay_requests", "Finished requests", ["outcome"])
 RETRIES = Counter("kvrelay_request_retries", "Requests re-prefilled on another worker pair, by cause", ["cause"])
 
 
-class EngineUnavailable(RuntimeError):
-    """No healthy worker pair can serve the request (all died, or the cluster is draining)."""
+__all__ = ["DisaggregatedEngineClient", "EngineUnavailable", "RequestMetrics", "ClusterTokenOutput"]
 
 
 class _Retry(Exception):
     """An attempt failed in a way a fresh attempt on other workers can fix. `cause` labels the
-    re-prefill in /metrics (kvrelay_request_retries{cause=...})."""
+    re-prefill in /metrics (kvrelay_request_retries{cause=...}); `worker` is the one that failed (the
+    re-prefill is counted against it in `kvrelay status`)."""
 
-    def __init__(self, message: str, cause: str):
+    def __init__(self, message: str, cause: str, worker: "_Worker | None" = None):
         super().__init__(message)
         self.cause = cause
+        self.role = worker.role if worker is not None else ""
+        self.rank = worker.rank if worker is not None else -1
+
+
+class _NoLiveWorker(_Retry):
+    """No live worker of a role right now (they died, replacements are loading): wait for one, within
+    the resume bound, then try again. Nothing was prefilled for it, so it is no re-prefill."""
+
+    def __init__(self, message: str):
+        super().__init__(message, "")
 
 
 class _Aborted(Exception):
@@ -75,6 +89,7 @@ class _Channel:
     id: str
     queues: dict = field(default_factory=dict)  # attempt id -> asyncio.Queue of token events
     task: object = None
+    worker: object = None  # the _Worker it streams from
 
 
 @dataclass(frozen=True)
@@ -139,7 +154,8 @@ class DisaggregatedEngineClient:
     def __init__(self, prefill_actors: Sequence[object], decode_actors: Sequence[object], *,
                  model_name: str, max_context: int, vocab_size: int | None = None, max_retries: int = 2,
                  admission_timeout_s: float = 60.0, stall_check_s: float = 10.0, colocated: bool = False,
-                 policy: str = "least-loaded", max_waiting: int = 1024):
+                 policy: str = "least-loaded", max_waiting: int = 1024, resume_timeout_s: float = 120.0,
+                 on_worker_dead: Callable[[str, int], None] | None = None):
         self.prefill = [_Worker("prefill", i, a) for i, a in enumerate(prefill_actors)]
         self.decode = [_Worker("decode", i, a) for i, a in enumerate(decode_actors)]
         self._model_name = model_name
@@ -147,6 +163,11 @@ class DisaggregatedEngineClient:
         if vocab_size is not None:
             self.vocab_size = vocab_size
         self.max_retries = max_retries
+        # How long a request whose workers died waits for a live (or replacement) pair before it fails.
+        self.resume_timeout_s = resume_timeout_s
+        # Told of every worker this client finds dead (the supervisor replaces it); from any thread.
+        self.on_worker_dead = on_worker_dead
+        self.reprefills: collections.Counter[tuple[str, int, str]] = collections.Counter()  # (role, rank, cause)
         self.admission_timeout_s = admission_timeout_s
         self.stall_check_s = stall_check_s
         # Colocated: prefill[i] and decode[i] are one actor, so a request's pair is always (i, i) and its
@@ -189,12 +210,15 @@ class DisaggregatedEngineClient:
         acc = _Acc()
         t0 = time.perf_counter()
         streamed: list[int] = []
+        deadline = time.monotonic() + self.resume_timeout_s  # for a live pair; renewed at each failure
+        failures = 0
         self._in_flight += 1
         self._idle.clear()
         outcome = "error"
         try:
             for attempt in itertools.count():
                 try:
+                    await self._until_live(request_id, deadline)
                     # aclosing: if our consumer goes away mid-stream, the attempt's cleanup (abort on
                     # decode, lease release on prefill) runs now, not whenever the GC finalises it.
                     attempt_stream = self._attempt(request_id, attempt, list(prompt_ids), streamed, params, acc)
@@ -219,12 +243,17 @@ class DisaggregatedEngineClient:
                     if request_id in self._aborted:
                         outcome = "aborted"
                         return
-                    if attempt >= self.max_retries:
-                        raise EngineUnavailable(f"request {request_id}: gave up after {attempt + 1} "
+                    if isinstance(e, _NoLiveWorker):  # nothing prefilled: wait for a worker, no re-prefill
+                        continue
+                    failures += 1
+                    if failures > self.max_retries:
+                        raise EngineUnavailable(f"request {request_id}: gave up after {failures} failed "
                                                 f"attempts; last failure: {e}") from None
                     acc.retries += 1
                     RETRIES.labels(e.cause).inc()
-                    log.warning("request %s: %s; re-prefilling %d + %d tokens on another pair",
+                    self.reprefills[(e.role, e.rank, e.cause)] += 1
+                    deadline = time.monotonic() + self.resume_timeout_s
+                    log.warning("request %s: %s; re-prefilling %d + %d tokens on a live or replacement pair",
                                 request_id, e, len(prompt_ids), len(streamed))
         finally:
             REQUESTS.labels(outcome).inc()
@@ -267,8 +296,9 @@ class DisaggregatedEngineClient:
             try:
                 res = await prefill.actor.prefill.remote(attempt_id, full, params, done)
             except ray.exceptions.RayActorError as e:
-                prefill.dead = True
-                raise _Retry(f"prefill worker {prefill.rank} died ({type(e).__name__})", "prefill_died") from None
+                self._mark_dead(prefill)
+                raise _Retry(f"prefill worker {prefill.rank} died ({type(e).__name__})", "prefill_died",
+                             prefill) from None
             finally:
                 prefill.queued_tokens -= len(full)
             acc.queue_s += res.queue_s
@@ -285,7 +315,7 @@ class DisaggregatedEngineClient:
             try:
                 # Penalties count every token generated so far, including the ones a failed attempt sent.
                 pull = await self._start(decode, attempt_id, handle, res.first.token_id, done + 1, params,
-                                         prefill.actor, channel.id, tuple(streamed[:done]) if params.penalized else ())
+                                         prefill, channel.id, tuple(streamed[:done]) if params.penalized else ())
                 if pull is None:  # released during the pull (aborted)
                     return
                 handle = None  # decode owns the lease now (it released it after the pull)
@@ -323,8 +353,8 @@ class DisaggregatedEngineClient:
         """This client's channel to decode worker `w`: one Ray stream carrying every request's tokens,
         one message per decode step, demultiplexed here into per-request queues."""
         ch = self._channels.get(w.rank)
-        if ch is None or ch.task.done():
-            ch = _Channel(f"{id(self):x}-{w.rank}-{next(self._turn)}")
+        if ch is None or ch.task.done() or ch.worker is not w:  # a replaced worker gets a channel of its own
+            ch = _Channel(f"{id(self):x}-{w.rank}-{next(self._turn)}", worker=w)
             ch.task = asyncio.ensure_future(self._pump(w, ch))
             self._channels[w.rank] = ch
         return ch
@@ -340,7 +370,7 @@ class DisaggregatedEngineClient:
                     if q is not None:
                         q.put_nowait((token, logprob, reason, error, top))
         except ray.exceptions.RayActorError:
-            w.dead = True
+            self._mark_dead(w)
         except Exception as e:  # the channel broke: every request on it must learn it, not wait
             log.warning("token channel to decode %d failed: %r", w.rank, e)
         finally:
@@ -348,21 +378,21 @@ class DisaggregatedEngineClient:
                 q.put_nowait(_CHANNEL_GONE)
 
     async def _start(self, decode: _Worker, attempt_id: str, handle, first: int, generated: int,
-                     params: SamplingParams, prefill_actor, channel_id: str, history: tuple[int, ...] = ()):
+                     params: SamplingParams, prefill: _Worker, channel_id: str, history: tuple[int, ...] = ()):
         import ray
 
         try:
-            return await decode.actor.start.remote(attempt_id, handle, first, generated, params, prefill_actor,
+            return await decode.actor.start.remote(attempt_id, handle, first, generated, params, prefill.actor,
                                                    channel_id, history)
         except ray.exceptions.RayActorError as e:
-            decode.dead = True
-            raise _Retry(f"decode worker {decode.rank} died ({type(e).__name__})", "decode_died") from None
+            self._mark_dead(decode)
+            raise _Retry(f"decode worker {decode.rank} died ({type(e).__name__})", "decode_died", decode) from None
         except ray.exceptions.RayTaskError as e:
             # An expired lease, a READ that failed (the prefill worker died under it) or a prefill worker
             # gone before the pull was confirmed: prefill again and pull fresh pages. A layout mismatch
             # would only recur.
             if isinstance(e.cause, KVTransferError) and not isinstance(e.cause, KVLayoutMismatch):
-                raise _Retry(str(e.cause), "kv_transfer") from None
+                raise _Retry(str(e.cause), "kv_transfer", prefill) from None
             raise e.cause if isinstance(e.cause, Exception) else e from None
 
     async def _next(self, queue: asyncio.Queue, decode: _Worker) -> list[TokenOutput]:
@@ -376,14 +406,15 @@ class DisaggregatedEngineClient:
             except asyncio.TimeoutError:
                 # No token for a while: a busy worker answers a ping, a hung or gone one does not.
                 if not await self._alive(decode):
-                    raise _Retry(f"decode worker {decode.rank} stopped answering", "decode_unresponsive") from None
+                    raise _Retry(f"decode worker {decode.rank} stopped answering", "decode_unresponsive",
+                                 decode) from None
         while not queue.empty():
             items.append(queue.get_nowait())
         out = []
         for item in items:
             if item is _CHANNEL_GONE:
                 if decode.dead or not await self._alive(decode):
-                    raise _Retry(f"decode worker {decode.rank} died", "decode_died")
+                    raise _Retry(f"decode worker {decode.rank} died", "decode_died", decode)
                 raise EngineUnavailable(f"the token channel to decode worker {decode.rank} broke")
             token, logprob, reason, error, top = item
             if error == "aborted":
@@ -398,14 +429,69 @@ class DisaggregatedEngineClient:
             await asyncio.wait_for(asyncio.wrap_future(worker.actor.health.remote().future()), timeout=5.0)
             return True
         except Exception:
-            worker.dead = True
+            self._mark_dead(worker)
             return False
+
+    # ---- the pool: deaths, replacements ------------------------------------------------------
+    def _mark_dead(self, w: _Worker) -> None:
+        """Route nothing more to `w` and tell the supervisor (once per worker object). Colocated, the
+        prefill and decode entries of a rank are one actor: both go."""
+        pair = [w]
+        if self.colocated:
+            other = (self.decode if w.role == "prefill" else self.prefill)[w.rank]
+            if other.actor is w.actor:
+                pair.append(other)
+        newly = [x for x in pair if not x.dead]
+        for x in pair:
+            x.dead = True
+        if newly and self.on_worker_dead is not None:
+            try:
+                self.on_worker_dead(w.role, w.rank)
+            except Exception as e:  # the supervisor's own checks find it anyway
+                log.warning("telling the supervisor of %s %d failed: %r", w.role, w.rank, e)
+
+    def replace_worker(self, role: str, rank: int, actor: object) -> None:
+        """Swap a replacement actor into the pool (thread-safe: one list item assignment per role; the
+        event loop sees either the dead entry or the new one). Requests waiting for a live pair pick it
+        up; attempts still holding the old entry keep seeing it dead."""
+        roles = ("prefill", "decode") if self.colocated or role == "colocated" else (role,)
+        for r in roles:
+            pool = self.prefill if r == "prefill" else self.decode
+            pool[rank] = _Worker(r, rank, actor)
+
+    def _missing_role(self) -> str | None:
+        """The role with no live worker (None when a live pair exists)."""
+        if self.colocated:
+            live = any(not p.dead and not d.dead for p, d in zip(self.prefill, self.decode))
+            return None if live else "colocated"
+        for role, pool in (("prefill", self.prefill), ("decode", self.decode)):
+            if all(w.dead for w in pool):
+                return role
+        return None
+
+    async def _until_live(self, request_id: str, deadline: float) -> None:
+        """Return once a live prefill + decode pair exists; EngineUnavailable at `deadline`, or at once
+        when no supervisor replaces dead workers (nothing would come back). Polled: this only runs while
+        every worker of a role is down (a replacement loads its weights meanwhile)."""
+        while (role := self._missing_role()) is not None:
+            if self._draining:
+                raise EngineUnavailable("the cluster is shutting down; not accepting new requests")
+            dead = ", ".join(f"{r} {i}" for r, i in self.dead_workers())
+            if self.on_worker_dead is None:
+                raise EngineUnavailable(f"request {request_id}: no live {role} worker (down: {dead}; "
+                                        "no supervisor replaces them)")
+            if time.monotonic() >= deadline:
+                raise EngineUnavailable(f"request {request_id}: no live {role} worker within "
+                                        f"{self.resume_timeout_s:g} s (router.resume_timeout_s; down: {dead}; "
+                                        "replacements are starting)",
+                                        retry_after_s=max(1, min(30, round(self.resume_timeout_s / 4))))
+            await asyncio.sleep(0.05)
 
     # ---- placement ---------------------------------------------------------------------------
     def _pick_prefill(self) -> _Worker:
         live = [w for w in self.prefill if not w.dead]
         if not live:
-            raise EngineUnavailable("no live prefill worker")
+            raise _NoLiveWorker("no live prefill worker")
         if self.policy == "round-robin":
             w = live[next(self._turn) % len(live)]
         else:  # least-loaded: fewest prompt tokens in flight, then the longest unused
@@ -443,7 +529,7 @@ class DisaggregatedEngineClient:
 
         live = [w for w in self.decode if not w.dead]
         if not live:
-            raise EngineUnavailable("no live decode worker")
+            raise _NoLiveWorker("no live decode worker")
         if len(live) == 1 or self.policy == "round-robin":
             # Nothing to rank (or no ranking wanted): skip the load round trips, try in turn.
             k = next(self._turn) % len(live)
@@ -457,7 +543,7 @@ class DisaggregatedEngineClient:
                 await w.actor.reserve.remote(attempt_id, prompt_tokens, max_tokens)
                 return w
             except ray.exceptions.RayActorError:
-                w.dead = True
+                self._mark_dead(w)
             except ray.exceptions.RayTaskError as e:
                 cause = e.cause if isinstance(e.cause, AdmissionRefused) else None
                 if cause is None:
@@ -474,7 +560,7 @@ class DisaggregatedEngineClient:
             free, admitted = await w.actor.load.remote()
             return free, admitted, w
         except ray.exceptions.RayActorError:
-            w.dead = True
+            self._mark_dead(w)
             return None
 
     # ---- metrics, draining -------------------------------------------------------------------

@@ -185,8 +185,9 @@ def actor_options(topology: Topology, slot: WorkerSlot) -> dict[str, Any]:
         name=actor_name(slot.role, slot.rank), namespace=topology.ray.namespace,
         scheduling_strategy=PlacementGroupSchedulingStrategy(
             slot.placement_group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True),
-        # A dead worker stays dead: the client re-routes its requests, and a silent restart (reloading
-        # weights) would hide the failure from `kvrelay status`.
+        # Ray does not restart a dead worker behind the same handle: the engine client sees the death at
+        # once (its requests resume elsewhere or wait, bounded), and cluster/supervisor.py starts a
+        # replacement visibly (`kvrelay status`: restarting, restarts).
         max_restarts=0, runtime_env={"env_vars": worker_env(topology)},
     )
     if topology.device == "cpu":

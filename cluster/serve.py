@@ -37,20 +37,14 @@ class Cluster:
 
         placement.prepare_ray_env(topology, address)  # before the first `import ray`
         import ray
-        from kvrelay.decode_worker.colocated import ColocatedWorker
-        from kvrelay.decode_worker.worker import DecodeWorker
-        from kvrelay.prefill_worker.worker import PrefillWorker
 
         placement.check_supported(topology)
         cluster = cls(topology)
         cluster.started_ray = placement.init_ray(topology, address=address)
         try:
             cluster.slots = placement.place(topology, timeout_s=startup_timeout_s)
-            remote = {"prefill": ray.remote(PrefillWorker), "decode": ray.remote(DecodeWorker),
-                      placement.COLOCATED: ray.remote(ColocatedWorker)}
             for slot in cluster.slots:
-                actor = remote[slot.role].options(**placement.actor_options(topology, slot)).remote(
-                    topology, slot.rank)
+                actor = cluster.start_worker(slot)
                 if slot.role == placement.COLOCATED:  # one actor, both roles
                     cluster.prefill.append(actor)
                     cluster.decode.append(actor)
@@ -63,6 +57,39 @@ class Cluster:
             cluster.shutdown()
             raise
         return cluster
+
+    def start_worker(self, slot):
+        """A new worker actor for `slot` (its placement group, name and options): at start-up, and for
+        the supervisor's replacement of a dead one. Returns at once; its first call waits for the
+        constructor (weights, pool, NIXL agent)."""
+        import ray
+
+        from kvrelay.cluster import placement
+        from kvrelay.decode_worker.colocated import ColocatedWorker
+        from kvrelay.decode_worker.worker import DecodeWorker
+        from kvrelay.prefill_worker.worker import PrefillWorker
+
+        cls = {"prefill": PrefillWorker, "decode": DecodeWorker, placement.COLOCATED: ColocatedWorker}[slot.role]
+        return ray.remote(cls).options(**placement.actor_options(self.topology, slot)).remote(
+            self.topology, slot.rank)
+
+    def set_worker(self, slot, actor) -> None:
+        """Record `actor` as the worker of `slot` (a replacement)."""
+        from kvrelay.cluster import placement
+
+        if slot.role in ("prefill", placement.COLOCATED):
+            self.prefill[slot.rank] = actor
+        if slot.role in ("decode", placement.COLOCATED):
+            self.decode[slot.rank] = actor
+
+    def supervise(self, client, **kwargs):
+        """Start a Supervisor (cluster/supervisor.py) that replaces dead workers of this cluster and swaps
+        them into `client`'s pool; returns it (stop it before `shutdown`)."""
+        from kvrelay.cluster.supervisor import Supervisor
+
+        sup = Supervisor(self, client, **kwargs)
+        sup.start()
+        return sup
 
     def actors(self) -> list:
         """Every worker actor once (a colocated one is in both role lists)."""
@@ -81,7 +108,8 @@ class Cluster:
             self.prefill, self.decode, model_name=cfg.name,
             max_context=min(self.topology.model.max_context, cfg.max_context),
             vocab_size=cfg.vocab_size, colocated=self.topology.colocate, policy=self.topology.router.policy,
-            max_waiting=self.topology.router.max_waiting_requests, **kwargs)
+            max_waiting=self.topology.router.max_waiting_requests,
+            **{"resume_timeout_s": self.topology.router.resume_timeout_s, **kwargs})
 
     def statuses(self, timeout_s: float = 10.0) -> list[dict]:
         from kvrelay.cluster.status import collect
@@ -303,6 +331,7 @@ async def _serve(cluster: Cluster, drain_timeout_s: float, t0: float, api_keys=N
 
     topo = cluster.topology
     client = cluster.engine_client()
+    supervisor = cluster.supervise(client)
     r = topo.router
     server = RouterServer(client, served_names or client.model_name, r.host, r.grpc_port, r.http_port,
                           api_keys=api_keys or ApiKeys(),
@@ -344,4 +373,5 @@ async def _serve(cluster: Cluster, drain_timeout_s: float, t0: float, api_keys=N
         print(f"kvrelay: {client._in_flight} request(s) still running after {drain_timeout_s:g} s; "
               f"stopping anyway", flush=True)
     await server.stop()
+    await asyncio.to_thread(supervisor.stop)
     return 0 if drained else 1

@@ -4,6 +4,9 @@ pid, node, health and KV pages.
 It joins the cluster's Ray namespace and asks each named worker actor directly, so it reports the
 workers themselves rather than what the router believes. The expected workers come from the topology:
 one that does not answer (or no longer exists) is listed as unhealthy instead of silently missing.
+What the router's supervisor published (cluster/supervisor.py) is added to each rank-0 row: `state`
+(healthy, restarting while a replacement loads, failed, or down), `restarts`, and the re-prefills the
+router counted against that worker by cause (`reprefills`).
 """
 
 from __future__ import annotations
@@ -30,24 +33,34 @@ def collect(topology, timeout_s: float = 10.0) -> list[dict]:
     import ray
 
     from kvrelay.cluster.placement import rank_names, roles, section
+    from kvrelay.cluster.supervisor import read_state
 
+    supervised = (read_state(topology.ray.namespace) or {}).get("workers", {})
     rows, refs = [], []
     for role in roles(topology):
         tp = section(topology, role).tp
         for rank in range(section(topology, role).workers):
+            sup = supervised.get(f"{role}/{rank}", {})
             for tp_rank, name in enumerate(rank_names(topology, role, rank)):
                 row = {"role": role, "rank": rank, "tp_rank": tp_rank, "tp_size": tp, "name": name,
-                       "healthy": False}
+                       "healthy": False, "state": "down", "restarts": sup.get("restarts", 0),
+                       "reprefills": sup.get("reprefills", {}) if tp_rank == 0 else {}}
+                rows.append(row)
+                if sup.get("state") in ("restarting", "failed"):
+                    # Its replacement is loading (a status call would wait for its constructor).
+                    row["state"] = sup["state"]
+                    row["error"] = f"{sup['state']}: {sup.get('last_error')}"
+                    continue
                 try:
                     actor = ray.get_actor(name, namespace=topology.ray.namespace)
                     refs.append((row, actor.status.remote()))
                 except ValueError:
                     row["error"] = "not running (no such actor)"
-                rows.append(row)
     for row, ref in refs:
         try:
             st = ray.get(ref, timeout=timeout_s)
             row.update(dataclasses.asdict(st))
+            row["state"] = "healthy" if row["healthy"] else "unhealthy"
         except ray.exceptions.GetTimeoutError:
             row["error"] = f"no answer within {timeout_s:g} s"
         except ray.exceptions.RayActorError as e:
@@ -67,11 +80,15 @@ def _reachable(address: str, timeout_s: float) -> bool:
 
 
 def _table(rows: list[dict]) -> str:
-    head = (f"{'role':8} {'rank':>4} {'tp':>5} {'pid':>8} {'health':8} {'KV pages used (full/sliding of total)':38} "
-            f"node")
+    head = (f"{'role':9} {'rank':>4} {'tp':>5} {'pid':>8} {'state':10} {'restarts':>8} "
+            f"{'KV pages used (full/sliding of total)':38} node")
     lines = [head]
+    reprefills: dict[str, int] = {}
     for r in rows:
+        for cause, n in r.get("reprefills", {}).items():
+            reprefills[cause] = reprefills.get(cause, 0) + n
         tp = f"{r['tp_rank']}/{r['tp_size']}"
+        state = f"{r.get('state', 'ok' if r['healthy'] else 'BAD'):10} {r.get('restarts', 0):>8}"
         if "pid" in r:
             used = r["pages_in_use"]
             total = r["pages_total"]
@@ -82,10 +99,12 @@ def _table(rows: list[dict]) -> str:
                 extra = f"leases {r['leases']}, queued tokens {r['queued_tokens']}"
             else:
                 extra = f"running {r['running']}, admitted {r['admitted']}"
-            lines.append(f"{r['role']:8} {r['rank']:>4} {tp:>5} {r['pid']:>8} {'ok' if r['healthy'] else 'BAD':8} "
-                         f"{pages:38} {r['node']}  ({extra})")
+            lines.append(f"{r['role']:9} {r['rank']:>4} {tp:>5} {r['pid']:>8} {state} {pages:38} {r['node']}  ({extra})")
         else:
-            lines.append(f"{r['role']:8} {r['rank']:>4} {tp:>5} {'-':>8} {'DOWN':8} {'-':38} {r.get('error', '')}")
+            lines.append(f"{r['role']:9} {r['rank']:>4} {tp:>5} {'-':>8} {state} {'-':38} {r.get('error', '')}")
+    if reprefills:
+        lines.append("re-prefills (requests resumed on another or a replacement worker): "
+                     + ", ".join(f"{c} {n}" for c, n in sorted(reprefills.items())))
     return "\n".join(lines)
 
 

@@ -80,6 +80,10 @@ class RouterSection:
     # (default: 10 s worth); over it HTTP 429 with Retry-After / gRPC RESOURCE_EXHAUSTED. null: no limit.
     rate_limit_rpm: int | None = None
     rate_limit_burst: int | None = None
+    # Seconds a request whose workers died (or a new one, while none is live) waits for a healthy or
+    # replacement worker pair before it fails: HTTP 503 + Retry-After, or an in-band error on a started
+    # stream / gRPC UNAVAILABLE. Covers a replacement's weight load on a one-pair topology.
+    resume_timeout_s: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -255,7 +259,8 @@ def _check(t: Topology, base_dir: Path) -> Topology:
                     ("decode.workers", t.decode.workers), ("decode.ep", t.decode.ep), ("decode.tp", t.decode.tp),
                     ("decode.max_batch", t.decode.max_batch), ("decode.page_size", t.decode.page_size),
                     ("kv_transfer.lease_seconds", t.kv_transfer.lease_seconds),
-                    ("router.max_waiting_requests", t.router.max_waiting_requests)]:
+                    ("router.max_waiting_requests", t.router.max_waiting_requests),
+                    ("router.resume_timeout_s", t.router.resume_timeout_s)]:
         pos(path, v)
     if not 0.0 < t.decode.kv_memory_fraction <= 0.95:
         raise TopologyError(f"decode.kv_memory_fraction: must be in (0, 0.95], got {t.decode.kv_memory_fraction}")

@@ -30,6 +30,17 @@ class EngineOverloaded(RuntimeError):
         self.retry_after_s = retry_after_s
 
 
+class EngineUnavailable(RuntimeError):
+    """No worker can serve the request now: its workers died and none (healthy or a replacement) took it
+    up within the engine's resume bound, or the engine is shutting down. HTTP 503 with Retry-After before
+    a response starts, an in-band error event on a started stream, gRPC UNAVAILABLE; `retry_after_s` is
+    the hint."""
+
+    def __init__(self, reason: str, retry_after_s: int = 5):
+        super().__init__(reason)
+        self.retry_after_s = retry_after_s
+
+
 @runtime_checkable
 class EngineClient(Protocol):
     """Async token streaming. `generate` yields TokenOutputs until one carries a finish_reason.

@@ -14,7 +14,7 @@ from typing import AsyncIterator
 import grpc
 
 from kvrelay.router import harmony, health
-from kvrelay.router.engine_client import EngineOverloaded
+from kvrelay.router.engine_client import EngineOverloaded, EngineUnavailable
 from kvrelay.router.service import RouterCore, encode_prompt_text
 from kvrelay.router.types import (
     ChatMessage,
@@ -130,6 +130,9 @@ async def _engine_errors(context: grpc.aio.ServicerContext) -> AsyncIterator[Non
         raise
     except EngineOverloaded as exc:  # refused in the engine's own admission line: the client may retry
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc} (retry after {exc.retry_after_s} s)")
+    except EngineUnavailable as exc:  # no worker took it up within the resume bound: the client may retry
+        log.warning("stream ended: %s", exc)
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"{exc} (retry after {exc.retry_after_s} s)")
     except Exception as exc:
         log.exception("engine failed during a stream")
         await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {exc}")

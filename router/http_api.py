@@ -28,7 +28,7 @@ from kvrelay.router import metrics as router_metrics
 from kvrelay.router.auth import ApiKeys, install_http
 from kvrelay.router.health import readiness
 from kvrelay.router.limits import RateLimiter
-from kvrelay.router.engine_client import EngineOverloaded
+from kvrelay.router.engine_client import EngineOverloaded, EngineUnavailable
 from kvrelay.router.http_models import ChatCompletionRequest, CompletionRequest
 from kvrelay.router.service import Prepared, RouterCore, encode_prompt_text
 from kvrelay.router.types import (
@@ -102,6 +102,15 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None, rate_limit: Ra
         return JSONResponse(error_body(str(exc), type_="rate_limit_error", code="server_overloaded"),
                             status_code=429, headers={"Retry-After": str(exc.retry_after_s)})
 
+    @app.exception_handler(EngineUnavailable)
+    async def _unavailable(_: Request, exc: EngineUnavailable) -> JSONResponse:
+        # No worker took the request within the engine's resume bound (its workers died and are being
+        # replaced): 503 + Retry-After, which the official clients retry like a 429. Not a server bug, so
+        # no traceback (this handler also keeps Starlette from re-raising it into uvicorn's log).
+        log.warning("request refused: %s", exc)
+        return JSONResponse(error_body(str(exc), type_="server_error", code="service_unavailable"),
+                            status_code=503, headers={"Retry-After": str(exc.retry_after_s)})
+
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
         log.exception("request failed")
@@ -158,6 +167,7 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None, rate_limit: Ra
                    for j, prep in enumerate(preps)]
         chat = streams[0] if n == 1 else ChoiceBatch(streams, include_usage=include_usage, n=n)
         if body.stream:
+            await chat.prime()
             return StreamingResponse(chat.sse(), media_type="text/event-stream")
         return await chat.complete()
 
@@ -185,6 +195,7 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None, rate_limit: Ra
                    for i, prep in enumerate(preps)]
         comp = streams[0] if len(streams) == 1 else ChoiceBatch(streams, include_usage=include_usage, n=n)
         if body.stream:
+            await comp.prime()
             return StreamingResponse(comp.sse(), media_type="text/event-stream")
         return await comp.complete()
 
@@ -249,10 +260,39 @@ class _Stream(abc.ABC):
         self.timings: dict[str, float] | None = None
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
+        self._source: AsyncIterator[list[TokenStep]] | None = None  # the core's stream, once primed
+        self._first: list[TokenStep] | None = None
+
+    async def prime(self) -> None:
+        """Wait for the engine's first tokens before the response starts: a request that no worker takes
+        (EngineUnavailable, EngineOverloaded) is then answered with its status code and Retry-After, not
+        with a 200 and an error event. Nothing could be sent before the first token anyway."""
+        source = self.core.stream_batches(self.prep)
+        try:
+            self._first = await source.__anext__()
+        except StopAsyncIteration:
+            self._first = None
+        except BaseException:
+            await source.aclose()  # type: ignore[attr-defined]
+            raise
+        self._source = source
+
+    async def _primed(self) -> AsyncIterator[list[TokenStep]]:
+        if self._first is not None:
+            yield self._first
+            self._first = None
+        assert self._source is not None
+        async for steps in self._source:
+            yield steps
 
     async def batches(self) -> AsyncIterator[list[TokenStep]]:
         """The core's steps in the lists it hands over: a streamed response writes one chunk per list."""
-        async with contextlib.aclosing(self.core.stream_batches(self.prep)) as batches:
+        if self._source is not None:
+            source = self._source
+            stream = self._primed()
+        else:
+            source = stream = self.core.stream_batches(self.prep)
+        async with contextlib.aclosing(source), contextlib.aclosing(stream) as batches:  # type: ignore[type-var]
             async for steps in batches:
                 for step in steps:
                     if step.timings is not None:
@@ -290,6 +330,9 @@ class _Stream(abc.ABC):
             async with contextlib.aclosing(self.chunks()) as chunks:
                 async for payload in chunks:
                     yield _sse(payload)
+        except EngineUnavailable as exc:  # headers are already sent: in-band, as a 503 would have said
+            log.warning("stream %s ended: %s", self.prep.request_id, exc)
+            yield _sse(_unavailable_body(exc))
         except Exception as exc:  # headers are already sent: report in-band, then end the stream
             log.exception("stream %s failed", self.prep.request_id)
             yield _sse(error_body(f"internal error: {exc}", type_="server_error"))
@@ -442,6 +485,10 @@ class CompletionStream(_Stream):
                 yield self.envelope([], last.usage, chunk=True)
 
 
+def _unavailable_body(exc: EngineUnavailable) -> dict[str, Any]:
+    return error_body(f"{exc} (retry after {exc.retry_after_s} s)", type_="server_error", code="service_unavailable")
+
+
 def _content(step: TokenStep) -> str:
     return "".join(d.text for d in step.deltas if isinstance(d, ContentDelta))
 
@@ -459,6 +506,16 @@ class ChoiceBatch:
         self.n = n
         for s in streams[1:]:
             s.id, s.created = streams[0].id, streams[0].created
+
+    async def prime(self) -> None:
+        """Every choice's first tokens before the response starts (see _Stream.prime)."""
+        results = await asyncio.gather(*(s.prime() for s in self.streams), return_exceptions=True)
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:
+            for s in self.streams:
+                if s._source is not None:
+                    await s._source.aclose()  # type: ignore[attr-defined]
+            raise failed
 
     def _usage(self) -> Usage:
         done = [s.usage for s in self.streams if s.usage is not None]
@@ -486,6 +543,9 @@ class ChoiceBatch:
                     async for payload in chunks:
                         await queue.put(("chunk", payload))
                 await queue.put(("done", None))
+            except EngineUnavailable as exc:
+                log.warning("stream %s ended: %s", s.prep.request_id, exc)
+                await queue.put(("error", exc))
             except Exception as exc:  # noqa: BLE001 - reported in-band below
                 log.exception("stream %s failed", s.prep.request_id)
                 await queue.put(("error", exc))
@@ -500,7 +560,8 @@ class ChoiceBatch:
                 elif kind == "done":
                     left -= 1
                 else:
-                    yield _sse(error_body(f"internal error: {item}", type_="server_error"))
+                    yield _sse(_unavailable_body(item) if isinstance(item, EngineUnavailable)
+                               else error_body(f"internal error: {item}", type_="server_error"))
                     break
             else:
                 if self.include_usage:

@@ -324,6 +324,43 @@ def test_engine_failure_mid_stream_and_non_stream(server, engine) -> None:
     assert "partial" in "".join(events[:-2])
 
 
+def _unavailable_after(n: int):
+    from kvrelay.router.engine_client import EngineUnavailable
+
+    def script(prompt):
+        yield from FINAL[:n]
+        raise EngineUnavailable("request x: no live decode worker within 1 s", retry_after_s=7)
+
+    return script
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_engine_unavailable_is_503_before_the_stream_and_in_band_after(server, engine, path: str) -> None:
+    """Workers gone past the resume bound: 503 + Retry-After (stream or not) while nothing was sent, an
+    SSE error event once the stream has started; never a 500."""
+    body = {"model": MODEL, **({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path
+                               else {"prompt": [1, 2], "max_tokens": 50})}
+    engine.scripts = [_unavailable_after(0)]
+    for stream in (False, True):
+        resp = httpx.post(f"{server.http_url}{path}", json={**body, "stream": stream}, timeout=30)
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "7", resp.text
+        assert resp.json()["error"] == {"message": "request x: no live decode worker within 1 s",
+                                        "type": "server_error", "param": None, "code": "service_unavailable"}
+    with openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0, timeout=30) as c:
+        with pytest.raises(openai.APIStatusError) as err:
+            c.completions.create(model=MODEL, prompt=[1, 2], max_tokens=5)
+        assert err.value.status_code == 503
+    engine.scripts = [_unavailable_after(12)]
+    resp = httpx.post(f"{server.http_url}{path}", json={**body, "stream": True}, timeout=30)
+    assert resp.status_code == 200
+    events = [line[len("data: "):] for line in resp.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["code"] == "service_unavailable" and "no live decode worker" in err["message"]
+    assert "retry after 7 s" in err["message"] and len(events) > 3
+    engine.scripts = [FINAL]
+
+
 UNSUPPORTED = [
     ("repetition_penalty", 1.2, 1.0, "repetition_penalty: not supported yet (only 1, the neutral value; "
      "presence_penalty and frequency_penalty are), got 1.2"),

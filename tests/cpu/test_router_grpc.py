@@ -196,6 +196,25 @@ def test_engine_failure_is_internal_status(server, engine) -> None:
     assert err.value.details() == "engine failed: device lost"
 
 
+@pytest.mark.parametrize("sent", [0, 3])
+def test_engine_unavailable_is_unavailable_status(server, engine, sent: int) -> None:
+    """No worker took the request within the resume bound: UNAVAILABLE (which gRPC clients may retry),
+    before or after tokens went out."""
+    from kvrelay.router.engine_client import EngineUnavailable
+
+    def gone(prompt):
+        yield from [5] * sent
+        raise EngineUnavailable("no live decode worker within 2 s", retry_after_s=3)
+
+    engine.scripts = [gone]
+    got = []
+    with RouterClient(server.grpc_target) as c, pytest.raises(grpc.RpcError) as err:
+        for resp in c.generate([1]):
+            got.extend(resp.token_ids)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and got == [5] * sent
+    assert err.value.details() == "no live decode worker within 2 s (retry after 3 s)"
+
+
 def test_unknown_reasoning_effort_enum(server) -> None:
     with grpc.insecure_channel(server.grpc_target) as channel:
         stub = pb_grpc.RouterStub(channel)

@@ -82,7 +82,7 @@ def test_checkpoint_path_relative_to_file(tmp_path: Path) -> None:
          "prefil: unknown key (did you mean 'prefill'?)"),
         ("model: {name: gpt-oss-20b}\nrouter: {zzz: 1}\n",
          "router.zzz: unknown key (valid keys: host, grpc_port, http_port, policy, max_waiting_requests, api_keys_env, "
-         "tls_cert_file, tls_key_file, rate_limit_rpm, rate_limit_burst)"),
+         "tls_cert_file, tls_key_file, rate_limit_rpm, rate_limit_burst, resume_timeout_s)"),
         ("model: {name: gpt-oss-20b}\ndecode: {max_batch: many}\n",
          "decode.max_batch: expected an integer, got str 'many'"),
         ("model: {name: gpt-oss-20b}\ndecode: {max_batch: true}\n",

@@ -31,6 +31,7 @@ class RunningCluster:
     cluster: Any
     grpc_target: str
     client: Any  # the DisaggregatedEngineClient behind the router
+    supervisor: Any = None  # the Supervisor replacing dead workers, if the test asked for one
 
 
 def tiny_topology(text: str = TOPOLOGY):
@@ -40,18 +41,25 @@ def tiny_topology(text: str = TOPOLOGY):
 
 
 @contextlib.contextmanager
-def serving(text: str = TOPOLOGY):
-    """A real cluster of `text`'s topology with a router on 127.0.0.1: (RunningCluster, RouterServer)."""
+def serving(text: str = TOPOLOGY, *, supervise: bool = False, **supervisor_kwargs):
+    """A real cluster of `text`'s topology with a router on 127.0.0.1: (RunningCluster, RouterServer).
+    `supervise`: dead workers are replaced as under `kvrelay serve` (cluster/supervisor.py); without it
+    they stay dead, so a test can look at the cluster one worker short."""
     from kvrelay.cluster.serve import Cluster
     from kvrelay.router.server import BackgroundRouter
 
     topo = tiny_topology(text)
     cluster = Cluster.start(topo)
+    supervisor = None
     try:
         client = cluster.engine_client(stall_check_s=5.0)
+        if supervise:
+            supervisor = cluster.supervise(client, **supervisor_kwargs)
         with BackgroundRouter(client, model_name=client.model_name, host="127.0.0.1") as server:
-            yield RunningCluster(topo, cluster, server.grpc_target, client), server
+            yield RunningCluster(topo, cluster, server.grpc_target, client, supervisor), server
     finally:
+        if supervisor is not None:
+            supervisor.stop()
         cluster.shutdown()
 
 
