@@ -96,7 +96,8 @@ class ResponseRun:
         self.opts = opts
         self.id = response_id
         self.created = int(time.time())
-        self.builder = OutputBuilder(summary=opts.summary is not None, encrypted=opts.encrypted)
+        self.builder = OutputBuilder(summary=opts.summary is not None, encrypted=opts.encrypted,
+                                     logprobs=opts.logprobs)
         self.prep: Prepared | None = None
         self.conversation: tuple[ChatMessage, ...] = ()  # history + this input, without instructions
         self._seq = 0
@@ -146,7 +147,7 @@ class ResponseRun:
             "text": {"format": {"type": "text"}, "verbosity": "medium"},
             "tool_choice": self.opts.tool_choice,
             "tools": list(self.opts.tools_echo),
-            "top_logprobs": 0,
+            "top_logprobs": b.top_logprobs or 0,
             "top_p": params.top_p if params is not None else b.top_p,
             "truncation": "disabled",
             "usage": None if usage is None else self._usage(usage),

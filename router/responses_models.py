@@ -27,6 +27,7 @@ from kvrelay.router.types import ChatMessage, SamplingOptions, ToolCall, ToolSpe
 from kvrelay.router.validation import ValidationError
 
 INCLUDE_ENCRYPTED = "reasoning.encrypted_content"
+INCLUDE_LOGPROBS = "message.output_text.logprobs"
 # Our reasoning items' `encrypted_content` is the analysis text itself, base64url-encoded behind this
 # prefix (it is not encrypted: the client owns the conversation either way). A stateless client
 # (store: false) sends it back and the model sees its own chain of thought again.
@@ -118,6 +119,7 @@ class ResponsesOptions:
     effort: str
     summary: str | None  # OpenAI's reasoning.summary; None = no summary
     encrypted: bool  # include reasoning.encrypted_content
+    logprobs: bool  # include message.output_text.logprobs (or top_logprobs > 0)
     store: bool
     stream: bool
     tools: tuple[ToolSpec, ...]
@@ -144,8 +146,6 @@ def check_options(body: ResponsesRequest) -> ResponsesOptions:
         raise ValidationError("input", "required (a string or a list of input items)")
     if body.max_tool_calls is not None and body.max_tool_calls < 1:
         raise ValidationError("max_tool_calls", f"must be >= 1, got {body.max_tool_calls}")
-    if body.top_logprobs:
-        raise ValidationError("top_logprobs", "logprobs are not supported on /v1/responses yet (only 0)")
     if body.truncation not in (None, "disabled"):
         raise ValidationError("truncation", f"only 'disabled' is supported (a prompt that does not fit is "
                                             f"refused), got {body.truncation!r}")
@@ -154,11 +154,12 @@ def check_options(body: ResponsesRequest) -> ResponsesOptions:
     if body.stream_options is not None and body.stream_options.include_obfuscation:
         raise ValidationError("stream_options.include_obfuscation", "stream obfuscation is not supported "
                               "(send false)")
-    encrypted = False
     for i, name in enumerate(body.include or ()):
-        if name != INCLUDE_ENCRYPTED:
-            raise ValidationError(f"include[{i}]", f"only {INCLUDE_ENCRYPTED!r} is supported, got {name!r}")
-        encrypted = True
+        if name not in (INCLUDE_ENCRYPTED, INCLUDE_LOGPROBS):
+            raise ValidationError(f"include[{i}]", f"only {INCLUDE_ENCRYPTED!r} and {INCLUDE_LOGPROBS!r} are "
+                                                   f"supported, got {name!r}")
+    encrypted = INCLUDE_ENCRYPTED in (body.include or ())
+    logprobs = INCLUDE_LOGPROBS in (body.include or ()) or bool(body.top_logprobs)
     _check_metadata(body.metadata)
     effort, summary = _reasoning(body.reasoning)
     _check_text(body.text)
@@ -168,8 +169,9 @@ def check_options(body: ResponsesRequest) -> ResponsesOptions:
         choice = "auto"
     if choice not in ("auto", "none"):
         raise ValidationError("tool_choice", f"only 'auto' and 'none' are supported, got {choice!r}")
-    sampling = SamplingOptions(temperature=body.temperature, top_p=body.top_p, max_tokens=body.max_output_tokens)
-    return ResponsesOptions(effort=effort, summary=summary, encrypted=encrypted,
+    sampling = SamplingOptions(temperature=body.temperature, top_p=body.top_p, max_tokens=body.max_output_tokens,
+                               logprobs=logprobs, top_logprobs=body.top_logprobs)
+    return ResponsesOptions(effort=effort, summary=summary, encrypted=encrypted, logprobs=logprobs,
                             store=body.store is not False, stream=bool(body.stream),
                             tools=tools if choice == "auto" else (), tools_echo=echo, tool_choice=choice,
                             sampling=sampling)

@@ -53,16 +53,28 @@ def _header(tokens: list[int]) -> tuple[str | None, bool]:
     return (m.group(1) if m else None), "to=" in text
 
 
+def _logprob(step: TokenStep) -> dict[str, Any]:
+    text = harmony.decode_tokens([step.token_id])  # type: ignore[list-item]  # a step with a delta has a token
+    top = []
+    for token, logprob in step.top_logprobs or ():
+        t = harmony.decode_tokens([token])
+        top.append({"token": t, "logprob": logprob, "bytes": list(t.encode())})
+    return {"token": text, "logprob": step.logprob, "bytes": list(text.encode()), "top_logprobs": top}
+
+
 class OutputBuilder:
-    def __init__(self, *, summary: bool, encrypted: bool) -> None:
+    def __init__(self, *, summary: bool, encrypted: bool, logprobs: bool = False) -> None:
         self.summary = summary
         self.encrypted = encrypted
+        self.logprobs = logprobs  # per token of output_text (not of reasoning or arguments, as OpenAI's)
         self.output: list[dict[str, Any]] = []  # the items, finished ones in their final shape
         self.reasoning_tokens = 0
         self._events: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None  # the item being written
         self._text = ""  # the open item's text so far
         self._pending = ""  # text received but not yet sent as a delta event
+        self._lps: list[dict[str, Any]] = []  # the open message's token logprobs
+        self._pending_lps: list[dict[str, Any]] = []
         self._in_header = True  # the prompt ended with <|start|>assistant
         self._header_tokens: list[int] = []
         self._header_len = 0
@@ -84,6 +96,11 @@ class OutputBuilder:
                              "arguments": "", "status": "in_progress"})
             elif isinstance(d, ToolCallArgumentsDelta) and self._kind() == "function_call":
                 self._append(d.text)
+        if (self.logprobs and step.logprob is not None and self._kind() == "message"
+                and any(isinstance(d, ContentDelta) for d in step.deltas)):
+            entry = _logprob(step)
+            self._lps.append(entry)
+            self._pending_lps.append(entry)
         if closes:
             self._close("completed")
 
@@ -91,8 +108,8 @@ class OutputBuilder:
         """Send the text received so far (called once per engine hand-over)."""
         if not self._pending or self._open is None:
             return
-        item, delta = self._open, self._pending
-        self._pending = ""
+        item, delta, lps = self._open, self._pending, self._pending_lps
+        self._pending, self._pending_lps = "", []
         where = {"item_id": item["id"], "output_index": len(self.output)}
         kind = item["type"]
         if kind == "reasoning":
@@ -100,7 +117,7 @@ class OutputBuilder:
             if self.summary:
                 self._emit("response.reasoning_summary_text.delta", **where, summary_index=0, delta=delta)
         elif kind == "message":
-            self._emit("response.output_text.delta", **where, content_index=0, delta=delta, logprobs=[])
+            self._emit("response.output_text.delta", **where, content_index=0, delta=delta, logprobs=lps)
         else:
             self._emit("response.function_call_arguments.delta", **where, delta=delta)
 
@@ -170,6 +187,7 @@ class OutputBuilder:
 
     def _start(self, item: dict[str, Any]) -> None:
         self._open, self._text, self._pending = item, "", ""
+        self._lps, self._pending_lps = [], []
         where = {"item_id": item["id"], "output_index": len(self.output)}
         self._emit("response.output_item.added", output_index=len(self.output), item=dict(item))
         if item["type"] == "reasoning":
@@ -206,8 +224,8 @@ class OutputBuilder:
             if self.encrypted:
                 item["encrypted_content"] = seal(text)
         elif item["type"] == "message":
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-            self._emit("response.output_text.done", **where, content_index=0, text=text, logprobs=[])
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": self._lps}
+            self._emit("response.output_text.done", **where, content_index=0, text=text, logprobs=self._lps)
             self._emit("response.content_part.done", **where, content_index=0, part=part)
             item["content"] = [part]
         else:

@@ -236,6 +236,26 @@ def test_event_sequence_is_the_documented_one(client, engine) -> None:
     assert kinds[-len(message) - 1:] == message + ["response.completed"]
 
 
+def test_output_text_logprobs(client, engine) -> None:
+    engine.scripts = [FINAL]
+    request = dict(model=MODEL, input="hi", include=["message.output_text.logprobs"], top_logprobs=2)
+    created = client.responses.create(**request)
+    reasoning, message = created.output
+    final_tokens = _ids("It is 21 °C in Paris.")
+    lps = message.content[0].logprobs  # the final answer's tokens only, not the analysis or the headers
+    assert [lp.token for lp in lps] == [harmony.decode_tokens([t]) for t in final_tokens]
+    assert [lp.logprob for lp in lps] == [-0.5] * len(final_tokens)
+    assert [[(a.token, a.logprob) for a in lp.top_logprobs] for lp in lps] == [
+        [(harmony.decode_tokens([t]), -0.5), (harmony.decode_tokens([t + 1]), -1.5)] for t in final_tokens]
+    assert lps[0].bytes == list(lps[0].token.encode()) and created.top_logprobs == 2
+    with client.responses.stream(**request) as stream:
+        deltas = [e for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert _norm(final) == _norm(created)
+    assert [(lp.token, lp.logprob) for e in deltas for lp in e.logprobs] == [(lp.token, lp.logprob) for lp in lps]
+    assert client.responses.create(model=MODEL, input="hi").output[1].content[0].logprobs == []
+
+
 def test_max_output_tokens_makes_an_incomplete_response(client, engine, server) -> None:
     engine.scripts = [FINAL]
     resp = client.responses.create(model=MODEL, input="hi", max_output_tokens=5)
@@ -389,8 +409,8 @@ def test_store_bounds_entries_characters_and_age() -> None:
     ({"tool_choice": "required"}, "tool_choice"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
-    ({"include": ["message.output_text.logprobs"]}, "include[0]"),
-    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"include": ["file_search_call.results"]}, "include[0]"),
+    ({"top_logprobs": 21}, "top_logprobs"),
     ({"reasoning": {"effort": "minimal"}}, "reasoning.effort"),
     ({"reasoning": {"summary": "long"}}, "reasoning.summary"),
     ({"truncation": "auto"}, "truncation"),
