@@ -8,10 +8,11 @@ caller's (LLM, workers), which keeps one Runner usable for both disaggregated ro
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Hashable, Sequence
+from typing import Collection, Hashable, Sequence
 
 import numpy as np
 import torch
@@ -204,7 +205,7 @@ class Runner:
         return ids.to(self.device)
 
     def _run(self, items: list[tuple[Hashable, list[int]]], *, all_logits: bool = False,
-             fill=None) -> torch.Tensor:
+             fill=None, all_positions: Collection[int] = ()) -> torch.Tensor:
         reserved: list[Hashable] = []
         new = [sid for sid, _ in items if sid not in self.kv.seqs]
         try:
@@ -214,7 +215,8 @@ class Runner:
             flat = [t for _, toks in items for t in toks]
             if self._graphs is not None and not all_logits:
                 self._capture_pieces()  # after the decode graphs: the pool is sized by then
-            pieces = (self._pieces if self._pieces is not None and not all_logits
+            # The pieces compute one logit row per sequence: all-position rows (prompt logprobs) run eagerly.
+            pieces = (self._pieces if self._pieces is not None and not all_logits and not all_positions
                       and len(flat) <= self._pieces.max_tokens else None)
             if pieces is not None:
                 self._check_ids(flat)  # the ids travel with the pieces' own metadata copy
@@ -231,6 +233,8 @@ class Runner:
                 with torch.inference_mode():
                     logits = pieces.forward(flat, batch, self.attn, fill, replay=self.graph_replay)
             else:
+                if all_positions and not all_logits:
+                    batch = dataclasses.replace(batch, logit_rows=self._index(_logit_rows(items, all_positions)))
                 logits = self.model.forward(ids, self.kv, batch, all_logits=all_logits, attn=self.attn)
         except BaseException:
             # A failed prefill leaves no sequence behind; a failed decode keeps the sequences (their KV
@@ -348,8 +352,13 @@ class Runner:
             self.kv.commit(sid, 1)
         return logits
 
-    def prefill(self, seq_id: Hashable, prompt_ids: Sequence[int]) -> torch.Tensor:
-        """Run a new sequence's prompt; returns the last position's logits [vocab] (fp32)."""
+    def prefill(self, seq_id: Hashable, prompt_ids: Sequence[int], *, all_logits: bool = False) -> torch.Tensor:
+        """Run a new sequence's prompt; returns the last position's logits [vocab] (fp32), or every
+        position's [len, vocab] with all_logits (prompt logprobs)."""
+        if all_logits:
+            if seq_id in self.kv.seqs:
+                raise ValueError(f"sequence {seq_id!r} already exists; free it before prefilling again")
+            return self._run([(seq_id, [int(t) for t in prompt_ids])], all_logits=True)
         return self.prefill_batch([(seq_id, prompt_ids)])[0]
 
     def prefill_batch(self, prompts: Sequence[tuple[Hashable, Sequence[int]]]) -> torch.Tensor:
@@ -359,9 +368,11 @@ class Runner:
                 raise ValueError(f"sequence {sid!r} already exists; free it before prefilling again")
         return self._run([(sid, [int(t) for t in ids]) for sid, ids in prompts])
 
-    def extend(self, seq_id: Hashable, token_ids: Sequence[int]) -> torch.Tensor:
-        """Append several tokens to an existing sequence (chunked prefill, re-prefill after a failover)."""
-        return self._run([(seq_id, [int(t) for t in token_ids])])[0]
+    def extend(self, seq_id: Hashable, token_ids: Sequence[int], *, all_logits: bool = False) -> torch.Tensor:
+        """Append several tokens to an existing sequence (chunked prefill, re-prefill after a failover);
+        the last position's logits, or every new position's with all_logits."""
+        out = self._run([(seq_id, [int(t) for t in token_ids])], all_logits=all_logits)
+        return out if all_logits else out[0]
 
     def decode(self, seq_ids: Sequence[Hashable], last_tokens: Sequence[int]) -> torch.Tensor:
         """One step for each sequence: append its last sampled token; logits [B, vocab]."""
@@ -426,13 +437,15 @@ class Runner:
         t = torch.tensor(values, dtype=torch.long)
         return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
-    def forward_mixed(self, items: Sequence[tuple[Hashable, Sequence[int]]]) -> torch.Tensor:
+    def forward_mixed(self, items: Sequence[tuple[Hashable, Sequence[int]]], *,
+                      all_positions: Collection[int] = ()) -> torch.Tensor:
         """One ragged forward over new sequences, prompt chunks of existing ones and decode tokens alike
-        (a colocated worker's step: queued prompts ride along with the running batch); logits [B, vocab]
-        of each item's last position, in input order."""
+        (a colocated worker's step: queued prompts ride along with the running batch); logits [rows, vocab]
+        in input order: one row per item (its last position), or a row per token for the items whose
+        index is in `all_positions` (prompt logprobs)."""
         if len({sid for sid, _ in items}) != len(items):
             raise ValueError("forward_mixed: a sequence appears twice in one forward")
-        return self._run([(sid, [int(t) for t in toks]) for sid, toks in items])
+        return self._run([(sid, [int(t) for t in toks]) for sid, toks in items], all_positions=all_positions)
 
     def score(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Logits [T, vocab] for every position of a throwaway sequence (tests, evaluation)."""
@@ -463,9 +476,10 @@ class Runner:
     # ---- sampling ------------------------------------------------------------------------------
     @staticmethod
     def sample(logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int],
-               history: Sequence[Sequence[int]] | None = None):
+               history: Sequence[Sequence[int]] | None = None, prompts: Sequence | None = None):
         """(token, logprob) per row; `steps[b]` = tokens request b generated before this one, `history[b]`
-        those tokens (read only for requests with presence/frequency penalties)."""
+        those tokens (read only for penalized requests), `prompts[b]` its prompt's tokens (read only for
+        repetition_penalty)."""
         if logits.dim() == 1:
             logits = logits[None]
         params, steps = list(params), list(steps)
@@ -474,7 +488,16 @@ class Runner:
             # The whole batch in one device-to-host transfer (argmax ties go to the lowest id, as in
             # sampling.sample).
             return [(t, None) for t in torch.argmax(logits.float(), dim=-1).tolist()]
-        return sample(logits, params, steps, history)
+        return sample(logits, params, steps, history, prompts)
+
+
+def _logit_rows(items: list[tuple[Hashable, list[int]]], all_positions: Collection[int]) -> list[int]:
+    """Rows of a ragged forward whose logits to compute: each item's last token, or all its tokens."""
+    rows, at = [], 0
+    for i, (_, toks) in enumerate(items):
+        rows += range(at, at + len(toks)) if i in all_positions else [at + len(toks) - 1]
+        at += len(toks)
+    return rows
 
 
 def _fill_ids(ids: torch.Tensor, fill) -> None:
