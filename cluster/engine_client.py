@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -36,7 +37,7 @@ from prometheus_client import Counter, Histogram
 
 from kvrelay.cluster.admission import AdmissionQueue, AdmissionTimeout
 from kvrelay.transfer.handle import KVLayoutMismatch, KVTransferError
-from kvrelay.engine.sampling import SamplingParams, TokenOutput
+from kvrelay.engine.sampling import SamplingParams, TokenOutput, token_set
 from kvrelay.router.engine_client import EngineUnavailable, flatten
 
 log = logging.getLogger("kvrelay.requests")
@@ -231,8 +232,9 @@ class DisaggregatedEngineClient:
                                 if out.finish_reason is not None:
                                     m = self._metrics(request_id, len(prompt_ids), t0, acc)
                                     outcome = "ok"
-                                    yield outs[:i] + [ClusterTokenOutput(out.token_id, out.logprob,
-                                                                         out.finish_reason, out.top_logprobs, m)]
+                                    yield outs[:i] + [ClusterTokenOutput(
+                                        out.token_id, out.logprob, out.finish_reason, out.top_logprobs,
+                                        out.prompt_logprobs, metrics=m)]
                                     return
                             yield outs
                     if request_id in self._aborted:
@@ -293,8 +295,10 @@ class DisaggregatedEngineClient:
             prefill = self.prefill[decode.rank] if self.colocated else self._pick_prefill()
             acc.prefill_worker = prefill.rank
             prefill.queued_tokens += len(full)
+            # The prompt's own logprobs went out with the first token: a retry after it skips them.
+            prefill_params = params if done == 0 else dataclasses.replace(params, prompt_logprobs=None)
             try:
-                res = await prefill.actor.prefill.remote(attempt_id, full, params, done)
+                res = await prefill.actor.prefill.remote(attempt_id, full, prefill_params, done)
             except ray.exceptions.RayActorError as e:
                 self._mark_dead(prefill)
                 raise _Retry(f"prefill worker {prefill.rank} died ({type(e).__name__})", "prefill_died",
@@ -313,9 +317,11 @@ class DisaggregatedEngineClient:
             queue: asyncio.Queue = asyncio.Queue()
             channel.queues[attempt_id] = queue
             try:
-                # Penalties count every token generated so far, including the ones a failed attempt sent.
+                # Penalties count every token generated so far, including the ones a failed attempt sent;
+                # the repetition penalty also the prompt's (its distinct ids only).
                 pull = await self._start(decode, attempt_id, handle, res.first.token_id, done + 1, params,
-                                         prefill, channel.id, tuple(streamed[:done]) if params.penalized else ())
+                                         prefill, channel.id, tuple(streamed[:done]) if params.penalized else (),
+                                         token_set(prompt) if params.needs_prompt_tokens else ())
                 if pull is None:  # released during the pull (aborted)
                     return
                 handle = None  # decode owns the lease now (it released it after the pull)
@@ -378,12 +384,13 @@ class DisaggregatedEngineClient:
                 q.put_nowait(_CHANNEL_GONE)
 
     async def _start(self, decode: _Worker, attempt_id: str, handle, first: int, generated: int,
-                     params: SamplingParams, prefill: _Worker, channel_id: str, history: tuple[int, ...] = ()):
+                     params: SamplingParams, prefill: _Worker, channel_id: str, history: tuple[int, ...] = (),
+                     prompt_tokens: tuple[int, ...] = ()):
         import ray
 
         try:
             return await decode.actor.start.remote(attempt_id, handle, first, generated, params, prefill.actor,
-                                                   channel_id, history)
+                                                   channel_id, history, prompt_tokens)
         except ray.exceptions.RayActorError as e:
             self._mark_dead(decode)
             raise _Retry(f"decode worker {decode.rank} died ({type(e).__name__})", "decode_died", decode) from None

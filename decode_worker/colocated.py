@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 
 from kvrelay.decode_worker.worker import DecodeWorker, need_tokens
 from kvrelay.engine.memory import chunk_headroom, window_pages
-from kvrelay.engine.sampling import SamplingParams, TokenOutput, finish_reason, top_logprobs
+from kvrelay.engine.sampling import (PROMPT_LOGPROB_CHUNK, PromptLogprobs, SamplingParams, TokenOutput,
+                                     finish_reason, prompt_logprobs, top_logprobs)
 from kvrelay.transfer.handle import TransferStats
 from kvrelay.workers.loading import load_sized_runner
 from kvrelay.workers.messages import InPlaceKV, PrefillResult, WorkerStatus
@@ -49,6 +50,12 @@ class _Prompt:
     t_start: float | None = None
     done: int = 0  # prompt tokens already in the cache
     cancelled: bool = False
+    plp: list[PromptLogprobs] = field(default_factory=list)  # prompt logprobs of the chunks so far
+
+    @property
+    def every(self) -> bool:
+        """Every position's logits are needed (the prompt's own logprobs)."""
+        return self.params.prompt_logprobs is not None
 
 
 @dataclass
@@ -155,6 +162,8 @@ class ColocatedWorker(DecodeWorker):
                 if budget <= 0:
                     break
                 n = min(len(p.ids) - p.done, budget)
+                if p.every:  # [n, vocab] logits come back for this one: bounded (PROMPT_LOGPROB_CHUNK)
+                    n = min(n, PROMPT_LOGPROB_CHUNK)
                 need = self.runner.pages_needed(n, length=p.done)
                 if any(need[g] > free[g] for g in need):
                     break  # pages come back as sequences finish; try again next step
@@ -178,7 +187,8 @@ class ColocatedWorker(DecodeWorker):
             if p.t_start is None:
                 p.t_start = now
         try:
-            running, logits = self.scheduler.step_with([(p.request_id, p.ids[s:e]) for p, s, e in chunk])
+            running, logits = self.scheduler.step_with([(p.request_id, p.ids[s:e]) for p, s, e in chunk],
+                                                       [i for i, (p, _, _) in enumerate(chunk) if p.every])
         except BaseException as e:
             for p, _, _ in chunk:
                 with self._plock:
@@ -190,7 +200,16 @@ class ColocatedWorker(DecodeWorker):
             raise
         self.decode_tokens += running
         self.prefill_counters.chunks += 1
-        finished = [(i, p) for i, (p, s, e) in enumerate(chunk) if e == len(p.ids)]
+        last = []  # each item's last row in `logits`
+        at = 0
+        for p, s, e in chunk:
+            if p.every:
+                p.plp.append(prompt_logprobs(logits[at: at + e - s], p.ids, s, p.params.prompt_logprobs))
+                at += e - s
+            else:
+                at += 1
+            last.append(at - 1)
+        finished = [(last[i], p) for i, (p, s, e) in enumerate(chunk) if e == len(p.ids)]
         for p, s, e in chunk:
             p.done = e
             self.prefill_counters.prompt_tokens += e - s
@@ -201,7 +220,8 @@ class ColocatedWorker(DecodeWorker):
                 self._prompts.remove(p)
         rows = logits[[i for i, _ in finished]]
         sampled = self.runner.sample(rows, [p.params for _, p in finished], [p.generated for _, p in finished],
-                                     [p.ids[len(p.ids) - p.generated:] for _, p in finished])
+                                     [p.ids[len(p.ids) - p.generated:] for _, p in finished],
+                                     [p.ids for _, p in finished])
         tops = top_logprobs(rows, [p.params for _, p in finished])
         t_end = time.perf_counter()
         for (_, p), (token, logprob), top in zip(finished, sampled, tops):
@@ -215,7 +235,8 @@ class ColocatedWorker(DecodeWorker):
             else:
                 self._lease += 1
                 handle = InPlaceKV(p.request_id, self._lease, len(p.ids))
-            self._resolve(p, result=PrefillResult(p.request_id, TokenOutput(token, logprob, reason, top), handle,
+            plp = PromptLogprobs.join(p.plp) if p.every else None
+            self._resolve(p, result=PrefillResult(p.request_id, TokenOutput(token, logprob, reason, top, plp), handle,
                                                   len(p.ids), p.t_start - p.t_arrive, t_end - p.t_start))
 
     @staticmethod

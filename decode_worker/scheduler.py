@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from kvrelay.engine.kv_geometry import GROUPS, worst_case_pages
 from kvrelay.engine.runner import Runner
 from kvrelay.engine.sampling import SamplingParams, TokenOutput, finish_reason, top_logprobs
@@ -54,6 +56,7 @@ class _Running:
     emit: Callable[[TokenOutput], None]
     aborted: bool = False
     output: list[int] | None = None  # tokens generated so far, kept only when penalties read them
+    prompt: object = ()  # the prompt's distinct tokens (a device tensor), kept only for repetition_penalty
 
 
 @dataclass
@@ -189,9 +192,11 @@ class Scheduler:
         return request_id in self._pulling
 
     def join(self, request_id: str, params: SamplingParams, last_token: int, generated: int,
-             emit: Callable[[TokenOutput], None], history: Sequence[int] = ()) -> None:
+             emit: Callable[[TokenOutput], None], history: Sequence[int] = (),
+             prompt_tokens: Sequence[int] = ()) -> None:
         """Add an imported sequence (KV already in its pages) to the batch from the next step on.
-        `history`: the tokens it generated before `last_token` (presence/frequency penalties count them)."""
+        `history`: the tokens it generated before `last_token` (presence/frequency penalties count them);
+        `prompt_tokens`: its prompt's distinct tokens (the repetition penalty counts them too)."""
         if request_id not in self._budget:
             raise ValueError(f"request {request_id!r} joins without a reservation")
         if not self.runner.has_sequence(request_id):
@@ -199,7 +204,11 @@ class Scheduler:
         if request_id in self._pulling:
             raise ValueError(f"request {request_id!r} joins while its KV pull may still be running")
         output = [*history, last_token] if params.penalized else None
-        self._running[request_id] = _Running(request_id, params, last_token, generated, emit, output=output)
+        prompt: object = ()
+        if params.needs_prompt_tokens:  # on the device once, not converted at every step
+            prompt = torch.as_tensor(list(prompt_tokens), dtype=torch.long).to(self.runner.device)
+        self._running[request_id] = _Running(request_id, params, last_token, generated, emit, output=output,
+                                             prompt=prompt)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request at the next step boundary (its pages are freed there)."""
@@ -234,11 +243,12 @@ class Scheduler:
                 return self._step_overlapped(batch)
         return self._step(())[0]
 
-    def step_with(self, extra: Sequence[tuple[str, Sequence[int]]] = ()):
+    def step_with(self, extra: Sequence[tuple[str, Sequence[int]]] = (), all_positions: Sequence[int] = ()):
         """A decode step whose forward also carries `extra` (sequence id, new tokens) items: prompt
         chunks of a colocated worker, computed in the same ragged forward as the running batch's tokens.
-        Returns (requests decoded, the extra items' last-position logits [len(extra), vocab] or None)."""
-        return self._step(extra)
+        Returns (requests decoded, the extra items' logits or None): one row per item (its last
+        position), a row per token for the items whose index in `extra` is in `all_positions`."""
+        return self._step(extra, all_positions)
 
     def drain(self) -> None:
         """Read back and emit the launched step, if any (before a step that needs the host's tokens)."""
@@ -250,7 +260,7 @@ class Scheduler:
         for r in [r for r in self._running.values() if r.aborted]:
             self.release(r.request_id)
 
-    def _step(self, extra) -> tuple[int, object]:
+    def _step(self, extra, all_positions: Sequence[int] = ()) -> tuple[int, object]:
         self.drain()
         self._drop_aborted()
         batch = list(self._running.values())
@@ -261,7 +271,7 @@ class Scheduler:
         t0 = time.perf_counter()
         if extra:
             logits = self.runner.forward_mixed([(rid, [r.last_token]) for rid, r in zip(ids, batch)]
-                                               + list(extra))
+                                               + list(extra), all_positions={len(batch) + i for i in all_positions})
             logits, rest = logits[: len(batch)], logits[len(batch):]
             self.times.mixed += 1
         else:
@@ -271,7 +281,7 @@ class Scheduler:
         sampled = None
         if batch:
             sampled = self.runner.sample(logits, [r.params for r in batch], [r.generated for r in batch],
-                                         [r.output or () for r in batch])
+                                         [r.output or () for r in batch], [r.prompt for r in batch])
             tops = top_logprobs(logits, [r.params for r in batch])
         t2 = time.perf_counter()
         if extra:

@@ -151,7 +151,8 @@ class DecodeWorker:
 
     # ---- the streams -------------------------------------------------------------------------
     async def _admit(self, request_id: str, handle, first_token: int, generated: int, params: SamplingParams,
-                     prefill, register, history: Sequence[int] = ()) -> PullMetrics | None:
+                     prefill, register, history: Sequence[int] = (),
+                     prompt_tokens: Sequence[int] = ()) -> PullMetrics | None:
         """Pull the handle's KV, release the prefill lease, call `register()` (where the request's tokens
         go) and join the batch. None if the request was released during the pull."""
         self._loop = asyncio.get_running_loop()
@@ -173,13 +174,14 @@ class DecodeWorker:
 
         def join() -> None:
             self.scheduler.join(request_id, params, first_token, generated,
-                                lambda out: self._emit(request_id, out), history)
+                                lambda out: self._emit(request_id, out), history, prompt_tokens)
 
         await self._locked(join)
         return PullMetrics(stats.nbytes, stats.seconds, time.perf_counter() - t0)
 
     async def start(self, request_id: str, handle, first_token: int, generated: int, params: SamplingParams,
-                    prefill, channel_id: str, history: Sequence[int] = ()) -> PullMetrics | None:
+                    prefill, channel_id: str, history: Sequence[int] = (),
+                    prompt_tokens: Sequence[int] = ()) -> PullMetrics | None:
         """Like `generate`, but the tokens go to the caller's `channel(channel_id)` stream, which carries
         every request of that caller in one message per step. Returns once the request decodes (None if
         it was released during the pull). Why: a Ray stream per request cost one Ray message per token
@@ -187,7 +189,8 @@ class DecodeWorker:
         joined = False
         try:
             pull = await self._admit(request_id, handle, first_token, generated, params, prefill,
-                                     lambda: self._route.__setitem__(request_id, channel_id), history)
+                                     lambda: self._route.__setitem__(request_id, channel_id), history,
+                                     prompt_tokens)
             joined = pull is not None
             return pull
         except BaseException:

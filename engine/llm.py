@@ -24,7 +24,7 @@ from kvrelay.engine.config import ModelConfig
 from kvrelay.engine.kv_geometry import pages_spanned
 from kvrelay.engine.parallel import SINGLE, ParallelContext
 from kvrelay.engine.runner import Runner
-from kvrelay.engine.sampling import SamplingParams, TokenOutput, finish_reason, top_logprobs
+from kvrelay.engine.sampling import SamplingParams, TokenOutput, finish_reason, prompt_logprobs, top_logprobs
 
 
 @dataclass
@@ -146,17 +146,18 @@ class LLM:
             tokens += len(req.prompt)
         return admitted
 
-    def _emit(self, reqs: list[_Request], logits: torch.Tensor) -> list[tuple[Hashable, TokenOutput]]:
+    def _emit(self, reqs: list[_Request], logits: torch.Tensor,
+              plps: Sequence | None = None) -> list[tuple[Hashable, TokenOutput]]:
         picks = self.runner.sample(logits, [r.params for r in reqs], [len(r.output) for r in reqs],
-                                   [r.output for r in reqs])
+                                   [r.output for r in reqs], [r.prompt for r in reqs])
         tops = top_logprobs(logits, [r.params for r in reqs])
         outs = []
-        for req, (token, logprob), top in zip(reqs, picks, tops):
+        for i, (req, (token, logprob), top) in enumerate(zip(reqs, picks, tops)):
             req.output.append(token)
             reason = finish_reason(token, len(req.output), req.params)
             if reason is None and len(req.prompt) + len(req.output) >= self.max_context:
                 reason = "length"
-            outs.append((req.req_id, TokenOutput(token, logprob, reason, top)))
+            outs.append((req.req_id, TokenOutput(token, logprob, reason, top, plps[i] if plps else None)))
             if reason is not None:
                 self._finish(req)
         return outs
@@ -169,13 +170,27 @@ class LLM:
         if admitted:
             for r in admitted:
                 self._running[r.req_id] = r
+            every = [i for i, r in enumerate(admitted) if r.params.prompt_logprobs is not None]
             try:
-                logits = self.runner.prefill_batch([(r.req_id, r.prompt) for r in admitted])
+                if every:  # every position's logits of those prompts (their own logprobs)
+                    rows = self.runner.forward_mixed([(r.req_id, r.prompt) for r in admitted], all_positions=every)
+                else:
+                    logits = self.runner.prefill_batch([(r.req_id, r.prompt) for r in admitted])
             except BaseException:
                 for r in admitted:
                     self._finish(r)
                 raise
-            outs += self._emit(admitted, logits)
+            plps = None
+            if every:
+                plps, last, at = [], [], 0
+                for i, r in enumerate(admitted):
+                    n = len(r.prompt) if i in every else 1
+                    plps.append(prompt_logprobs(rows[at: at + n], r.prompt, 0, r.params.prompt_logprobs)
+                                if i in every else None)
+                    at += n
+                    last.append(at - 1)
+                logits = rows[last]
+            outs += self._emit(admitted, logits, plps)
         if decoding:
             logits = self.runner.decode([r.req_id for r in decoding], [r.output[-1] for r in decoding])
             outs += self._emit(decoding, logits)

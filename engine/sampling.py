@@ -34,6 +34,12 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one (vLLM's)
     top_logprobs: int = 0  # with logprobs: also the most likely tokens and their logprobs, up to 20
+    # vLLM's/HF's multiplicative penalty over every token of prompt + output: a seen token's logit is
+    # divided by it when positive, multiplied when negative (1 = off).
+    repetition_penalty: float = 1.0
+    # vLLM's prompt_logprobs: each prompt token's logprob given the tokens before it (all but the first),
+    # with this many most likely alternatives; None = off. Computed by the prefill forward, once.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -55,6 +61,10 @@ class SamplingParams:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs")
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property
@@ -64,7 +74,12 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         """The choice depends on the tokens generated so far (the sampler needs them)."""
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def needs_prompt_tokens(self) -> bool:
+        """The choice depends on which tokens the prompt holds (repetition_penalty)."""
+        return self.repetition_penalty != 1.0
 
     def resolved(self) -> "SamplingParams":
         """A copy with a concrete seed, so every later step of the request draws from a fixed stream."""
@@ -84,6 +99,56 @@ class TokenOutput:
     finish_reason: str | None
     # (token, logprob) of the most likely tokens, most likely first, when the request asked for them
     top_logprobs: tuple[tuple[int, float], ...] | None = None
+    # On a request's first token only, when it asked for them (SamplingParams.prompt_logprobs)
+    prompt_logprobs: "PromptLogprobs | None" = None
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Logprobs of prompt tokens 1..n-1, each given the tokens before it (token 0 has none): the model's
+    log-softmax in fp32, the token's rank in it (1 = most likely, vLLM's), and per position the `k` most
+    likely tokens (None when k = 0). Only these travel: never the [n, vocab] logits."""
+
+    token_logprobs: tuple[float, ...] = ()
+    ranks: tuple[int, ...] = ()
+    top: tuple[tuple[tuple[int, float], ...], ...] | None = None
+
+    @staticmethod
+    def join(parts: Sequence["PromptLogprobs"]) -> "PromptLogprobs":
+        """One prompt's chunks, in order, as one."""
+        tops = [p.top for p in parts]
+        return PromptLogprobs(tuple(x for p in parts for x in p.token_logprobs),
+                              tuple(x for p in parts for x in p.ranks),
+                              None if not parts or any(t is None for t in tops) else tuple(x for t in tops for x in t))
+
+
+# Rows of all-position logits a forward may return for prompt logprobs: [rows, vocab] fp32 and its
+# log-softmax are what the forward's activations must leave room for (gpt-oss: 2 x 412 MB at 512).
+PROMPT_LOGPROB_CHUNK = 512
+
+
+def prompt_logprobs(rows: torch.Tensor, ids: Sequence[int], start: int, k: int) -> PromptLogprobs:
+    """The logprobs of the prompt tokens that rows [m, vocab] predict: row i is position start + i, which
+    predicts ids[start + i + 1]; a row past the prompt's last token (the one the first output token is
+    sampled from) predicts nothing here. Computed on the rows' device; only the results come back."""
+    targets = list(ids[start + 1: start + rows.shape[0] + 1])
+    if not targets:
+        return PromptLogprobs((), (), () if k else None)
+    lp = torch.log_softmax(rows[: len(targets)].float(), dim=-1)
+    tgt = torch.as_tensor(targets, dtype=torch.long, device=lp.device)
+    tok = lp.gather(1, tgt[:, None])[:, 0]
+    ranks = (lp > tok[:, None]).sum(dim=-1) + 1
+    top = None
+    if k:
+        values, top_ids = torch.topk(lp, k, dim=-1)
+        top = tuple(tuple(zip(i, v)) for i, v in zip(top_ids.tolist(), values.tolist()))
+    return PromptLogprobs(tuple(tok.tolist()), tuple(ranks.tolist()), top)
+
+
+def token_set(ids: Sequence[int]) -> tuple[int, ...]:
+    """The distinct token ids of a prompt, sorted: what a decode worker needs of it for the repetition
+    penalty (a few KB where the prompt may be 100k tokens)."""
+    return tuple(sorted(set(int(t) for t in ids)))
 
 
 def _step_generator(seed: int, step: int, device: torch.device) -> torch.Generator:
@@ -113,18 +178,30 @@ def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
-                    history: Sequence[Sequence[int]] | None) -> torch.Tensor:
-    """OpenAI's presence and frequency penalties on the rows that ask for them, in place: each row's
-    counts of the tokens it generated so far (`history[b]`), scattered on the logits' device."""
+                    history: Sequence[Sequence[int]] | None,
+                    prompts: Sequence[Sequence[int] | torch.Tensor] | None = None) -> torch.Tensor:
+    """The penalties on the rows that ask for them, in place, on the logits' device, in vLLM's order:
+    the repetition penalty over the prompt's tokens (`prompts[b]`) and the generated ones (`history[b]`),
+    then OpenAI's frequency and presence penalties over each row's counts of its generated tokens."""
     rows = [b for b, p in enumerate(params) if p.penalized]
     if not rows:
         return logits
     if history is None:
         raise ValueError("sample(): penalized params need each request's generated tokens (history)")
+    if prompts is None and any(params[b].needs_prompt_tokens for b in rows):
+        raise ValueError("sample(): repetition_penalty needs each request's prompt tokens (prompts)")
     for b in rows:
-        if not history[b]:
-            continue
         p = params[b]
+        if p.needs_prompt_tokens:
+            seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+            seen[torch.as_tensor(prompts[b], dtype=torch.long).to(logits.device)] = True
+            if history[b]:
+                seen[torch.as_tensor(list(history[b]), dtype=torch.long, device=logits.device)] = True
+            row = logits[b]
+            penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            logits[b] = torch.where(seen, penalized, row)
+        if not history[b] or (p.presence_penalty == 0.0 and p.frequency_penalty == 0.0):
+            continue
         ids = torch.as_tensor(list(history[b]), dtype=torch.long, device=logits.device)
         counts = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
         counts.scatter_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))
@@ -133,9 +210,11 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
-           history: Sequence[Sequence[int]] | None = None) -> list[tuple[int, float | None]]:
+           history: Sequence[Sequence[int]] | None = None,
+           prompts: Sequence[Sequence[int] | torch.Tensor] | None = None) -> list[tuple[int, float | None]]:
     """Choose one token per row of logits [B, V] (fp32). `steps[b]` is how many tokens request b has
-    already generated; `history[b]` those tokens (needed only for penalized rows). Returns (token,
+    already generated; `history[b]` those tokens (needed only for penalized rows); `prompts[b]` its prompt
+    tokens, any order, repeats allowed (only for repetition_penalty). Returns (token,
     logprob or None); the logprob is of the model's distribution (log-softmax of the raw logits), not of
     the penalized, temperature/top-p-filtered one."""
     logits = logits.float()
@@ -147,7 +226,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
         logits = logits.clone()
         for b in masked:
             logits[b, list(params[b].stop_token_ids)] = float("-inf")
-        apply_penalties(logits, params, history)
+        apply_penalties(logits, params, history, prompts)
     greedy_ids = torch.argmax(logits, dim=-1)  # ties go to the lowest id, matching HF greedy
     out: list[tuple[int, float | None]] = []
     for b, p in enumerate(params):

@@ -42,9 +42,9 @@ class PrefillRank(FollowerRank):
         exporter = KVExporter(layout, pools, name_prefix=f"prefill{worker}r{tp_rank}")
         super().__init__(worker, tp_rank, topology.prefill.tp, runner, exporter)
 
-    def prefill(self, rid: str, prompt_ids: list[int]):
+    def prefill(self, rid: str, prompt_ids: list[int], all_logits: bool = False):
         """The leader's prefill, on this rank's shard; returns where this rank's pages are."""
         with self._lock:
-            follower_op(lambda: self.runner.prefill(rid, prompt_ids))
+            follower_op(lambda: self.runner.prefill(rid, prompt_ids, all_logits=all_logits))
             kv = self.runner.export_sequence(rid)
             return self.transfer.describe(kv.pages, kv.length, first_blocks=kv.first_page)

@@ -20,7 +20,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from kvrelay.engine.sampling import SamplingParams, TokenOutput, finish_reason, top_logprobs
+from kvrelay.engine.sampling import (PROMPT_LOGPROB_CHUNK, PromptLogprobs, SamplingParams, TokenOutput,
+                                     finish_reason, prompt_logprobs, top_logprobs)
 from kvrelay.prefill_worker.ranks import PrefillRank, load_runner, pool_tokens
 from kvrelay.transfer.handle import layout_of
 from kvrelay.transfer.nixl import KVExporter
@@ -123,7 +124,10 @@ class PrefillWorker:
         with self._count_lock:
             jobs = [self._queue.popleft()]
             total = len(jobs[0].ids)
-            while self.group is None and self._queue and total + len(self._queue[0].ids) <= self.chunk_tokens:
+            # A prompt that wants its logprobs runs alone, in smaller chunks (see _run_prefill).
+            while (self.group is None and self._queue and jobs[0].params.prompt_logprobs is None
+                   and self._queue[0].params.prompt_logprobs is None
+                   and total + len(self._queue[0].ids) <= self.chunk_tokens):
                 total += len(self._queue[0].ids)
                 jobs.append(self._queue.popleft())
         return jobs
@@ -163,7 +167,7 @@ class PrefillWorker:
                 return None
             logits = self.runner.prefill_batch([(j.request_id, j.ids) for j in jobs])
             sampled = self.runner.sample(logits, [j.params for j in jobs], [j.generated for j in jobs],
-                                         [j.ids[len(j.ids) - j.generated:] for j in jobs])
+                                         [j.ids[len(j.ids) - j.generated:] for j in jobs], [j.ids for j in jobs])
             tops = top_logprobs(logits, [j.params for j in jobs])
         return [(t, lp, (), top) for (t, lp), top in zip(sampled, tops)]
 
@@ -175,9 +179,9 @@ class PrefillWorker:
                 if self.runner.has_sequence(rid):
                     raise ValueError(f"request {rid}: already being prefilled on this worker")
                 if self.runner.can_admit(len(prompt_ids)):  # every rank's allocator is in the same state
-                    logits, peers = self._run_prefill(rid, prompt_ids)
+                    logits, peers, plp = self._run_prefill(rid, prompt_ids, params.prompt_logprobs)
                     (token, logprob), = self.runner.sample(logits, [params], [generated],
-                                                           [prompt_ids[len(prompt_ids) - generated:]])
+                                                           [prompt_ids[len(prompt_ids) - generated:]], [prompt_ids])
                     top, = top_logprobs(logits, [params])
                     break
             # Pages are held by leases that decode has not pulled yet; they come back on release or
@@ -186,14 +190,14 @@ class PrefillWorker:
                 raise RuntimeError(f"request {rid}: prefill worker {self.rank} has no free KV pages for "
                                    f"{len(prompt_ids)} tokens ({self.exporter.active_leases()} leases held)")
             time.sleep(0.005)
-        return self._finish(rid, prompt_ids, params, generated, token, logprob, peers, top)
+        return self._finish(rid, prompt_ids, params, generated, token, logprob, peers, top, plp)
 
     def _finish(self, rid: str, prompt_ids: list[int], params: SamplingParams, generated: int, token: int,
-                logprob, peers, top=None):
+                logprob, peers, top=None, plp: PromptLogprobs | None = None):
         reason = finish_reason(token, generated + 1, params)
         if reason is None and len(prompt_ids) + 1 >= self.max_context:
             reason = "length"
-        first = TokenOutput(token, logprob, reason, top)
+        first = TokenOutput(token, logprob, reason, top, plp)
         if reason is not None:
             with self._engine_lock:
                 self._free(rid)
@@ -205,20 +209,36 @@ class PrefillWorker:
         return first, handle
 
     # ---- engine ops (under the engine lock; on every rank of a TP group) ---------------------
-    def _run_prefill(self, rid: str, prompt_ids: list[int]) -> tuple:
+    def _run_prefill(self, rid: str, prompt_ids: list[int], k: int | None = None) -> tuple:
+        """(last position's logits, follower pages, prompt logprobs with k alternatives or None)."""
+        every = k is not None  # every position's logits: the prompt's own logprobs
         if self.group is None:
-            # In chunks: activations stay within what the pool was sized around (engine/memory.py).
-            c = self.chunk_tokens
+            # In chunks: activations stay within what the pool was sized around (engine/memory.py); with
+            # prompt logprobs also the [chunk, vocab] logits (PROMPT_LOGPROB_CHUNK).
+            c = min(self.chunk_tokens, PROMPT_LOGPROB_CHUNK) if every else self.chunk_tokens
+            parts = []
             try:
-                logits = self.runner.prefill(rid, prompt_ids[:c])
-                for s in range(c, len(prompt_ids), c):
-                    logits = self.runner.extend(rid, prompt_ids[s:s + c])
+                for s in range(0, len(prompt_ids), c):
+                    piece = prompt_ids[s:s + c]
+                    out = (self.runner.prefill(rid, piece, all_logits=every) if s == 0
+                           else self.runner.extend(rid, piece, all_logits=every))
+                    if every:
+                        parts.append(prompt_logprobs(out, prompt_ids, s, k))
+                        out = out[-1]
+                    logits = out
             except BaseException:
                 if self.runner.has_sequence(rid):
                     self.runner.free(rid)
                 raise
-            return logits, ()
-        logits, peers = self.group.run("prefill", (rid, prompt_ids), lambda: self.runner.prefill(rid, prompt_ids))
+            return logits, (), PromptLogprobs.join(parts) if every else None
+        # A TP group runs the prompt as one op on every rank (the same rows on each: the vocabulary
+        # gather is a collective).
+        logits, peers = self.group.run("prefill", (rid, prompt_ids, every),
+                                       lambda: self.runner.prefill(rid, prompt_ids, all_logits=every))
+        plp = None
+        if every:
+            plp = prompt_logprobs(logits, prompt_ids, 0, k)
+            logits = logits[-1]
         # Same calls in the same order leave every rank's allocator in the same state; a difference
         # would mean the ranks no longer agree on what is where, so stop trusting this group.
         kv = self.runner.export_sequence(rid)
@@ -226,7 +246,7 @@ class PrefillWorker:
         for shard in peers:
             if [g.page_ids for g in shard.groups] != [g.page_ids for g in own.groups]:
                 self.group.fail(f"request {rid}: rank {shard.tp_rank} holds other pages than rank 0")
-        return logits, tuple(peers)
+        return logits, tuple(peers), plp
 
     def _free(self, rid: str) -> None:
         if self.group is None:
