@@ -28,7 +28,7 @@ _FINISH = {
 def sampling_to_proto(s: SamplingOptions) -> pb.SamplingParams:
     out = pb.SamplingParams(stop_token_ids=list(s.stop_token_ids), logprobs=s.logprobs, stop=list(s.stop))
     for name in ("temperature", "top_p", "top_k", "seed", "max_tokens", "min_tokens", "presence_penalty",
-                 "frequency_penalty", "min_p"):
+                 "frequency_penalty", "min_p", "repetition_penalty"):
         value = getattr(s, name)
         if value is not None:
             setattr(out, name, value)

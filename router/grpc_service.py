@@ -64,6 +64,7 @@ def sampling_from_proto(s: pb.SamplingParams) -> SamplingOptions:
         presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else None,
         frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else None,
         min_p=s.min_p if s.HasField("min_p") else None,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else None,
     )
 
 

@@ -191,7 +191,9 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None, rate_limit: Ra
         include_usage = bool(opts and opts.include_usage)
         streams = [CompletionStream(core, prep, return_token_ids=body.return_token_ids, index=i,
                                     include_usage=include_usage and len(preps) == 1,
-                                    continuous_usage=bool(opts and opts.continuous_usage_stats))
+                                    continuous_usage=bool(opts and opts.continuous_usage_stats),
+                                    echo=body.echo, echo_only=body.echo_only,
+                                    prompt_logprobs=body.prompt_logprobs is not None)
                    for i, prep in enumerate(preps)]
         comp = streams[0] if len(streams) == 1 else ChoiceBatch(streams, include_usage=include_usage, n=n)
         if body.stream:
@@ -294,6 +296,7 @@ class _Stream(abc.ABC):
             source = stream = self.core.stream_batches(self.prep)
         async with contextlib.aclosing(source), contextlib.aclosing(stream) as batches:  # type: ignore[type-var]
             async for steps in batches:
+                steps = [self.rewrite(s) for s in steps]
                 for step in steps:
                     if step.timings is not None:
                         self.timings = step.timings
@@ -302,6 +305,10 @@ class _Stream(abc.ABC):
                     if step.usage is not None:
                         self.usage = step.usage
                 yield steps
+
+    def rewrite(self, step: TokenStep) -> TokenStep:
+        """A step as this response reports it (see CompletionStream)."""
+        return step
 
     async def steps(self) -> AsyncIterator[TokenStep]:
         async with contextlib.aclosing(self.batches()) as batches:
@@ -425,62 +432,116 @@ class ChatStream(_Stream):
 
 class CompletionStream(_Stream):
     """The completion text comes from the core as ContentDeltas (already cut at a stop string, with
-    held-back text released in later steps), so nothing is decoded here."""
+    held-back text released in later steps), so nothing is decoded here.
+
+    `echo` puts the prompt in front, as vLLM does: its text before the completion's, and with logprobs its
+    tokens before the generated ones (the first with logprob None, the others with the logprobs the
+    prefill computed, each listing itself and the `logprobs` most likely tokens). `echo_only` (echo with
+    max_tokens 0, for scoring) leaves the one token the engine ran out of the response and the usage.
+    `prompt_logprobs` adds vLLM's `prompt_logprobs` list to the choice."""
 
     object_name = "text_completion"
 
     def __init__(self, core: RouterCore, prep: Prepared, *, return_token_ids: bool, include_usage: bool,
-                 continuous_usage: bool = False, index: int = 0) -> None:
+                 continuous_usage: bool = False, index: int = 0, echo: bool = False, echo_only: bool = False,
+                 prompt_logprobs: bool = False) -> None:
         super().__init__(core, prep, include_usage=include_usage, continuous_usage=continuous_usage, index=index)
         self.return_token_ids = return_token_ids
+        self.echo, self.echo_only, self.want_prompt_logprobs = echo, echo_only, prompt_logprobs
+        self.prompt_text = harmony.decode_tokens(list(prep.prompt_ids)) if echo else ""
 
-    def _choice(self, text: str, token_ids: list[int], logprobs: list[float], offsets: list[int],
-                finish: str | None, tops: list | None = None) -> dict[str, Any]:
+    def rewrite(self, step: TokenStep) -> TokenStep:
+        if not self.echo_only:
+            return step
+        usage = Usage(step.usage.prompt_tokens, 0) if step.usage is not None else None
+        return TokenStep(None, None, (), step.finish_reason, usage, prompt_logprobs=step.prompt_logprobs,
+                         timings=step.timings)
+
+    def _top(self, token: int, alts) -> dict[str, float]:
+        # Legacy completions list each token's alternatives as {text: logprob}: the token itself, then the
+        # most likely ones (OpenAI: up to logprobs + 1 entries; two tokens with the same text: the first).
+        d: dict[str, float] = {}
+        for t, lp in alts or ():
+            d.setdefault(harmony.decode_tokens([t]), lp)
+        return d
+
+    def _prompt_part(self, plp) -> tuple[str, list[int], list, list[int], list]:
+        """The echoed prompt: (text, token ids, logprobs, text offsets, alternatives)."""
+        ids = list(self.prep.prompt_ids)
+        lps: list = [None] + list(plp.token_logprobs) if plp is not None else [None] * len(ids)
+        offsets, at = [], 0
+        for t in ids:
+            offsets.append(at)
+            at += len(harmony.decode_tokens([t]))
+        tops: list = [None]
+        for i, t in enumerate(ids[1:]):
+            alts = plp.top[i] if plp is not None and plp.top is not None else ()
+            tops.append(((t, plp.token_logprobs[i]),) + tuple(alts) if plp is not None else ())
+        return self.prompt_text, ids, lps, offsets, tops
+
+    def _prompt_logprobs(self, plp) -> list | None:
+        """vLLM's `prompt_logprobs`: per prompt token {id: {logprob, rank, decoded_token}} (None first)."""
+        if plp is None:
+            return None
+        out: list = [None]
+        for i, t in enumerate(self.prep.prompt_ids[1:]):
+            entry = {str(t): {"logprob": plp.token_logprobs[i], "rank": plp.ranks[i],
+                              "decoded_token": harmony.decode_tokens([t])}}
+            for rank, (alt, lp) in enumerate(plp.top[i] if plp.top is not None else (), start=1):
+                entry.setdefault(str(alt), {"logprob": lp, "rank": rank, "decoded_token": harmony.decode_tokens([alt])})
+            out.append(entry)
+        return out
+
+    def _choice(self, text: str, token_ids: list[int], logprobs: list, offsets: list[int],
+                finish: str | None, tops: list | None = None, echoed: list[int] | None = None,
+                plp=None) -> dict[str, Any]:
+        """`echoed`: that many of the leading tokens are the prompt's (their `tops` entries already list
+        the token itself); `token_ids` (return_token_ids) are the generated ones."""
+        n_echo = len(echoed or ())
         choice: dict[str, Any] = {"index": self.index, "text": text, "finish_reason": finish, "logprobs": None}
         if self.prep.params.logprobs:
-            # Legacy completions list each token's alternatives as {text: logprob}, most likely first (two
-            # tokens with the same text: the likelier one's logprob).
             top = None
             if self.prep.params.top_logprobs:
-                top = []
-                for alts in tops or ():
-                    d: dict[str, float] = {}
-                    for t, lp in alts or ():
-                        d.setdefault(harmony.decode_tokens([t]), lp)
-                    top.append(d)
+                top = [None if i == 0 and n_echo else
+                       self._top(t, alts if i < n_echo else ((t, logprobs[i]),) + tuple(alts or ()))
+                       for i, (t, alts) in enumerate(zip((echoed or []) + token_ids, tops or ()))]
             choice["logprobs"] = {
-                "tokens": [harmony.decode_tokens([t]) for t in token_ids],
+                "tokens": [harmony.decode_tokens([t]) for t in (echoed or []) + token_ids],
                 "token_logprobs": logprobs, "top_logprobs": top, "text_offset": offsets,
             }
+        if self.want_prompt_logprobs:
+            choice["prompt_logprobs"] = self._prompt_logprobs(plp)
         if self.return_token_ids:
             choice["token_ids"] = token_ids
             choice["prompt_token_ids"] = list(self.prep.prompt_ids)
         return choice
 
+    def _generated(self, steps: list[TokenStep]) -> tuple[list[int], list, list[int], list]:
+        with_ids = [s for s in steps if s.token_id is not None]
+        shift = len(self.prompt_text)
+        return ([s.token_id for s in with_ids], [s.logprob for s in with_ids if s.logprob is not None],
+                [shift + (s.text_offset or 0) for s in with_ids], [s.top_logprobs for s in with_ids])
+
+    def _chunk_choice(self, steps: list[TokenStep], first: bool) -> dict[str, Any]:
+        ids, lps, offsets, tops = self._generated(steps)
+        text = "".join(_content(s) for s in steps)
+        plp = next((s.prompt_logprobs for s in steps if s.prompt_logprobs is not None), None)
+        echoed = None
+        if self.echo and first:
+            p_text, echoed, p_lps, p_offsets, p_tops = self._prompt_part(plp)
+            text, lps, offsets, tops = p_text + text, p_lps + lps, p_offsets + offsets, p_tops + tops
+        return self._choice(text, ids, lps, offsets, steps[-1].finish_reason, tops, echoed, plp)
+
     async def complete(self) -> dict[str, Any]:
-        text, ids, lps, offsets, tops = [], [], [], [], []
-        finish, usage = None, None
-        async for step in self.steps():
-            if step.token_id is not None:
-                ids.append(step.token_id)
-                offsets.append(step.text_offset or 0)
-                tops.append(step.top_logprobs)
-                if step.logprob is not None:
-                    lps.append(step.logprob)
-            text.append(_content(step))
-            finish, usage = step.finish_reason or finish, step.usage or usage
-        return self.envelope([self._choice("".join(text), ids, lps, offsets, finish, tops)], usage, chunk=False)
+        steps = [s async for s in self.steps()]
+        return self.envelope([self._chunk_choice(steps, True)], self.usage, chunk=False)
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+        first = True
         async for steps in self.batches():
-            with_ids = [s for s in steps if s.token_id is not None]
-            ids = [s.token_id for s in with_ids]
-            lps = [s.logprob for s in with_ids if s.logprob is not None]
-            offsets = [s.text_offset or 0 for s in with_ids]
             last = steps[-1]
-            text = "".join(_content(s) for s in steps)
-            tops = [s.top_logprobs for s in with_ids]
-            yield self.envelope([self._choice(text, ids, lps, offsets, last.finish_reason, tops)], chunk=True)
+            yield self.envelope([self._chunk_choice(steps, first)], chunk=True)
+            first = False
             if last.finish_reason is not None and self.include_usage:
                 yield self.envelope([], last.usage, chunk=True)
 

@@ -86,22 +86,18 @@ class _Sampling(_Body):
     presence_penalty: Optional[float] = None  # honoured: passed to the sampler
     frequency_penalty: Optional[float] = None
     min_p: Optional[float] = None  # vLLM's, honoured
-    repetition_penalty: Optional[float] = None  # vLLM's
+    repetition_penalty: Optional[float] = None  # vLLM's, honoured (over prompt + output tokens)
     logit_bias: Optional[dict[str, float]] = None
     response_format: Optional[dict[str, Any]] = None
     guided_json: Any = None  # vLLM's structured-output extensions
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
-    prompt_logprobs: Optional[int] = None  # vLLM's
+    prompt_logprobs: Optional[int] = None  # vLLM's: honoured on /v1/completions
 
     def common_checks(self) -> None:
         if self.n is not None and not 1 <= self.n <= MAX_N:
             raise ValidationError("n", f"must be in [1, {MAX_N}], got {self.n}")
-        if self.repetition_penalty is not None and self.repetition_penalty != 1.0:
-            # vLLM's repetition penalty also counts the prompt's tokens, which a decode worker never sees.
-            raise ValidationError("repetition_penalty", f"not supported yet (only 1, the neutral value; "
-                                  f"presence_penalty and frequency_penalty are), got {self.repetition_penalty:g}")
         if self.logit_bias:
             raise ValidationError("logit_bias", "not supported yet (only an empty map)")
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
@@ -110,8 +106,6 @@ class _Sampling(_Body):
         for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
             if getattr(self, name) is not None:
                 raise ValidationError(name, "structured outputs are not supported yet")
-        if self.prompt_logprobs is not None:
-            raise ValidationError("prompt_logprobs", "prompt logprobs are not supported yet")
 
     def stop_strings(self) -> tuple[str, ...]:
         """`stop` as a tuple; the limits are checked by the shared validation (same message as gRPC)."""
@@ -133,6 +127,9 @@ class ChatCompletionRequest(_Sampling):
 
     def to_chat(self) -> ChatRequest:
         self.common_checks()
+        if self.prompt_logprobs is not None:
+            raise ValidationError("prompt_logprobs", "not supported for chat (the rendered harmony prompt's "
+                                  "logprobs); use /v1/completions with echo or prompt_logprobs")
         if self.ignore_eos:
             raise ValidationError("ignore_eos", "not supported for chat: harmony's stop tokens end the "
                                   "assistant message; use /v1/completions, which stops only on max_tokens, "
@@ -157,6 +154,7 @@ class ChatCompletionRequest(_Sampling):
             frequency_penalty=self.frequency_penalty,
             min_p=self.min_p,
             top_logprobs=self.top_logprobs,
+            repetition_penalty=self.repetition_penalty,
         )
         return ChatRequest(
             messages=tuple(_message(i, m) for i, m in enumerate(self.messages)),
@@ -175,12 +173,22 @@ class CompletionRequest(_Sampling):
     best_of: Optional[int] = None
     suffix: Optional[str] = None
 
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: score the prompt, generate nothing (vLLM runs one token and drops it)."""
+        return self.echo and self.max_tokens == 0
+
     def sampling(self) -> SamplingOptions:
         self.common_checks()
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValidationError("logprobs", f"must be in [0, 20] (the most likely tokens to list), got {self.logprobs}")
-        if self.echo:
-            raise ValidationError("echo", "echo is not supported")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValidationError("prompt_logprobs", "not available with stream: true (as in vLLM); "
+                                  "use echo with logprobs to stream the prompt's logprobs")
+        # vLLM's rule: echo with logprobs lists the prompt's tokens with as many alternatives.
+        plp = self.prompt_logprobs
+        if plp is None and self.echo and self.logprobs is not None:
+            plp = self.logprobs
         if self.best_of not in (None, 1):
             raise ValidationError("best_of", f"only best_of=1 is supported, got {self.best_of}")
         if self.suffix:
@@ -190,7 +198,8 @@ class CompletionRequest(_Sampling):
             top_p=self.top_p,
             top_k=self.top_k,
             seed=self.seed,
-            max_tokens=16 if self.max_tokens is None else self.max_tokens,  # OpenAI's default
+            # OpenAI's default; echo_only runs one token, which the response leaves out
+            max_tokens=16 if self.max_tokens is None else (1 if self.echo_only else self.max_tokens),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             logprobs=self.logprobs is not None,
             stop=self.stop_strings(),
@@ -199,6 +208,8 @@ class CompletionRequest(_Sampling):
             frequency_penalty=self.frequency_penalty,
             min_p=self.min_p,
             top_logprobs=self.logprobs or None,  # legacy completions: logprobs=N lists the N most likely
+            repetition_penalty=self.repetition_penalty,
+            prompt_logprobs=plp,
         )
 
 

@@ -12,10 +12,18 @@ import itertools
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Iterable, Union
 
-from kvrelay.engine.sampling import SamplingParams, TokenOutput
+from kvrelay.engine.sampling import PromptLogprobs, SamplingParams, TokenOutput
 from kvrelay.router.engine_client import flatten
 
 Script = Union[Iterable[int], Callable[[list[int]], Iterable[int]]]
+
+
+def made_up_prompt_logprobs(prompt: list[int], k: int) -> PromptLogprobs:
+    """Prompt logprobs a test can predict: token i+1 has logprob -0.25 (i + 1) and rank i % 3 + 1; its
+    alternatives are the ids after it, at -0.1, -0.2, ..."""
+    n = len(prompt) - 1
+    top = tuple(tuple((prompt[i + 1] + j + 1, -0.1 * (j + 1)) for j in range(k)) for i in range(n)) if k else None
+    return PromptLogprobs(tuple(-0.25 * (i + 1) for i in range(n)), tuple(i % 3 + 1 for i in range(n)), top)
 
 
 @dataclass
@@ -33,6 +41,8 @@ class ScriptedEngineClient:
     params: list[SamplingParams] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
+    # What the first token carries when a request asks for prompt logprobs.
+    prompt_scorer: Callable[[list[int], int], PromptLogprobs] = made_up_prompt_logprobs
 
     def _tokens(self, prompt_ids: list[int]) -> Iterable[int]:
         script = self.scripts[min(len(self.prompts) - 1, len(self.scripts) - 1)]
@@ -58,8 +68,10 @@ class ScriptedEngineClient:
             reason = "stop" if token in stops else ("length" if n == budget else None)
             top = (tuple((int(token) + i, -0.5 - i) for i in range(params.top_logprobs))
                    if params.top_logprobs else None)  # the sampled token first, then made-up runners-up
+            plp = (self.prompt_scorer(list(prompt_ids), params.prompt_logprobs)
+                   if n == 1 and params.prompt_logprobs is not None else None)
             ready.append(TokenOutput(token_id=int(token), logprob=-0.5 if params.logprobs else None,
-                                     finish_reason=reason, top_logprobs=top))
+                                     finish_reason=reason, top_logprobs=top, prompt_logprobs=plp))
             if reason is not None:
                 self.finished.append(request_id)
                 yield ready

@@ -160,6 +160,7 @@ class RouterCore:
         timer = RequestTimer(len(prep.prompt_ids))  # vLLM's request metrics (router/metrics.py)
         engine_done = released = False
         produced = 0
+        first = True
         tokens = token_batches(self.engine, prep.request_id, list(prep.prompt_ids), prep.params)
 
         async def release() -> None:
@@ -181,9 +182,10 @@ class RouterCore:
                     engine_done = out.finish_reason is not None
                     offset = output.offset
                     deltas = output.feed(out.token_id, out.finish_reason)
+                    plp, first = (getattr(out, "prompt_logprobs", None) if first else None), False
                     if not engine_done and not output.stopped:
                         steps.append(TokenStep(out.token_id, out.logprob, tuple(deltas), text_offset=offset,
-                                               top_logprobs=out.top_logprobs))
+                                               top_logprobs=out.top_logprobs, prompt_logprobs=plp))
                         continue
                     deltas += output.finish()
                     reason = output.finish_reason(out.finish_reason)
@@ -194,7 +196,7 @@ class RouterCore:
                     metrics = getattr(out, "metrics", None)
                     steps.append(TokenStep(out.token_id, out.logprob, tuple(deltas), reason,
                                            Usage(len(prep.prompt_ids), produced), text_offset=offset,
-                                           top_logprobs=out.top_logprobs,
+                                           top_logprobs=out.top_logprobs, prompt_logprobs=plp,
                                            timings=metrics.timings() if metrics is not None else None))
                     yield steps
                     return

@@ -33,6 +33,8 @@ class SamplingOptions:
     frequency_penalty: float | None = None  # [-2, 2]
     min_p: float | None = None  # [0, 1] (vLLM's)
     top_logprobs: int | None = None  # [0, 20]: with logprobs, the most likely tokens too
+    repetition_penalty: float | None = None  # > 0 (vLLM's/HF's), over prompt + generated tokens
+    prompt_logprobs: int | None = None  # [0, 20]: the prompt tokens' own logprobs (echo, vLLM's)
 
 
 @dataclass(frozen=True)
@@ -141,4 +143,6 @@ class TokenStep:
     # The engine's own per-request timings (queue, prefill compute, KV handoff, delivery), on the last
     # step when the engine reports them (the disaggregated client does; HTTP `kvrelay_timings`).
     timings: dict[str, float] | None = None
+    # On the first step, when the request asked for them: engine.sampling.PromptLogprobs
+    prompt_logprobs: object | None = None
 

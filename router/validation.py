@@ -99,6 +99,8 @@ class ResolvedSampling:
     frequency_penalty: float = 0.0
     min_p: float = 0.0
     top_logprobs: int = 0
+    repetition_penalty: float = 1.0
+    prompt_logprobs: int | None = None
 
 
 def check_token_ids(ids: tuple[int, ...] | list[int], field: str, vocab_size: int = VOCAB_SIZE) -> None:
@@ -143,6 +145,10 @@ def resolve_sampling(
         raise ValidationError("top_logprobs", f"must be in [0, 20], got {s.top_logprobs}")
     if s.top_logprobs and not s.logprobs:
         raise ValidationError("top_logprobs", "needs logprobs: true")
+    if s.repetition_penalty is not None and not (math.isfinite(s.repetition_penalty) and s.repetition_penalty > 0):
+        raise ValidationError("repetition_penalty", f"must be a number > 0 (1 = off), got {s.repetition_penalty}")
+    if s.prompt_logprobs is not None and not 0 <= s.prompt_logprobs <= 20:
+        raise ValidationError("prompt_logprobs", f"must be in [0, 20], got {s.prompt_logprobs}")
     check_token_ids(s.stop_token_ids, "stop_token_ids", vocab_size)
     check_stop_strings(s.stop)
     room = max_context - prompt_len
@@ -175,6 +181,8 @@ def resolve_sampling(
         frequency_penalty=float(s.frequency_penalty or 0.0),
         min_p=float(s.min_p or 0.0),
         top_logprobs=int(s.top_logprobs or 0),
+        repetition_penalty=1.0 if s.repetition_penalty is None else float(s.repetition_penalty),
+        prompt_logprobs=s.prompt_logprobs,
     )
 
 

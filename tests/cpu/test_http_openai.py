@@ -362,8 +362,7 @@ def test_engine_unavailable_is_503_before_the_stream_and_in_band_after(server, e
 
 
 UNSUPPORTED = [
-    ("repetition_penalty", 1.2, 1.0, "repetition_penalty: not supported yet (only 1, the neutral value; "
-     "presence_penalty and frequency_penalty are), got 1.2"),
+    ("repetition_penalty", 0.0, 1.0, "repetition_penalty: must be a number > 0 (1 = off), got 0.0"),
     ("presence_penalty", 2.5, 0.5, "presence_penalty: must be in [-2, 2], got 2.5"),
     ("frequency_penalty", -3.0, -1.0, "frequency_penalty: must be in [-2, 2], got -3.0"),
     ("min_p", 1.5, 0.1, "min_p: must be in [0, 1], got 1.5"),
@@ -372,7 +371,6 @@ UNSUPPORTED = [
      "response_format: structured outputs are not supported yet (only type 'text'), got type 'json_object'"),
     ("guided_json", {"type": "object"}, None, "guided_json: structured outputs are not supported yet"),
     ("guided_choice", ["a", "b"], None, "guided_choice: structured outputs are not supported yet"),
-    ("prompt_logprobs", 1, None, "prompt_logprobs: prompt logprobs are not supported yet"),
 ]
 
 
@@ -392,7 +390,7 @@ def test_parameters_not_honoured_are_refused_by_name(server, engine, path, name,
     if neutral is not None:
         r = httpx.post(f"{server.http_url}{path}", json={**body, name: neutral}, timeout=30)
         assert r.status_code == 200, r.text
-        if name in ("presence_penalty", "frequency_penalty", "min_p"):
+        if name in ("presence_penalty", "frequency_penalty", "min_p", "repetition_penalty"):
             assert getattr(engine.params[-1], name) == neutral
 
 
