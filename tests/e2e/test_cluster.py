@@ -229,8 +229,11 @@ def test_killed_decode_worker_does_not_hang_the_stream(running, reference):
     tokens: list[int] = []
     killed = None
     before = _retries("decode_died") + _retries("decode_unresponsive")
+    # With a repetition penalty: the retry's decode worker needs the prompt's tokens and the streamed ones.
+    params = SamplingParams(max_tokens=k, temperature=0, repetition_penalty=1.3)
     with RouterClient(running.grpc_target, timeout_s=120) as c:
-        for resp in c.generate(prompt, SamplingOptions(temperature=0.0, max_tokens=k), request_id="victim"):
+        for resp in c.generate(prompt, SamplingOptions(temperature=0.0, max_tokens=k, repetition_penalty=1.3),
+                               request_id="victim"):
             tokens.extend(resp.token_ids)
             if killed is None and len(tokens) >= 10:
                 serving = [r for r in running.cluster.statuses() if r["role"] == "decode" and r.get("running")]
@@ -239,7 +242,8 @@ def test_killed_decode_worker_does_not_hang_the_stream(running, reference):
                 ray.kill(running.cluster.decode[killed], no_restart=True)
     assert killed is not None
     # Re-prefilled prompt + streamed tokens on the surviving pair: no gap, no repeat.
-    assert tokens == solo(reference, prompt, k)
+    want = [o.token_id for o in reference.generate(prompt, params)]
+    assert tokens == want and want != solo(reference, prompt, k)
     assert _retries("decode_died") + _retries("decode_unresponsive") == before + 1
     rows = {(r["role"], r["rank"]): r for r in running.cluster.statuses()}
     assert "error" in rows[("decode", killed)] and rows[("decode", 1 - killed)]["healthy"]

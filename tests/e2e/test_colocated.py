@@ -243,3 +243,14 @@ def test_abort_mid_stream_frees_the_pages(running):
 
     asyncio.run(go())
     assert_no_pages_left(run)
+
+
+def test_echo_prompt_logprobs_and_repetition_penalty(running, reference):
+    """Prompt logprobs from the colocated worker's chunked prefill (a 150-token prompt: three 64-token
+    chunks, side by side with a short one) equal a float64 reference; repetition_penalty equals LLM."""
+    from scoring_checks import check_echo_scoring, check_repetition_penalty
+
+    run, server = running
+    check_echo_scoring(server, run.client.model_name, reference, [prompt_of(150, 9), prompt_of(7, 2)])
+    check_repetition_penalty(server, run.client.model_name, reference, prompt_of(23, 5))
+    assert_no_pages_left(run)

@@ -169,3 +169,15 @@ def test_256_streams_for_a_minute(running, reference):
     assert run.client.admission.waiting == 0
     assert_no_pages_left(run, timeout_s=30)
     assert not server.core._in_flight and not run.client._active
+
+
+def test_echo_prompt_logprobs_and_repetition_penalty_across_the_handoff(running, reference):
+    """The split path: the prefill worker computes the prompt logprobs (a 600-token prompt: two chunks of
+    all-position logits) and the repetition penalty's first token, the decode worker the rest from the
+    prompt's token set."""
+    from scoring_checks import check_echo_scoring, check_repetition_penalty
+
+    run, server = running
+    check_echo_scoring(server, run.client.model_name, reference, [prompt_of(600, 9), prompt_of(5, 1)])
+    check_repetition_penalty(server, run.client.model_name, reference, prompt_of(23, 5))
+    assert_no_pages_left(run)
