@@ -110,6 +110,13 @@ class ResponsesRequest(_Strict):
     access_programs: Any = None
     prompt_cache_options: Any = None
     prompt_cache_retention: Optional[str] = None
+    # vLLM's sampling extensions (extra_body), honoured as on /v1/chat/completions.
+    seed: Optional[int] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -169,8 +176,13 @@ def check_options(body: ResponsesRequest) -> ResponsesOptions:
         choice = "auto"
     if choice not in ("auto", "none"):
         raise ValidationError("tool_choice", f"only 'auto' and 'none' are supported, got {choice!r}")
+    if body.repetition_penalty not in (None, 1.0):
+        raise ValidationError("repetition_penalty", f"not supported yet (only 1, the neutral value; presence_penalty "
+                                                    f"and frequency_penalty are), got {body.repetition_penalty:g}")
     sampling = SamplingOptions(temperature=body.temperature, top_p=body.top_p, max_tokens=body.max_output_tokens,
-                               logprobs=logprobs, top_logprobs=body.top_logprobs)
+                               logprobs=logprobs, top_logprobs=body.top_logprobs, seed=body.seed, top_k=body.top_k,
+                               min_p=body.min_p, presence_penalty=body.presence_penalty,
+                               frequency_penalty=body.frequency_penalty)
     return ResponsesOptions(effort=effort, summary=summary, encrypted=encrypted, logprobs=logprobs,
                             store=body.store is not False, stream=bool(body.stream),
                             tools=tools if choice == "auto" else (), tools_echo=echo, tool_choice=choice,

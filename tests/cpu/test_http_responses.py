@@ -167,9 +167,9 @@ def test_function_call_then_output_with_previous_response_id(client, engine) -> 
     message = second.output[1]
     assert (message.role, message.status, message.phase) == ("assistant", "completed", "final_answer")
 
-    # The same turn sent without the store (the client replays the items) renders the same prompt.
-    items = [{"role": "user", "content": "Weather in Paris?"}] + [o.model_dump(exclude_none=True)
-                                                                 for o in first.output]
+    # The same turn sent without the store (the client replays the items, as the SDK serialises them) renders
+    # the same prompt.
+    items = [{"role": "user", "content": "Weather in Paris?"}] + list(first.output)
     client.responses.create(model=MODEL, tools=TOOLS, store=False, input=items + [
         {"type": "function_call_output", "call_id": call.call_id, "output": [{"type": "input_text",
                                                                               "text": '{"temp_c": 21}'}]}])
@@ -418,6 +418,9 @@ def test_store_bounds_entries_characters_and_age() -> None:
     ({"stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation"),
     ({"max_output_tokens": 10_000}, "max_output_tokens"),
     ({"temperature": -1}, "temperature"),
+    ({"top_k": -1}, "top_k"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"repetition_penalty": 1.2}, "repetition_penalty"),
     ({"frequency_penalty_typo": 1}, "frequency_penalty_typo"),
     ({"input": None}, "input"),
     ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
@@ -436,6 +439,16 @@ def test_unsupported_or_bad_fields_are_refused_by_name(server, extra, param) -> 
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"], err
+
+
+def test_vllm_sampling_extensions_reach_the_engine(client, engine) -> None:
+    engine.scripts = [FINAL]
+    client.responses.create(model=MODEL, input="hi", temperature=0.5, top_p=0.9, max_output_tokens=30, extra_body={
+        "seed": 7, "top_k": 5, "min_p": 0.1, "presence_penalty": 0.5, "frequency_penalty": -0.5})
+    p = engine.params[-1]
+    assert (p.temperature, p.top_p, p.max_tokens, p.seed, p.top_k, p.min_p) == (0.5, 0.9, 30, 7, 5, 0.1)
+    assert (p.presence_penalty, p.frequency_penalty) == (0.5, -0.5)
+    assert set(harmony.CHAT_STOP_TOKEN_IDS) <= set(p.stop_token_ids)
 
 
 def test_unknown_model_is_404(server) -> None:
