@@ -100,6 +100,7 @@ def summarize(results: list[RequestResult], conc: int, input_len: int, output_le
         "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
         "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
         "out_tok_s_aggregate": agg,
+        "out_tok_s_steady": steady_rate(results, conc),
         "out_tok_s_per_user_p50": percentile([r.per_user_tok_s for r in ok if r.per_user_tok_s is not None], 50),
         "usd_per_m_output": C.decode_usd_per_m_output(agg, gpus, usd_per_gpu_hour) if agg > 0 else None,
         # Near 1.0 the client, not the server, may be what limits the numbers above.
@@ -116,6 +117,21 @@ def summarize(results: list[RequestResult], conc: int, input_len: int, output_le
                 vals.append(float(t[key]))
         point[key] = percentile(vals, 50)
     return point
+
+
+def steady_rate(results: list[RequestResult], conc: int, min_window_s: float = 1.0) -> float | None:
+    """Output tokens/s while all `conc` slots had a request in flight: from the start of the conc-th
+    request (the first wave is in) to the start of the last one (after it, slots drain). The aggregate
+    over the whole point also counts the ramp up and the drain, when fewer streams run; this is the
+    rate *at* the concurrency. None when the run has no such window of at least `min_window_s`."""
+    starts = sorted(r.t_send for r in results)
+    if len(starts) <= conc:
+        return None
+    t_a, t_b = starts[conc - 1], starts[-1]
+    if t_b - t_a < min_window_s:
+        return None
+    tokens = sum(k for r in results if r.ok for t, k in r.arrivals if t_a <= t <= t_b)
+    return tokens / (t_b - t_a)
 
 
 def _num(x: Any) -> bool:
@@ -272,13 +288,14 @@ def _print(console, payload: dict) -> None:
         t = Table(title=f"{payload['model']} serving {w[0]}/{w[1]} tokens at {payload['base_url']}, "
                         f"{payload['gpus']} GPU(s) (${payload['usd_per_gpu_hour']:.2f}/GPU-h)")
         for col in ("conc", "reqs", "failed", "TTFT p50 s", "TTFT p99 s", "ITL p50 ms", "ITL p99 ms",
-                    "tok/s total", "tok/s/user p50", "$/1M out", "queue s", "prefill s", "KV handoff s",
+                    "tok/s total", "tok/s steady", "tok/s/user p50", "$/1M out", "queue s", "prefill s", "KV handoff s",
                     "KV GB/s", "delivery s", "client CPU"):
             t.add_column(col, justify="right")
         for p in (p for p in payload["points"] if (p["input_len"], p["output_len"]) == w):
             t.add_row(str(p["concurrency"]), str(p["requests"]), str(p["failed"]), _fmt(p["ttft_p50_s"]),
                       _fmt(p["ttft_p99_s"]), _fmt(p["itl_p50_s"], 1e3, ".2f"), _fmt(p["itl_p99_s"], 1e3, ".2f"),
-                      _fmt(p["out_tok_s_aggregate"], spec=",.0f"), _fmt(p["out_tok_s_per_user_p50"], spec=".1f"),
+                      _fmt(p["out_tok_s_aggregate"], spec=",.0f"), _fmt(p.get("out_tok_s_steady"), spec=",.0f"),
+                      _fmt(p["out_tok_s_per_user_p50"], spec=".1f"),
                       "-" if p["usd_per_m_output"] is None else f"${p['usd_per_m_output']:.3f}",
                       _fmt(p["queue_s"]), _fmt(p["prefill_compute_s"]), _fmt(p["kv_handoff_s"]),
                       _fmt(p["kv_handoff_gb_s"], spec=".1f"), _fmt(p["delivery_s"]), f"{p['client_cpu_frac']:.0%}")

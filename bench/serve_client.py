@@ -49,6 +49,10 @@ class RequestResult:
     per_user_tok_s: float | None = None
     timings: dict[str, Any] | None = None
     t_done: float = 0.0
+    t_send: float = 0.0
+    # (arrival time, tokens) of each content chunk, on the clock of t_send / t_done (perf_counter: one
+    # clock for every client process of a run), for throughput over a window (bench.serve.steady_rate)
+    arrivals: list[tuple[float, int]] = field(default_factory=list)
 
 
 class StreamParser:
@@ -82,7 +86,9 @@ class StreamParser:
     def result(self, output_len: int, t_done: float) -> RequestResult:
         known = sum(k or 1 for k in self.tokens)
         n = self.usage_tokens if self.usage_tokens is not None else known
-        r = RequestResult(output_tokens=n, finish_reason=self.finish, timings=self.timings, t_done=t_done)
+        r = RequestResult(output_tokens=n, finish_reason=self.finish, timings=self.timings, t_done=t_done,
+                          t_send=self.t_send,
+                          arrivals=[(self.t_send + t, k or 1) for t, k in zip(self.times, self.tokens)])
         if self.times:
             r.ttft_s = self.times[0]
             r.itl_s = itl_samples(self.times, self.tokens, n)

@@ -25,7 +25,7 @@ st() { kvrelay status "$cfg" --address "$ray" --json >"$out/serve-$label-$1-stat
 b() { python3 -m kvrelay.bench.serve --base-url "$url" --gpus "$gpus" --topology "$cfg" --out-dir "$out" "$@"; }
 if [ -z "${ONLY_SWEEP:-}" ]; then
   [ -z "${SKIP_SOLO:-}" ] && { b --label "$label-solo" --workloads 1k/16,8k/256,32k/16 --concurrency 1 --requests 2; st solo; }
-  b --label "$label-64x1k256" --workloads 1k/256 --concurrency 64 --waves 3 --stagger-s 3; st 64x1k256
+  b --label "$label-64x1k256" --workloads 1k/256 --concurrency 64 --waves 5 --stagger-s 3; st 64x1k256
 fi
 b --label "$label-1k1k" --workloads 1k/1k --concurrency ${SWEEP:-1,4,16,64,128,256} --waves ${WAVES:-1} --stagger-s 2; st 1k1k
 grep -E 'KV pool|error|Error' "$log" | head -20

@@ -95,6 +95,21 @@ def test_summarize_breakdown_and_cost() -> None:
     assert pt["prefill_compute_s"] is None and pt["delivery_s"] is None
 
 
+def test_steady_rate_counts_only_the_window_with_every_slot_busy() -> None:
+    """Two slots, three requests: the window runs from the 2nd request's start (t=1) to the 3rd's (t=3);
+    tokens before it (the ramp) and after it (the drain) do not count."""
+    def req(t_send, arrivals):
+        return serve.RequestResult(ok=True, t_send=t_send, output_tokens=sum(k for _, k in arrivals),
+                                   arrivals=arrivals)
+
+    rs = [req(0.0, [(0.5, 1), (1.5, 1), (2.5, 2)]),   # ramp token at 0.5; 3 tokens inside
+          req(1.0, [(2.0, 1), (3.5, 5)]),             # 1 inside, 5 in the drain
+          req(3.0, [(3.0, 4), (4.0, 1)])]             # 4 at the window's edge, 1 after
+    assert serve.steady_rate(rs, conc=2) == pytest.approx((3 + 1 + 4) / 2.0)
+    assert serve.steady_rate(rs, conc=3) is None  # no request beyond the first wave: no window
+    assert serve.steady_rate(rs[:2] + [req(1.5, [])], conc=2) is None  # window under 1 s
+
+
 # ---- end to end ---------------------------------------------------------------------------------------------
 def _check_result(payload: dict, tmp_path: Path) -> list[dict]:
     files = payload["files"]
