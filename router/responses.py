@@ -29,6 +29,7 @@ from kvrelay.router.responses_models import (
     check_options,
     input_messages,
     responses_field,
+    wire_items,
 )
 from kvrelay.router.responses_output import OutputBuilder
 from kvrelay.router.responses_store import ResponseStore
@@ -75,6 +76,30 @@ def add_routes(app: FastAPI, core: RouterCore, check_model, store: ResponseStore
         if entry is None:
             return _error(f"No response found with id '{response_id}'.", param="response_id", status=404)
         return entry.body
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, request: Request) -> Any:
+        q = request.query_params
+        for name in q:
+            if name not in ("after", "limit", "order"):
+                raise ValidationError(name, "not supported when listing input items (after, limit, order are)")
+        entry = store.get(response_id)
+        if entry is None:
+            return _error(f"No response found with id '{response_id}'.", param="response_id", status=404)
+        order, limit = q.get("order", "desc"), q.get("limit", "20")
+        if order not in ("asc", "desc"):
+            raise ValidationError("order", f"expected asc or desc, got {order!r}")
+        if not limit.isdigit() or not 1 <= int(limit) <= 100:
+            raise ValidationError("limit", f"must be an integer in [1, 100], got {limit!r}")
+        items = list(entry.input_items if order == "asc" else reversed(entry.input_items))
+        if "after" in q:
+            ids = [item["id"] for item in items]
+            if q["after"] not in ids:
+                raise ValidationError("after", f"no input item {q['after']!r} in response {response_id!r}")
+            items = items[ids.index(q["after"]) + 1:]
+        page = items[: int(limit)]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> Any:
@@ -189,7 +214,8 @@ class ResponseRun:
         self.builder.finish(status)
         final = self.response(status, usage)
         if self.opts.store:
-            self.store.put(self.id, self.conversation + tuple(self.builder.conversation()), final)
+            self.store.put(self.id, self.conversation + tuple(self.builder.conversation()), final,
+                           wire_items(self.body.input, _new_id))  # type: ignore[arg-type]  # validated
         yield self._numbered(self.builder.take_events() + [{"type": f"response.{status}", "response": final}])
 
     async def complete(self) -> dict[str, Any]:
@@ -210,6 +236,10 @@ class ResponseRun:
             failed = self.response("failed", error={"code": "server_error", "message": f"internal error: {exc}"})
             yield b"".join(_sse(e) for e in self._numbered(self.builder.take_events() +
                                                           [{"type": "response.failed", "response": failed}]))
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 def _sse(event: dict[str, Any]) -> bytes:

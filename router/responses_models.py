@@ -290,6 +290,27 @@ def input_messages(input_: str | list[Any]) -> list[Sourced]:
     return out
 
 
+_ID_PREFIX = {"message": "msg", "reasoning": "rs", "function_call": "fc", "function_call_output": "fco"}
+
+
+def wire_items(input_: str | list[Any], new_id) -> tuple[dict[str, Any], ...]:
+    """The (validated) input as `GET /v1/responses/{id}/input_items` lists it: every item typed, with an
+    id (`new_id(prefix)` where the client gave none) and text content as parts."""
+    if isinstance(input_, str):
+        input_ = [{"role": "user", "content": input_}]
+    out = []
+    for raw in input_:
+        item = {"type": "message", **raw} if "type" not in raw else dict(raw)
+        item.setdefault("id", new_id(_ID_PREFIX[item["type"]]))
+        if item["type"] == "message":
+            if isinstance(item.get("content"), str):
+                part = "output_text" if item.get("role") == "assistant" else "input_text"
+                item["content"] = [{"type": part, "text": item["content"]}]
+            item.setdefault("status", "completed")
+        out.append(item)
+    return tuple(out)
+
+
 def _message(raw: dict[str, Any], where: str) -> ChatMessage | None:
     role = raw.get("role")
     if role not in ("user", "system", "developer", "assistant"):

@@ -7,7 +7,7 @@ stored with its whole conversation (the chat messages of every earlier turn, its
 not its instructions, which OpenAI does not carry over): a continuation needs nothing but this entry, so
 evicting an older turn never breaks a newer one. The messages are immutable and shared between the turns
 of one conversation, so a chain of turns holds each text once; `max_chars` counts them as if they were
-not shared, an upper bound.
+not shared, and twice (the response object and the listed input items hold copies), an upper bound.
 
 Only the router's event loop touches the store (the HTTP handlers are coroutines), so it needs no lock.
 A router restart loses it, as vLLM's in-memory store does.
@@ -38,6 +38,7 @@ class StoredResponse:
     history: tuple[ChatMessage, ...]  # the conversation so far, this response's output included
     body: dict[str, Any]  # the response object, as `GET /v1/responses/{id}` returns it
     chars: int
+    input_items: tuple[dict[str, Any], ...]  # this response's own input, as `GET .../input_items` lists it
     expires_at: float
 
 
@@ -57,13 +58,14 @@ class ResponseStore:
         self._expire()
         return len(self._entries)
 
-    def put(self, response_id: str, history: tuple[ChatMessage, ...], body: dict[str, Any]) -> None:
-        chars = conversation_chars(history)
+    def put(self, response_id: str, history: tuple[ChatMessage, ...], body: dict[str, Any],
+            input_items: tuple[dict[str, Any], ...] = ()) -> None:
+        chars = 2 * conversation_chars(history)  # the response object and its input items repeat its texts
         if chars > self.max_chars:
             return  # bigger than the whole store: keeping it would evict everything else
         self.delete(response_id)
-        self._entries[response_id] = StoredResponse(response_id, history, body, chars,
-                                                    self._clock() + self.ttl_s)
+        self._entries[response_id] = StoredResponse(response_id, history, body, chars, input_items=input_items,
+                                                    expires_at=self._clock() + self.ttl_s)
         self._chars += chars
         self._expire()
         while len(self._entries) > self.max_entries or self._chars > self.max_chars:

@@ -377,17 +377,39 @@ def test_retrieve_and_delete_stored_responses(client, engine, server) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
 
 
+def test_input_items_of_a_stored_response(client, engine, server) -> None:
+    engine.scripts = [FINAL]
+    resp = client.responses.create(model=MODEL, input=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}", "id": "fc_given"},
+        {"type": "function_call_output", "call_id": "c1", "output": "21"},
+        {"role": "assistant", "content": "21 °C."}, {"role": "user", "content": "Thanks"}])
+    items = list(client.responses.input_items.list(resp.id, order="asc", limit=2))  # the SDK pages by `after`
+    assert [(i.type, getattr(i, "role", None)) for i in items] == [
+        ("message", "user"), ("function_call", None), ("function_call_output", None), ("message", "assistant"),
+        ("message", "user")]
+    assert items[0].content[0].type == "input_text" and items[0].content[0].text == "Weather in Paris?"
+    assert items[3].content[0].type == "output_text" and items[1].id == "fc_given"
+    assert len({i.id for i in items}) == 5
+    newest = client.responses.input_items.list(resp.id)  # desc, as OpenAI's default
+    assert [i.id for i in newest.data] == [i.id for i in reversed(items)] and newest.has_more is False
+    r = httpx.get(f"{server.http_url}/v1/responses/{resp.id}/input_items?limit=0")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "limit"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_missing")
+
+
 def test_store_bounds_entries_characters_and_age() -> None:
     now = [0.0]
-    store = ResponseStore(max_entries=3, max_chars=100, ttl_s=10, clock=lambda: now[0])
+    store = ResponseStore(max_entries=3, max_chars=200, ttl_s=10, clock=lambda: now[0])
     msg = (ChatMessage("user", "x" * 10),)
     for i in range(4):
         store.put(f"r{i}", msg, {"id": f"r{i}"})
     assert len(store) == 3 and store.get("r0") is None and store.get("r3") is not None  # the oldest went first
     store.put("big", (ChatMessage("user", "y" * 80),), {})
-    assert store.get("big") is not None and store.get("r1") is None and len(store) == 3  # 80 + 10 + 10 <= 100
+    assert store.get("big") is not None and store.get("r1") is None and len(store) == 3  # (80 + 10 + 10) x 2 <= 200
     store.put("huge", (ChatMessage("user", "z" * 101),), {})
-    assert store.get("huge") is None and len(store) == 3  # larger than the whole store: not kept, nothing evicted
+    assert store.get("huge") is None and len(store) == 3  # 2 x 101 > 200: larger than the whole store, not kept
     now[0] = 9.9
     assert store.get("r3") is not None
     now[0] = 10.0
