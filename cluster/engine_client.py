@@ -320,7 +320,7 @@ class DisaggregatedEngineClient:
                 # Penalties count every token generated so far, including the ones a failed attempt sent;
                 # the repetition penalty also the prompt's (its distinct ids only).
                 pull = await self._start(decode, attempt_id, handle, res.first.token_id, done + 1, params,
-                                         prefill, channel.id, tuple(streamed[:done]) if params.penalized else (),
+                                         prefill, channel.id, tuple(streamed[:done]) if params.penalized or params.structured else (),
                                          token_set(prompt) if params.needs_prompt_tokens else ())
                 if pull is None:  # released during the pull (aborted)
                     return

@@ -36,6 +36,7 @@ from kvrelay.transfer.handle import TransferStats
 from kvrelay.workers.loading import load_sized_runner
 from kvrelay.workers.messages import InPlaceKV, PrefillResult, WorkerStatus
 from kvrelay.workers.specs import check_prompt_limits
+from kvrelay.engine.structured import masks_for, sample_constrained
 
 
 @dataclass(eq=False)
@@ -219,9 +220,9 @@ class ColocatedWorker(DecodeWorker):
             for _, p in finished:
                 self._prompts.remove(p)
         rows = logits[[i for i, _ in finished]]
-        sampled = self.runner.sample(rows, [p.params for _, p in finished], [p.generated for _, p in finished],
-                                     [p.ids[len(p.ids) - p.generated:] for _, p in finished],
-                                     [p.ids for _, p in finished])
+        params, done = [p.params for _, p in finished], [p.ids[len(p.ids) - p.generated:] for _, p in finished]
+        sampled = sample_constrained(self.runner.sample, rows, params, [p.generated for _, p in finished], done,
+                                     [p.ids for _, p in finished], masks=masks_for(params, done))
         tops = top_logprobs(rows, [p.params for _, p in finished])
         t_end = time.perf_counter()
         for (_, p), (token, logprob), top in zip(finished, sampled, tops):

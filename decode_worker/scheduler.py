@@ -30,6 +30,7 @@ from kvrelay.engine.kv_geometry import GROUPS, worst_case_pages
 from kvrelay.engine.runner import Runner
 from kvrelay.engine.sampling import SamplingParams, TokenOutput, finish_reason, top_logprobs
 from kvrelay.workers.messages import AdmissionRefused
+from kvrelay.engine.structured import ConstraintBatch, open_constraint, sample_constrained
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class _Running:
     aborted: bool = False
     output: list[int] | None = None  # tokens generated so far, kept only when penalties read them
     prompt: object = ()  # the prompt's distinct tokens (a device tensor), kept only for repetition_penalty
+    constraint: object | None = None  # engine.structured.Constraint of a structured-output request
 
 
 @dataclass
@@ -110,6 +112,7 @@ class Scheduler:
     _inflight: _InFlight | None = None
     _deferred: set[str] = field(default_factory=set)  # released while a launched step still uses them
     _budget_lock: threading.Lock = field(default_factory=threading.Lock)  # guards _budget (see module doc)
+    _grammar: ConstraintBatch | None = None  # structured outputs' mask thread, made on first use
 
     @property
     def capacity(self) -> dict[str, int]:
@@ -207,8 +210,10 @@ class Scheduler:
         prompt: object = ()
         if params.needs_prompt_tokens:  # on the device once, not converted at every step
             prompt = torch.as_tensor(list(prompt_tokens), dtype=torch.long).to(self.runner.device)
+        # A structured request's state follows every token it generated (replayed here after a handoff).
+        constraint = open_constraint(params.structured, [*history, last_token]) if params.structured else None
         self._running[request_id] = _Running(request_id, params, last_token, generated, emit, output=output,
-                                             prompt=prompt)
+                                             prompt=prompt, constraint=constraint)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request at the next step boundary (its pages are freed there)."""
@@ -239,7 +244,7 @@ class Scheduler:
             # (a step may run one token ahead of the host's count).
             if batch and all(r.params.greedy and not r.params.logprobs and not r.params.masks_stops(r.generated)
                              and not r.params.masks_stops(r.generated + 1) and not r.params.penalized
-                             for r in batch):
+                             and r.constraint is None for r in batch):
                 return self._step_overlapped(batch)
         return self._step(())[0]
 
@@ -269,6 +274,12 @@ class Scheduler:
         ids = [r.request_id for r in batch]
         rest = None
         t0 = time.perf_counter()
+        # Structured rows: their masks are computed on the grammar thread while the forward runs.
+        masks = None
+        if any(r.constraint is not None for r in batch):
+            if self._grammar is None:
+                self._grammar = ConstraintBatch()
+            masks = self._grammar.submit([r.constraint for r in batch])
         if extra:
             logits = self.runner.forward_mixed([(rid, [r.last_token]) for rid, r in zip(ids, batch)]
                                                + list(extra), all_positions={len(batch) + i for i in all_positions})
@@ -280,8 +291,9 @@ class Scheduler:
         self.times.steps += 1
         sampled = None
         if batch:
-            sampled = self.runner.sample(logits, [r.params for r in batch], [r.generated for r in batch],
-                                         [r.output or () for r in batch], [r.prompt for r in batch])
+            sampled = sample_constrained(self.runner.sample, logits, [r.params for r in batch],
+                                         [r.generated for r in batch], [r.output or () for r in batch],
+                                         [r.prompt for r in batch], masks=masks.result() if masks is not None else None)
             tops = top_logprobs(logits, [r.params for r in batch])
         t2 = time.perf_counter()
         if extra:
@@ -356,6 +368,8 @@ class Scheduler:
             r.last_token = token
             if r.output is not None:
                 r.output.append(token)
+            if r.constraint is not None:
+                r.constraint.advance(token)
             reason = finish_reason(token, r.generated, r.params)
             # The next step would write position `length`; a full context ends the request here.
             if reason is None and n + 1 >= self.runner.max_context:

@@ -25,6 +25,7 @@ from kvrelay.engine.kv_geometry import pages_spanned
 from kvrelay.engine.parallel import SINGLE, ParallelContext
 from kvrelay.engine.runner import Runner
 from kvrelay.engine.sampling import SamplingParams, TokenOutput, finish_reason, prompt_logprobs, top_logprobs
+from kvrelay.engine.structured import compute_masks, open_constraint, sample_constrained
 
 
 @dataclass
@@ -34,6 +35,7 @@ class _Request:
     params: SamplingParams
     pages: int  # full-group pages reserved on paper at admission
     output: list[int] = field(default_factory=list)
+    constraint: object | None = None  # engine.structured.Constraint (structured outputs)
 
 
 class LLM:
@@ -148,12 +150,18 @@ class LLM:
 
     def _emit(self, reqs: list[_Request], logits: torch.Tensor,
               plps: Sequence | None = None) -> list[tuple[Hashable, TokenOutput]]:
-        picks = self.runner.sample(logits, [r.params for r in reqs], [len(r.output) for r in reqs],
-                                   [r.output for r in reqs], [r.prompt for r in reqs])
+        for r in reqs:
+            if r.params.structured is not None and r.constraint is None:
+                r.constraint = open_constraint(r.params.structured)
+        masks = compute_masks([r.constraint for r in reqs])
+        picks = sample_constrained(self.runner.sample, logits, [r.params for r in reqs], [len(r.output) for r in reqs],
+                                   [r.output for r in reqs], [r.prompt for r in reqs], masks=masks)
         tops = top_logprobs(logits, [r.params for r in reqs])
         outs = []
         for i, (req, (token, logprob), top) in enumerate(zip(reqs, picks, tops)):
             req.output.append(token)
+            if req.constraint is not None:
+                req.constraint.advance(token)
             reason = finish_reason(token, len(req.output), req.params)
             if reason is None and len(req.prompt) + len(req.output) >= self.max_context:
                 reason = "length"

@@ -40,6 +40,9 @@ class SamplingParams:
     # vLLM's prompt_logprobs: each prompt token's logprob given the tokens before it (all but the first),
     # with this many most likely alternatives; None = off. Computed by the prefill forward, once.
     prompt_logprobs: int | None = None
+    # Structured outputs (engine.structured.StructuredOutput): the harmony reply's constrained message;
+    # its state is rebuilt from the tokens generated so far wherever the request is sampled.
+    structured: object | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from kvrelay.engine.sampling import (PROMPT_LOGPROB_CHUNK, PromptLogprobs, SamplingParams, TokenOutput,
                                      finish_reason, prompt_logprobs, top_logprobs)
+from kvrelay.engine.structured import masks_for, sample_constrained
 from kvrelay.prefill_worker.ranks import PrefillRank, load_runner, pool_tokens
 from kvrelay.transfer.handle import layout_of
 from kvrelay.transfer.nixl import KVExporter
@@ -166,8 +167,9 @@ class PrefillWorker:
             if not self.runner.can_admit(sum(len(j.ids) + self.runner.page_size for j in jobs)):
                 return None
             logits = self.runner.prefill_batch([(j.request_id, j.ids) for j in jobs])
-            sampled = self.runner.sample(logits, [j.params for j in jobs], [j.generated for j in jobs],
-                                         [j.ids[len(j.ids) - j.generated:] for j in jobs], [j.ids for j in jobs])
+            params, done = [j.params for j in jobs], [j.ids[len(j.ids) - j.generated:] for j in jobs]
+            sampled = sample_constrained(self.runner.sample, logits, params, [j.generated for j in jobs], done,
+                                         [j.ids for j in jobs], masks=masks_for(params, done))
             tops = top_logprobs(logits, [j.params for j in jobs])
         return [(t, lp, (), top) for (t, lp), top in zip(sampled, tops)]
 
@@ -180,8 +182,9 @@ class PrefillWorker:
                     raise ValueError(f"request {rid}: already being prefilled on this worker")
                 if self.runner.can_admit(len(prompt_ids)):  # every rank's allocator is in the same state
                     logits, peers, plp = self._run_prefill(rid, prompt_ids, params.prompt_logprobs)
-                    (token, logprob), = self.runner.sample(logits, [params], [generated],
-                                                           [prompt_ids[len(prompt_ids) - generated:]], [prompt_ids])
+                    done = [prompt_ids[len(prompt_ids) - generated:]]
+                    (token, logprob), = sample_constrained(self.runner.sample, logits, [params], [generated], done,
+                                                           [prompt_ids], masks=masks_for([params], done))
                     top, = top_logprobs(logits, [params])
                     break
             # Pages are held by leases that decode has not pulled yet; they come back on release or

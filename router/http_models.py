@@ -12,7 +12,7 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict
 
-from kvrelay.router.types import ChatMessage, ChatRequest, SamplingOptions, ToolCall, ToolSpec
+from kvrelay.router.types import ChatMessage, ChatRequest, ResponseFormat, SamplingOptions, ToolCall, ToolSpec
 from kvrelay.router.validation import ValidationError
 
 
@@ -94,18 +94,17 @@ class _Sampling(_Body):
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
     prompt_logprobs: Optional[int] = None  # vLLM's: honoured on /v1/completions
+    structured_outputs: Optional[dict[str, Any]] = None  # vLLM's newer spelling of guided_*
 
     def common_checks(self) -> None:
         if self.n is not None and not 1 <= self.n <= MAX_N:
             raise ValidationError("n", f"must be in [1, {MAX_N}], got {self.n}")
         if self.logit_bias:
             raise ValidationError("logit_bias", "not supported yet (only an empty map)")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise ValidationError("response_format", f"structured outputs are not supported yet (only type 'text'), "
-                                  f"got type {self.response_format.get('type')!r}")
-        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        for name in ("guided_regex", "guided_choice", "guided_grammar"):
             if getattr(self, name) is not None:
-                raise ValidationError(name, "structured outputs are not supported yet")
+                raise ValidationError(name, "not supported (structured outputs take a JSON schema: response_format "
+                                      "json_schema, guided_json or structured_outputs.json)")
 
     def stop_strings(self) -> tuple[str, ...]:
         """`stop` as a tuple; the limits are checked by the shared validation (same message as gRPC)."""
@@ -124,6 +123,7 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
+    max_reasoning_tokens: Optional[int] = None  # kvrelay's: with structured outputs, a cap on analysis tokens
 
     def to_chat(self) -> ChatRequest:
         self.common_checks()
@@ -135,9 +135,8 @@ class ChatCompletionRequest(_Sampling):
                                   "assistant message; use /v1/completions, which stops only on max_tokens, "
                                   "stop and stop_token_ids")
         tools = tuple(_tool(i, t) for i, t in enumerate(self.tools or ()))
-        if self.tool_choice not in (None, "auto", "none"):
-            raise ValidationError("tool_choice", "only 'auto' and 'none' are supported")
-        if self.tool_choice == "none":
+        choice, function = _tool_choice(self.tool_choice)
+        if choice == "none":
             tools = ()
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         sampling = SamplingOptions(
@@ -162,7 +161,52 @@ class ChatCompletionRequest(_Sampling):
             reasoning_effort="medium" if self.reasoning_effort is None else self.reasoning_effort,
             sampling=sampling,
             request_id=self.request_id or "",
+            response_format=self.structured_format(),
+            tool_choice=choice,
+            tool_choice_function=function,
+            max_reasoning_tokens=self.max_reasoning_tokens,
         )
+
+    def structured_format(self) -> ResponseFormat | None:
+        """response_format, or vLLM's guided_json / structured_outputs {json | json_object} (one of them)."""
+        given = [n for n in ("response_format", "guided_json", "structured_outputs") if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise ValidationError(given[1], f"give one of {', '.join(given)}, not both")
+        if self.guided_json is not None:
+            return _schema_format(self.guided_json, "guided_json", "guided_json")
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            for key in so:
+                if key not in ("json", "json_object") and so[key] not in (None, False):
+                    raise ValidationError(f"structured_outputs.{key}", "not supported (only json and json_object)")
+            if so.get("json") is not None:
+                return _schema_format(so["json"], "structured_outputs", "structured_outputs.json")
+            if so.get("json_object"):
+                return ResponseFormat("json_object")
+            return None
+        rf = self.response_format
+        if rf is None:
+            return None
+        kind = rf.get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return ResponseFormat("json_object")
+        if kind != "json_schema":
+            raise ValidationError("response_format.type",
+                                  f"unknown type {kind!r}; expected text, json_object or json_schema")
+        js = rf.get("json_schema")
+        if not isinstance(js, dict):
+            raise ValidationError("response_format.json_schema", "json_schema must be an object with name and schema")
+        name = js.get("name", "")
+        if not isinstance(name, str) or not name:
+            raise ValidationError("response_format.json_schema.name", "a name is required (OpenAI's rule)")
+        if "schema" not in js:
+            raise ValidationError("response_format.json_schema.schema", "a schema is required")
+        out = _schema_format(js["schema"], name, "response_format.json_schema.schema")
+        desc = js.get("description", "")
+        return ResponseFormat("json_schema", out.schema_json, name, desc if isinstance(desc, str) else "",
+                              js.get("strict") if isinstance(js.get("strict"), bool) else None, out.field)
 
 
 class CompletionRequest(_Sampling):
@@ -180,6 +224,11 @@ class CompletionRequest(_Sampling):
 
     def sampling(self) -> SamplingOptions:
         self.common_checks()
+        for name in ("response_format", "guided_json", "structured_outputs"):
+            value = getattr(self, name)
+            if value is not None and not (name == "response_format" and value.get("type", "text") == "text"):
+                raise ValidationError(name, "structured outputs apply to chat completions (harmony's final "
+                                      "message); not supported on /v1/completions")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValidationError("logprobs", f"must be in [0, 20] (the most likely tokens to list), got {self.logprobs}")
         if self.prompt_logprobs is not None and self.stream:
@@ -211,6 +260,35 @@ class CompletionRequest(_Sampling):
             repetition_penalty=self.repetition_penalty,
             prompt_logprobs=plp,
         )
+
+
+def _tool_choice(value) -> tuple[str, str]:
+    """OpenAI's tool_choice -> (auto | none | required, named function or "")."""
+    if value is None:
+        return "auto", ""
+    if isinstance(value, str):
+        if value not in ("auto", "none", "required"):
+            raise ValidationError("tool_choice", f"unknown value {value!r}; expected auto, none, required or "
+                                  '{"type": "function", "function": {"name": ...}}')
+        return value, ""
+    if value.get("type") != "function":
+        raise ValidationError("tool_choice.type", f"only 'function' is supported, got {value.get('type')!r}")
+    fn = value.get("function")
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str) or not name:
+        raise ValidationError("tool_choice.function.name", "a function name is required")
+    return "auto", name
+
+
+def _schema_format(schema, name: str, where: str) -> ResponseFormat:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise ValidationError(where, f"not valid JSON: {exc.msg} at position {exc.pos}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValidationError(where, "must be a JSON Schema (an object)")
+    return ResponseFormat("json_schema", json.dumps(schema), name, field=where)
 
 
 def _text(content: Union[str, list[ContentPart], None], where: str) -> str:

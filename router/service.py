@@ -23,7 +23,7 @@ from typing import AsyncIterator, Callable, TypeVar
 from openai_harmony import HarmonyError
 
 from kvrelay.engine.sampling import SamplingParams
-from kvrelay.router import harmony, validation
+from kvrelay.router import harmony, structured, validation
 from kvrelay.router.engine_client import EngineClient, flatten, token_batches
 from kvrelay.router.metrics import RequestTimer
 from kvrelay.router.parser import Detokenizer, HarmonyStreamParser, new_call_id
@@ -121,6 +121,8 @@ class RouterCore:
     def prepare_chat(self, req: ChatRequest) -> Prepared:
         rid = self._request_id(req.request_id)
         validation.check_chat(req)
+        structured.check_chat_structured(req)
+        spec = structured.build(req)
         prompt = harmony.render_chat(req, req.conversation_start_date or self._today())
         if len(prompt) >= self.max_context:
             raise ValidationError(
@@ -138,8 +140,10 @@ class RouterCore:
         resolved = validation.resolve_sampling(
             req.sampling, prompt_len=len(prompt), max_context=self.max_context, vocab_size=self.vocab_size
         )
-        return Prepared(rid, tuple(prompt), _engine_params(resolved, harmony.CHAT_STOP_TOKEN_IDS), chat=True,
-                        stop=resolved.stop, text=True)
+        params = _engine_params(resolved, harmony.CHAT_STOP_TOKEN_IDS)
+        if spec is not None:
+            params = dataclasses.replace(params, structured=spec)
+        return Prepared(rid, tuple(prompt), params, chat=True, stop=resolved.stop, text=True)
 
     # ---- streaming ------------------------------------------------------------------------------
 

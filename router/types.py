@@ -64,6 +64,18 @@ class ToolSpec:
 
 
 @dataclass(frozen=True)
+class ResponseFormat:
+    """OpenAI's response_format: "text", "json_object" or "json_schema" (schema_json: its schema's text)."""
+
+    type: str = "text"
+    schema_json: str = ""
+    name: str = ""
+    description: str = ""
+    strict: bool | None = None  # accepted; the grammar always enforces the schema
+    field: str = "response_format.json_schema.schema"  # where the schema came from (named in errors)
+
+
+@dataclass(frozen=True)
 class ChatRequest:
     messages: tuple[ChatMessage, ...]
     tools: tuple[ToolSpec, ...] = ()
@@ -72,6 +84,11 @@ class ChatRequest:
     conversation_start_date: str = ""  # "" = today (UTC)
     knowledge_cutoff: str = ""  # "" = harmony's default
     request_id: str = ""
+    # Structured outputs (router/structured.py): the reply's final message as JSON, or a forced tool call.
+    response_format: ResponseFormat | None = None
+    tool_choice: str = "auto"  # auto | none | required; a named function is tool_choice_function
+    tool_choice_function: str = ""
+    max_reasoning_tokens: int | None = None  # kvrelay's: cap on analysis tokens of a constrained reply
 
 
 @dataclass(frozen=True)

@@ -367,10 +367,8 @@ UNSUPPORTED = [
     ("frequency_penalty", -3.0, -1.0, "frequency_penalty: must be in [-2, 2], got -3.0"),
     ("min_p", 1.5, 0.1, "min_p: must be in [0, 1], got 1.5"),
     ("logit_bias", {"1000": -100}, {}, "logit_bias: not supported yet (only an empty map)"),
-    ("response_format", {"type": "json_object"}, {"type": "text"},
-     "response_format: structured outputs are not supported yet (only type 'text'), got type 'json_object'"),
-    ("guided_json", {"type": "object"}, None, "guided_json: structured outputs are not supported yet"),
-    ("guided_choice", ["a", "b"], None, "guided_choice: structured outputs are not supported yet"),
+    ("guided_choice", ["a", "b"], None, "guided_choice: not supported (structured outputs take a JSON schema: "
+     "response_format json_schema, guided_json or structured_outputs.json)"),
 ]
 
 

@@ -1,0 +1,233 @@
+"""Structured outputs: what a grammar mask costs per token, llguidance against xgrammar.
+
+For each engine and schema: compile time (what a request with a new schema waits for), then a valid
+document tokenized with o200k_harmony is fed token by token to B matchers at staggered positions, timing
+the mask fill of all B rows per step (llguidance's executor / xgrammar's batch matcher fill rows in
+parallel with the GIL released), and every sampled token is checked against its mask. Then the cost of
+applying B bitmasks to [B, 201088] logits on --device (the GPU variant: --device cuda), and of
+kvrelay's own per-request harmony state machine (engine/structured.py) over the chosen engine.
+
+    python -m kvrelay.bench.structured [--device cpu|cuda] [--batches 1,64] [--engines llguidance,xgrammar]
+
+The JSON goes to bench/results/structured-<device>-<stamp>.json with the commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from kvrelay.bench.common import DEFAULT_OUT, env_info, parse_ints, run_cli, save_result, stamp
+
+SCHEMAS = {
+    "person": ({"type": "object", "properties": {
+        "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "address": {"type": "object", "properties": {"city": {"type": "string"},
+                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["city", "zip"], "additionalProperties": False}},
+        "required": ["name", "age", "tags", "address"], "additionalProperties": False},
+        {"name": "Ada Lovelace", "age": 36, "tags": ["math", "poetry", "analytical engines"],
+         "address": {"city": "London", "zip": "12345"}}),
+    "json_object": ({"type": "object"},
+                    {"answer": "The capital of France is Paris, on the Seine.", "confidence": 0.93,
+                     "sources": [{"title": "Atlas", "page": 12}], "final": True}),
+}
+
+
+def _doc_tokens(doc) -> list[int]:
+    from kvrelay.router.harmony import encode_text
+
+    return encode_text(json.dumps(doc, separators=(",", ":")))
+
+
+def _percentiles(xs: list[float]) -> dict[str, float]:
+    xs = sorted(xs)
+    return {"mean_ms": 1e3 * statistics.fmean(xs), "p50_ms": 1e3 * xs[len(xs) // 2],
+            "p99_ms": 1e3 * xs[min(len(xs) - 1, int(0.99 * len(xs)))]}
+
+
+def _bit(row, token: int) -> bool:
+    return bool((int(row[token // 32]) >> (token % 32)) & 1)
+
+
+def bench_llguidance(schema, tokens: list[int], batch: int, steps: int) -> dict:
+    import llguidance
+    import llguidance.torch as lt
+
+    from kvrelay.engine import grammar
+
+    tok = grammar.tokenizer()
+    text = json.dumps(schema)
+    t0 = time.perf_counter()
+    g = llguidance.LLMatcher.grammar_from_json_schema(text, overrides=grammar.JSON_OPTIONS)
+    err = llguidance.LLMatcher.validate_grammar(g, tok)
+    compile_s = time.perf_counter() - t0
+    assert not err, err
+    ex = grammar.executor()
+    matchers = [llguidance.LLMatcher(tok, g, log_level=0) for _ in range(batch)]
+    pos = [0] * batch
+    for i, m in enumerate(matchers):  # stagger: row i starts i tokens in
+        for t in tokens[: i % len(tokens)]:
+            assert m.consume_token(t)
+        pos[i] = i % len(tokens)
+    mask = lt.allocate_token_bitmask(batch, tok.vocab_size)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        if batch == 1:
+            lt.fill_next_token_bitmask(matchers[0], mask, 0)
+        else:
+            lt.fill_next_token_bitmask_par(ex, [(m, i) for i, m in enumerate(matchers)], mask)
+        times.append(time.perf_counter() - t0)
+        for i, m in enumerate(matchers):
+            if pos[i] == len(tokens):  # the document is complete: the end token must be allowed
+                assert _bit(mask[i], grammar.RETURN), "end of document not allowed"
+                m.reset()
+                pos[i] = 0
+                continue
+            assert _bit(mask[i], tokens[pos[i]]), f"token {tokens[pos[i]]} masked at {pos[i]}"
+            assert m.consume_token(tokens[pos[i]])
+            pos[i] += 1
+    return {"compile_ms": 1e3 * compile_s, "fill": _percentiles(times),
+            "per_token_ms": 1e3 * statistics.fmean(times) / batch}
+
+
+def bench_xgrammar(schema, tokens: list[int], batch: int, steps: int) -> dict:
+    import xgrammar as xgr
+
+    from kvrelay.engine import grammar
+
+    info = _xgr_info()
+    compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+    t0 = time.perf_counter()
+    cg = compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(",", ":"))
+    compile_s = time.perf_counter() - t0
+    matchers = [xgr.GrammarMatcher(cg) for _ in range(batch)]
+    pos = [0] * batch
+    for i, m in enumerate(matchers):
+        for t in tokens[: i % len(tokens)]:
+            assert m.accept_token(t)
+        pos[i] = i % len(tokens)
+    mask = xgr.allocate_token_bitmask(batch, info.vocab_size)
+    bm = xgr.BatchGrammarMatcher(max_threads="auto")
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        if batch == 1:
+            matchers[0].fill_next_token_bitmask(mask, 0)
+        else:
+            bm.batch_fill_next_token_bitmask(matchers, mask)
+        times.append(time.perf_counter() - t0)
+        for i, m in enumerate(matchers):
+            if pos[i] == len(tokens):
+                assert _bit(mask[i], grammar.RETURN), "end of document not allowed"
+                m.reset()
+                pos[i] = 0
+                continue
+            assert _bit(mask[i], tokens[pos[i]]), f"token {tokens[pos[i]]} masked at {pos[i]}"
+            assert m.accept_token(tokens[pos[i]])
+            pos[i] += 1
+    return {"compile_ms": 1e3 * compile_s, "fill": _percentiles(times),
+            "per_token_ms": 1e3 * statistics.fmean(times) / batch}
+
+
+_XGR = None
+
+
+def _xgr_info():
+    global _XGR
+    if _XGR is None:
+        import xgrammar as xgr
+
+        from kvrelay.engine import grammar
+
+        vocab = [b""] * grammar.N_VOCAB
+        for b, i in grammar.mergeable_ranks().items():
+            vocab[i] = b
+        for name, i in grammar.special_tokens().items():
+            vocab[i] = name.encode()
+        _XGR = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=grammar.N_VOCAB,
+                                 stop_token_ids=[grammar.RETURN])
+    return _XGR
+
+
+def bench_apply(device: str, batch: int, iters: int = 50) -> dict:
+    """Unpack B bitmask rows on the device and mask [B, V] logits (kvrelay's apply path)."""
+    import torch
+
+    from kvrelay.engine import grammar
+    from kvrelay.engine.structured import apply_bitmask
+
+    logits = torch.randn(batch, grammar.N_VOCAB, device=device)
+    mask = torch.randint(-(2 ** 31), 2 ** 31 - 1, (batch, grammar.MASK_WORDS), dtype=torch.int32)
+    rows = list(range(batch))
+    times = []
+    for i in range(iters + 5):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        apply_bitmask(logits, rows, mask)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        if i >= 5:
+            times.append(time.perf_counter() - t0)
+    return _percentiles(times)
+
+
+def bench_state_machine(batch: int, steps: int) -> dict:
+    """kvrelay's per-request harmony+grammar state (engine/structured.py): mask for B requests inside
+    the final body, per step (what the decode step waits for if the forward is shorter)."""
+    from kvrelay.engine.structured import ConstraintBatch, StructuredOutput, final_json, open_constraint
+
+    schema, doc = SCHEMAS["person"]
+    spec = StructuredOutput.for_final(json.dumps(schema), allow_analysis=False)
+    body = _doc_tokens(doc)
+    head = list(final_json(spec).header)
+    seqs = [head + body[: i % len(body)] for i in range(batch)]
+    cons = [open_constraint(spec, s) for s in seqs]
+    cb = ConstraintBatch()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        cb.compute(cons)
+        times.append(time.perf_counter() - t0)
+    return {"fill": _percentiles(times), "per_token_ms": 1e3 * statistics.fmean(times) / batch}
+
+
+def main() -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--batches", default="1,64")
+    p.add_argument("--engines", default="llguidance,xgrammar")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--out", default=str(DEFAULT_OUT))
+    args = p.parse_args()
+    results: dict = {"env": env_info(args.device, "kvrelay.bench.structured", None), "engines": {}}
+    import importlib.metadata as md
+
+    for eng in args.engines.split(","):
+        fn = {"llguidance": bench_llguidance, "xgrammar": bench_xgrammar}[eng]
+        r = {"version": md.version(eng)}
+        for name, (schema, doc) in SCHEMAS.items():
+            toks = _doc_tokens(doc)
+            for b in parse_ints(args.batches):
+                r[f"{name}-b{b}"] = fn(schema, toks, b, args.steps)
+                print(f"{eng:10s} {name:12s} B={b:3d} compile {r[f'{name}-b{b}']['compile_ms']:8.2f} ms  "
+                      f"fill p50 {r[f'{name}-b{b}']['fill']['p50_ms']:7.3f} ms  "
+                      f"per token {r[f'{name}-b{b}']['per_token_ms']:7.4f} ms", flush=True)
+        results["engines"][eng] = r
+    results["apply"] = {f"b{b}": bench_apply(args.device, b) for b in parse_ints(args.batches)}
+    results["state_machine"] = {f"b{b}": bench_state_machine(b, args.steps) for b in parse_ints(args.batches)}
+    for k, v in results["apply"].items():
+        print(f"apply on {args.device} {k}: p50 {v['p50_ms']:.3f} ms")
+    for k, v in results["state_machine"].items():
+        print(f"kvrelay state machine {k}: fill p50 {v['fill']['p50_ms']:.3f} ms, per token {v['per_token_ms']:.4f} ms")
+    save_result(args.out, f"structured-{args.device.split(':')[0]}-{stamp()}", results)
+    return results
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_cli(main))

@@ -1,0 +1,297 @@
+"""Structured outputs on the engine side: a per-request state machine over harmony, masks, sampling.
+
+A constrained request carries a `StructuredOutput` in its SamplingParams: which assistant messages may
+follow the prompt's `<|start|>assistant` and what their bodies must match. The model's reply is
+harmony (../shared/docs/harmony-spec.md): zero or more analysis messages, then the constrained one:
+
+    <|channel|>analysis<|message|> ...free... <|end|><|start|>assistant      (allowed when allow_analysis)
+    <|channel|>final<|message|> {JSON matching the schema} <|return|>          (response_format)
+    <|channel|>commentary to=functions.NAME <|constrain|>json<|message|> {args} <|call|>   (tool_choice)
+
+`Constraint` follows one request's tokens: in a header only the tokens that continue one of the allowed
+headers are allowed (the structure is fixed there), the analysis body is free but for the special tokens
+that would break the structure (`<|end|>` closes it, or is forced once `max_reasoning_tokens` are spent),
+a constrained body is masked by its grammar (engine/grammar.py) and may end only where the grammar
+accepts, with the body's terminator. A Constraint is rebuilt anywhere from the tokens generated so far
+(`open_constraint`), so the prefill worker (first token), a decode worker after the handoff, and a retry
+all continue the same state.
+
+`ConstraintBatch` fills the masks of a batch's constrained rows into one int32 bitmask; the decode step
+submits it to its thread before the forward and collects it after, so the mask costs the step nothing
+while the forward is longer. `sample_constrained` applies the bitmask on the logits' device and samples;
+logprobs stay those of the model's distribution (the raw logits), as for every other request.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvrelay.engine import grammar
+
+log = logging.getLogger(__name__)
+
+END = 200007  # <|end|>: closes an analysis message
+FIRST_SPECIAL = grammar.FIRST_SPECIAL
+
+
+@dataclass(frozen=True)
+class Body:
+    """One constrained message the reply may end with: its header tokens (after `<|start|>assistant`,
+    through `<|message|>`), the JSON Schema of its body (canonical text), and its terminator."""
+
+    header: tuple[int, ...]
+    schema: str
+    end: int
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    bodies: tuple[Body, ...]
+    allow_analysis: bool = True
+    analysis_header: tuple[int, ...] = ()  # <|channel|>analysis<|message|>
+    restart: tuple[int, ...] = ()  # <|start|>assistant: what follows an analysis message's <|end|>
+    max_reasoning_tokens: int | None = None  # analysis body tokens in all; then <|end|> is forced
+
+    def __post_init__(self) -> None:
+        if not self.bodies:
+            raise ValueError("StructuredOutput needs at least one constrained body")
+        if self.allow_analysis and not (self.analysis_header and self.restart):
+            raise ValueError("allow_analysis needs analysis_header and restart tokens")
+        if self.max_reasoning_tokens is not None and self.max_reasoning_tokens < 0:
+            raise ValueError(f"max_reasoning_tokens must be >= 0, got {self.max_reasoning_tokens}")
+
+
+class ConstraintError(RuntimeError):
+    """Tokens that the constraint never allowed (a replayed history that does not fit it)."""
+
+
+_HEADER, _FREE, _RESTART, _BODY, _DONE = range(5)
+_ANALYSIS = -1  # option index of the analysis header
+
+
+class Constraint:
+    """One request's position in the harmony structure (see the module docstring)."""
+
+    def __init__(self, spec: StructuredOutput) -> None:
+        self.spec = spec
+        self.state = _HEADER
+        self.prefix: list[int] = []  # header tokens so far / restart tokens so far
+        self.reasoning = 0  # analysis body tokens so far
+        self.body: Body | None = None
+        self.matcher = None
+        self.broken = False  # the grammar engine failed: only the terminator is allowed from here
+
+    # ---- the structure ---------------------------------------------------------------------
+    def _options(self) -> list[tuple[tuple[int, ...], int]]:
+        opts = [(b.header, i) for i, b in enumerate(self.spec.bodies)]
+        if self.spec.allow_analysis and not self._budget_spent():
+            opts.append((self.spec.analysis_header, _ANALYSIS))
+        return opts
+
+    def _budget_spent(self) -> bool:
+        cap = self.spec.max_reasoning_tokens
+        return cap is not None and self.reasoning >= cap
+
+    def advance(self, token: int) -> None:
+        """The request generated `token` (which the last mask allowed)."""
+        if self.state == _HEADER:
+            self.prefix.append(token)
+            n = len(self.prefix)
+            live = [(seq, i) for seq, i in self._options() if tuple(self.prefix) == seq[:n]]
+            if not live:
+                raise ConstraintError(f"token {token} does not continue any allowed header")
+            done = [i for seq, i in live if len(seq) == n]
+            if done:
+                self._enter(done[0])
+        elif self.state == _FREE:
+            if token == END:
+                self.state, self.prefix = _RESTART, []
+            elif token >= FIRST_SPECIAL:
+                raise ConstraintError(f"special token {token} inside an analysis message")
+            else:
+                self.reasoning += 1
+        elif self.state == _RESTART:
+            if token != self.spec.restart[len(self.prefix)]:
+                raise ConstraintError(f"token {token} where {self.spec.restart[len(self.prefix)]} is forced")
+            self.prefix.append(token)
+            if len(self.prefix) == len(self.spec.restart):
+                self.state, self.prefix = _HEADER, []
+        elif self.state == _BODY:
+            if token == self.body.end:
+                self.state = _DONE
+            elif not self.broken and not self.matcher.consume_token(token):
+                raise ConstraintError(f"token {token} does not continue the JSON body: {self.matcher.get_error()}")
+        else:
+            raise ConstraintError(f"token {token} after the constrained message ended")
+
+    def _enter(self, option: int) -> None:
+        self.prefix = []
+        if option == _ANALYSIS:
+            self.state = _FREE
+            return
+        self.body = self.spec.bodies[option]
+        self.state = _BODY
+        try:
+            self.matcher = grammar.matcher(self.body.schema)
+        except grammar.SchemaError as exc:  # the router checked it; never expected here
+            log.error("structured output: schema failed to compile on the worker: %s", exc)
+            self.broken = True
+
+    # ---- the mask --------------------------------------------------------------------------
+    def mask_kind(self):
+        """("allow", ids) | ("ban", ids) | ("grammar", matcher, end) for the next token."""
+        if self.state == _HEADER:
+            n = len(self.prefix)
+            return "allow", sorted({seq[n] for seq, _ in self._options() if tuple(self.prefix) == seq[:n]})
+        if self.state == _FREE:
+            if self._budget_spent():
+                return "allow", [END]
+            return "ban", None  # every special token but <|end|>
+        if self.state == _RESTART:
+            return "allow", [self.spec.restart[len(self.prefix)]]
+        if self.state == _BODY:
+            if self.broken or self.matcher.is_error():
+                return "allow", [self.body.end]
+            return "grammar", self.matcher, self.body.end
+        return "allow", [self.body.end]
+
+    @property
+    def done(self) -> bool:
+        return self.state == _DONE
+
+
+def open_constraint(spec: StructuredOutput, generated: Sequence[int] = ()) -> Constraint:
+    """A Constraint at the position after `generated` (the request's tokens so far)."""
+    c = Constraint(spec)
+    for t in generated:
+        c.advance(int(t))
+    return c
+
+
+def final_json(spec: StructuredOutput) -> Body:
+    """The body a response_format spec constrains (its only one)."""
+    return spec.bodies[0]
+
+
+def _set_bit(row: torch.Tensor, token: int, on: bool) -> None:
+    word, bit = divmod(token, 32)
+    v = int(row[word]) & 0xFFFFFFFF
+    v = v | (1 << bit) if on else v & ~(1 << bit)
+    row[word] = v - (1 << 32) if v >= (1 << 31) else v
+
+
+def _free_row() -> torch.Tensor:
+    """All tokens allowed but the special ones (ids >= 199998) other than <|end|>."""
+    row = torch.full((grammar.MASK_WORDS,), -1, dtype=torch.int32)
+    word = FIRST_SPECIAL // 32
+    row[word + 1:] = 0
+    for t in range(FIRST_SPECIAL, (word + 1) * 32):
+        _set_bit(row, t, False)
+    _set_bit(row, END, True)
+    # Ids past the vocabulary inside the last word stay clear (row[word + 1:] = 0 above).
+    return row
+
+
+_FREE_ROW: torch.Tensor | None = None
+
+
+def compute_masks(constraints: Sequence[Constraint | None]):
+    """(rows, bitmask int32 [len(rows), MASK_WORDS]) for the rows that have a constraint, or None."""
+    global _FREE_ROW
+    rows = [i for i, c in enumerate(constraints) if c is not None]
+    if not rows:
+        return None
+    mask = torch.zeros((len(rows), grammar.MASK_WORDS), dtype=torch.int32)
+    par, ends = [], []
+    for k, i in enumerate(rows):
+        kind = constraints[i].mask_kind()
+        if kind[0] == "allow":
+            for t in kind[1]:
+                _set_bit(mask[k], t, True)
+        elif kind[0] == "ban":
+            if _FREE_ROW is None:
+                _FREE_ROW = _free_row()
+            mask[k] = _FREE_ROW
+        else:
+            par.append((kind[1], k))
+            ends.append((k, kind[2]))
+    if par:
+        grammar.executor().unsafe_compute_mask_ptr(par, mask.data_ptr(), grammar.MASK_WORDS * 4, len(rows))
+        for k, end in ends:
+            # The grammar's end-of-text is <|return|>; a tool call's body ends with <|call|> instead.
+            if end != grammar.RETURN and (int(mask[k, grammar.RETURN // 32]) >> (grammar.RETURN % 32)) & 1:
+                _set_bit(mask[k], grammar.RETURN, False)
+                _set_bit(mask[k], end, True)
+            if not bool(mask[k].any()):  # nothing allowed (engine error): end the message
+                _set_bit(mask[k], end, True)
+    return rows, mask
+
+
+def masks_for(params: Sequence, histories: Sequence[Sequence[int]]):
+    """Masks for a first-token sample (prefill, colocated prompt ends, the in-process engine): each
+    structured request's constraint rebuilt from its tokens so far. None when no row is structured."""
+    if all(p.structured is None for p in params):
+        return None
+    return compute_masks([open_constraint(p.structured, h) if p.structured is not None else None
+                          for p, h in zip(params, histories)])
+
+
+class ConstraintBatch:
+    """Masks for the constrained rows of a decode batch, computed on one thread of its own."""
+
+    def __init__(self) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvrelay-grammar")
+
+    compute = staticmethod(compute_masks)
+
+    def submit(self, constraints: Sequence[Constraint | None]) -> "concurrent.futures.Future | None":
+        """`compute` on the batch's thread (start it before the forward, `result()` after)."""
+        if all(c is None for c in constraints):
+            return None
+        return self._pool.submit(self.compute, list(constraints))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+
+
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_bitmask(logits: torch.Tensor, rows: Sequence[int], mask: torch.Tensor) -> torch.Tensor:
+    """`logits` [B, V] with the disallowed tokens of `rows` at -inf (in place); `mask` is the bitmask of
+    those rows. A model narrower than the tokenizer (the tiny test model) uses the first V bits."""
+    dev = logits.device
+    shifts = _SHIFTS.get(dev)
+    if shifts is None:
+        shifts = _SHIFTS[dev] = torch.arange(32, dtype=torch.int32, device=dev)
+    bm = mask.to(dev, non_blocking=True)
+    bits = ((bm.unsqueeze(-1) >> shifts) & 1).bool().view(len(rows), -1)
+    vocab = logits.shape[-1]
+    if bits.shape[1] < vocab:  # a wider model: ids past the tokenizer are never allowed
+        bits = torch.nn.functional.pad(bits, (0, vocab - bits.shape[1]), value=False)
+    idx = torch.as_tensor(list(rows), device=dev)
+    logits[idx] = logits[idx].masked_fill(~bits[:, :vocab], float("-inf"))
+    return logits
+
+
+def sample_constrained(sample_fn: Callable, logits: torch.Tensor, params, *args, masks=None):
+    """`sample_fn(logits, params, *args)` (Runner.sample: steps, history, prompt tokens) with `masks`
+    ((rows, bitmask) or None) applied; the logprob of a masked row is the model's (raw logits), as
+    `sampling.sample` reports for the others."""
+    if masks is None:
+        return sample_fn(logits, params, *args)
+    if logits.dim() == 1:
+        logits = logits[None]
+    rows, mask = masks
+    out = list(sample_fn(apply_bitmask(logits.float().clone(), rows, mask), params, *args))
+    want = [b for b in rows if params[b].logprobs]
+    if want:
+        raw = torch.log_softmax(logits[want].float(), dim=-1)
+        for k, b in enumerate(want):
+            out[b] = (out[b][0], float(raw[k, out[b][0]]))
+    return out

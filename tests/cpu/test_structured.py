@@ -1,0 +1,167 @@
+"""Structured outputs: the harmony + grammar state machine with the real o200k_harmony vocabulary.
+
+Any token sequence the masks allow (random allowed tokens, drawn by hypothesis) must parse with
+openai-harmony into the expected message, and its body must be JSON valid against the schema."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from openai_harmony import Role
+
+from kvrelay.engine import grammar
+from kvrelay.engine.sampling import SamplingParams, sample
+from kvrelay.engine.structured import (ConstraintError, apply_bitmask, compute_masks, open_constraint,
+                                       sample_constrained)
+from kvrelay.router import harmony, structured
+from kvrelay.router.types import ChatMessage, ChatRequest, ResponseFormat, ToolSpec
+from kvrelay.router.validation import ValidationError
+
+harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
+
+BOUNDED = {"type": "object", "properties": {
+    "ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    "name": {"type": "string", "maxLength": 6}, "kind": {"enum": ["a", "b", "c"]},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2}},
+    "required": ["ok", "n", "name", "kind", "tags"], "additionalProperties": False}
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                            "unit": {"enum": ["c", "f"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+MSG = (ChatMessage("user", "hi"),)
+
+
+def _chat(**kw) -> ChatRequest:
+    return ChatRequest(messages=MSG, **kw)
+
+
+def _allowed(mask_row: torch.Tensor) -> list[int]:
+    bits = ((mask_row.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).view(-1)
+    return bits.nonzero().flatten().tolist()
+
+
+def _drive(spec, rng: random.Random, limit: int = 400) -> list[int]:
+    """Random allowed tokens until the constrained message ends (or `limit`)."""
+    c = open_constraint(spec)
+    out: list[int] = []
+    while not c.done and len(out) < limit:
+        (row,), mask = compute_masks([c])
+        allowed = _allowed(mask[0])
+        assert allowed, f"nothing allowed after {out}"
+        # Lean towards structural tokens now and then, so analysis messages also end by themselves.
+        t = harmony.END if harmony.END in allowed and rng.random() < 0.2 else rng.choice(allowed)
+        out.append(t)
+        c.advance(t)
+    return out
+
+
+def _messages(tokens: list[int]):
+    return harmony.load_encoding().parse_messages_from_completion_tokens(tokens, Role.ASSISTANT)
+
+
+def test_header_tokens_are_what_harmony_parses() -> None:
+    enc = harmony.load_encoding()
+    call = list(structured.tool_header("get_weather")) + enc.encode('{"city":"x"}', allowed_special=set()) + [harmony.CALL]
+    (m,) = _messages(call)
+    assert (m.channel, m.recipient, m.content_type) == ("commentary", "functions.get_weather", "<|constrain|>json")
+    (m,) = _messages(list(structured.final_header()) + enc.encode("{}", allowed_special=set()) + [harmony.RETURN])
+    assert m.channel == "final" and m.recipient is None
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), budget=st.sampled_from([None, 0, 3, 20]))
+def test_any_allowed_sequence_is_a_final_json_message_matching_the_schema(seed, budget) -> None:
+    spec = structured.build(_chat(response_format=ResponseFormat("json_schema", json.dumps(BOUNDED), "r"),
+                                  max_reasoning_tokens=budget))
+    tokens = _drive(spec, random.Random(seed))
+    assert tokens[-1] == harmony.RETURN, harmony.decode_tokens(tokens)
+    msgs = _messages(tokens)
+    assert all(m.channel == "analysis" for m in msgs[:-1])
+    if budget == 0:
+        assert len(msgs) == 1  # no analysis at all
+    assert msgs[-1].channel == "final"
+    jsonschema.validate(json.loads(msgs[-1].content[0].text), BOUNDED)
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), named=st.booleans())
+def test_any_allowed_sequence_under_tool_choice_is_a_call_with_valid_arguments(seed, named) -> None:
+    tools = (ToolSpec("get_weather", "", json.dumps(WEATHER)), ToolSpec("get_time", "", json.dumps(
+        {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"],
+         "additionalProperties": False})))
+    req = _chat(tools=tools, tool_choice="auto" if named else "required",
+                tool_choice_function="get_time" if named else "", max_reasoning_tokens=8)
+    tokens = _drive(structured.build(req), random.Random(seed))
+    assert tokens[-1] == harmony.CALL
+    call = _messages(tokens)[-1]
+    assert call.channel == "commentary" and call.content_type == "<|constrain|>json"
+    name = call.recipient.removeprefix("functions.")
+    if named:
+        assert name == "get_time"
+    schema = json.loads({t.name: t for t in tools}[name].parameters_json)
+    jsonschema.validate(json.loads(call.content[0].text), schema)
+
+
+def test_json_object_without_schema_is_any_object() -> None:
+    spec = structured.build(_chat(response_format=ResponseFormat("json_object"), max_reasoning_tokens=0))
+    rng = random.Random(7)
+    ended = 0
+    for _ in range(10):
+        tokens = _drive(spec, rng, limit=120)
+        body = harmony.decode_tokens(tokens[3:])  # after <|channel|>final<|message|>: an object so far
+        assert body.startswith("{")
+        if tokens[-1] == harmony.RETURN:
+            ended += 1
+            assert isinstance(json.loads(harmony.decode_tokens(tokens[3:-1])), dict)
+    assert ended >= 1
+
+
+def test_replay_continues_the_same_state() -> None:
+    spec = structured.build(_chat(response_format=ResponseFormat("json_schema", json.dumps(BOUNDED), "r"),
+                                  max_reasoning_tokens=4))
+    tokens = _drive(spec, random.Random(3))
+    for cut in (0, 2, 5, len(tokens) - 2):
+        c = open_constraint(spec, tokens[:cut])
+        (_,), mask = compute_masks([c])
+        assert tokens[cut] in _allowed(mask[0])
+    with pytest.raises(ConstraintError):
+        open_constraint(spec, [harmony.START])  # not a header the spec allows
+
+
+def test_masked_sampling_keeps_the_models_logprobs_and_fits_a_narrow_vocab() -> None:
+    spec = structured.build(_chat(response_format=ResponseFormat("json_object"), max_reasoning_tokens=0))
+    c = open_constraint(spec)
+    masks = compute_masks([None, c])
+    logits = torch.randn(2, grammar.N_VOCAB)
+    params = [SamplingParams(temperature=0.0, logprobs=True), SamplingParams(temperature=0.0, logprobs=True)]
+    (t0, lp0), (t1, lp1) = sample_constrained(sample, logits, params, [0, 0], None, masks=masks)
+    assert t0 == int(logits[0].argmax()) and t1 == harmony.CHANNEL  # the only token a header allows
+    assert lp1 == pytest.approx(float(torch.log_softmax(logits[1], -1)[harmony.CHANNEL]), abs=1e-5)
+    narrow = torch.randn(1, 1024)  # the tiny model: ids past its vocabulary are cut off the mask
+    rows, mask = compute_masks([open_constraint(spec, list(structured.final_header()))])
+    out = apply_bitmask(narrow.clone(), rows, mask)
+    assert torch.isfinite(out).any() and out.shape == (1, 1024)
+    allowed = set(_allowed(mask[0]))
+    assert all((i in allowed) == bool(torch.isfinite(out[0, i])) for i in range(1024))
+
+
+def test_bad_schemas_and_choices_name_the_field() -> None:
+    def err(**kw) -> str:
+        req = _chat(**kw)
+        with pytest.raises(ValidationError) as e:
+            structured.check_chat_structured(req)
+        return e.value.field
+
+    assert err(response_format=ResponseFormat("json_schema", '{"type": "object", "properties": 3}', "r")) == \
+        "response_format.json_schema.schema"
+    assert err(response_format=ResponseFormat("json_schema", "[1]", "r")) == "response_format.json_schema.schema"
+    assert err(tool_choice="required") == "tool_choice"
+    assert err(tools=(ToolSpec("a"),), tool_choice_function="b") == "tool_choice.function.name"
+    assert err(tools=(ToolSpec("a", "", '{"type": "object", "properties": {"x": {"type": "strin"}}}'),),
+               tool_choice="required") == "tools[0].function.parameters"
