@@ -6,7 +6,7 @@ A Responses request maps onto the same `ChatRequest` the chat completions route 
 `function_call_output` -> the tool's answer, matched by `call_id`), function tools -> the developer
 message's `functions` namespace, `reasoning.effort` -> the system message's `Reasoning:`. Every field
 OpenAI defines is read; one we do not honour is refused with a 400 naming it (unless it holds its neutral
-value), and a field OpenAI does not define is refused too, never dropped.
+value), and a field neither OpenAI nor vLLM (its sampling extensions) defines is refused too, never dropped.
 
 Each chat message remembers where it came from (`input[3]`, `instructions`, `previous_response_id`), so a
 problem the shared chat validation finds is reported under the Responses field name.
