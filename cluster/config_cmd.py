@@ -1,5 +1,7 @@
-"""`kvrelay config check FILE [--cluster RAY_UP_FILE]`: validate a topology and print what it resolves to;
-with a `ray up` cluster file, also check that its GPUs fit the nodes the file lists."""
+"""`kvrelay config check FILE [--dummy] [--cluster RAY_UP_FILE]`: validate a topology, run the checks
+`kvrelay serve` runs before it starts anything (cluster/preflight.py: weights, API keys, ports, memory on
+this machine) and print what it resolves to; with a `ray up` cluster file, also check that its GPUs fit
+the nodes the file lists."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     check = sub.add_parser("check", help="validate a topology YAML; exit 1 with the error otherwise")
     check.add_argument("file", help="a YAML file, or the name of a shipped config (e.g. cpu-tiny.yaml)")
     check.add_argument("--json", action="store_true", help="print the resolved topology as JSON")
+    check.add_argument("--dummy", action="store_true",
+                       help="as `kvrelay serve --dummy`: random weights of the model's shape (model.dummy: true)")
     check.add_argument("--cluster", default=None,
                        help="a `ray up` cluster file (local provider): the topology must fit its nodes")
     check.add_argument("--gpus-per-node", type=int, default=8, help="GPUs on each node of --cluster (default 8)")
@@ -25,9 +29,14 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "list":
         print("\n".join(shipped_configs()))
         return 0
+    from kvrelay.cluster.preflight import PreflightError, run_checks, with_dummy
+    from kvrelay.router.auth import ApiKeyError, resolve_api_keys
+
     try:
-        topo = load_topology(args.file)
-    except TopologyError as e:
+        topo = with_dummy(load_topology(args.file), args.dummy)
+        resolve_api_keys(None, topo.router.api_keys_env, source=str(topo.source))
+        checks = run_checks(topo)
+    except (TopologyError, PreflightError, ApiKeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if args.cluster:
@@ -36,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-    print(to_json(topo) if args.json else describe(topo))
+    print(to_json(topo) if args.json else describe(topo) + "\nchecks (as kvrelay serve runs them)\n  "
+          + "\n  ".join(checks))
     return 0
 
 

@@ -203,13 +203,6 @@ def run(args: argparse.Namespace) -> int:
     topo = dataclasses.replace(topo, router=router)
     if args.dummy:
         topo = dataclasses.replace(topo, model=dataclasses.replace(topo.model, dummy=True))
-    from kvrelay.engine.config import PRESETS
-
-    if topo.model.name in PRESETS and not topo.model.dummy:
-        print(f"error: {topo.source}: model.name: {topo.model.name!r} is a preset, which has no weights on disk: "
-              "point model.name at a checkpoint directory, or pass --dummy (model.dummy: true) for random "
-              "weights of its shape", file=sys.stderr)
-        return 1
     from kvrelay.router.auth import ApiKeyError, resolve_api_keys
 
     try:
@@ -217,9 +210,12 @@ def run(args: argparse.Namespace) -> int:
     except ApiKeyError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    busy = _ports_in_use(topo)
-    if busy:  # found now, not after Ray and every worker started (tens of seconds to minutes)
-        print(f"error: {topo.source}: {busy}", file=sys.stderr)
+    from kvrelay.cluster.preflight import PreflightError, run_checks
+
+    try:  # weights, ports, memory: found now, not after Ray and every worker started (cluster/preflight.py)
+        run_checks(topo)
+    except PreflightError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 1
     _find_vocab()
     t0 = time.perf_counter()
@@ -255,22 +251,6 @@ def _default_device() -> str:
     import glob
 
     return "cuda" if glob.glob("/dev/nvidia[0-9]*") else "cpu"
-
-
-def _ports_in_use(topo) -> str | None:
-    """The first router port (key and address) that something else already listens on, if any."""
-    import socket
-
-    for key, port in (("router.grpc_port", topo.router.grpc_port), ("router.http_port", topo.router.http_port)):
-        if port == 0:
-            continue
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((topo.router.host, port))
-            except OSError as e:
-                return f"{key}: {topo.router.host}:{port} is already in use ({e.strerror}); pick another or 0"
-    return None
 
 
 def _startup_reason(e: BaseException) -> str | None:

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import sys
+import threading
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default=None,
                         help="Ray address printed by `kvrelay serve` (default: ray.address, else auto)")
     parser.add_argument("--json", action="store_true", help="print JSON")
-    parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each worker")
+    parser.add_argument("--timeout", type=float, default=10.0,
+                        help="seconds to wait for the Ray cluster to answer, then for each worker")
 
 
 def collect(topology, timeout_s: float = 10.0) -> list[dict]:
@@ -129,10 +131,29 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: no running kvrelay cluster at {address}: nothing accepts connections there "
               f"(within {args.timeout:g} s)", file=sys.stderr)
         return 1
-    try:
-        init_ray(topo, address=address)
-    except ConnectionError as e:
-        print(f"error: no running kvrelay cluster at {address}: {e}", file=sys.stderr)
+    joined: dict = {}
+
+    def join() -> None:
+        try:
+            init_ray(topo, address=address)
+            joined["ok"] = True
+        except Exception as e:  # reported below, in one line
+            joined["error"] = e
+
+    # Ray's join cannot be cancelled and waits without bound on an address that accepts connections but
+    # is no GCS (measured: 10+ minutes), so it runs on a thread and the process leaves at the timeout.
+    thread = threading.Thread(target=join, name="kvrelay-status-join", daemon=True)
+    thread.start()
+    thread.join(args.timeout)
+    if thread.is_alive():
+        print(f"error: no running kvrelay cluster at {address}: something accepts connections there but no Ray "
+              f"cluster answered within {args.timeout:g} s", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
+    if "error" in joined:
+        e = joined["error"]
+        print(f"error: no running kvrelay cluster at {address}: {' '.join(str(e).split()) or type(e).__name__}",
+              file=sys.stderr)
         return 1
     try:
         rows = collect(topo, timeout_s=args.timeout)

@@ -18,7 +18,7 @@ def kvrelay(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_config_check_ok() -> None:
-    r = kvrelay("config", "check", "configs/h200-8gpu-120b.yaml")
+    r = kvrelay("config", "check", "configs/h200-8gpu-120b.yaml", "--dummy")
     assert r.returncode == 0, r.stderr
     assert "decode     1 worker(s) x EP4 TP4" in r.stdout
     assert "GPUs       8 needed of 8 provided" in r.stdout

@@ -30,6 +30,20 @@ def test_status_of_an_address_where_nothing_listens_fails_fast():
     assert took < 30
 
 
+def test_status_of_an_address_that_is_no_ray_cluster_honours_its_timeout():
+    """Something accepts connections there but never answers as a GCS: Ray's join would wait 10+ minutes."""
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen()
+        address = f"127.0.0.1:{mute.getsockname()[1]}"
+        out, took = _cli("status", "--address", address, "--timeout", "3")
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"error: no running kvrelay cluster at {address}: something accepts connections there but no Ray "
+        "cluster answered within 3 s")
+    assert took < 20
+
+
 def test_serve_refuses_a_router_port_in_use_before_starting_anything(tmp_path):
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))

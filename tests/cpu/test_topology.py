@@ -176,16 +176,16 @@ def test_config_check_fits_the_nodes_of_a_ray_up_file(tmp_path, capsys):
     from kvrelay.cluster.cli import main
 
     shipped = str(REPO / "configs" / "cluster.yaml")
-    assert main(["config", "check", "h200-8gpu-120b.yaml", "--cluster", shipped]) == 0
+    assert main(["config", "check", "h200-8gpu-120b.yaml", "--dummy", "--cluster", shipped]) == 0
     assert "cluster " + shipped + ": 1 node(s) x 8 GPUs: 8 needed, fits" in capsys.readouterr().out
-    assert main(["config", "check", "h200-8gpu-120b.yaml", "--cluster", shipped, "--gpus-per-node", "4"]) == 1
+    assert main(["config", "check", "h200-8gpu-120b.yaml", "--dummy", "--cluster", shipped, "--gpus-per-node", "4"]) == 1
     assert capsys.readouterr().err.strip().endswith(
         f"gpus: the topology needs 8 GPUs but {shipped} lists 1 node(s) x 4 GPUs = 4 (provider.head_ip + "
         "provider.worker_ips)")
     two = tmp_path / "two.yaml"
     two.write_text("provider: {type: local, head_ip: 10.0.0.1, worker_ips: [10.0.0.2]}\n")
-    assert main(["config", "check", "h200-8gpu-120b.yaml", "--cluster", str(two), "--gpus-per-node", "4"]) == 0
+    assert main(["config", "check", "h200-8gpu-120b.yaml", "--dummy", "--cluster", str(two), "--gpus-per-node", "4"]) == 0
     aws = tmp_path / "aws.yaml"
     aws.write_text("provider: {type: aws}\n")
-    assert main(["config", "check", "h200-8gpu-120b.yaml", "--cluster", str(aws)]) == 1
+    assert main(["config", "check", "h200-8gpu-120b.yaml", "--dummy", "--cluster", str(aws)]) == 1
     assert "provider.type: only the local provider lists its nodes" in capsys.readouterr().err

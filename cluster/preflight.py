@@ -1,0 +1,174 @@
+"""What `kvrelay serve` checks before Ray or any worker starts, and `kvrelay config check` runs too.
+
+Each check fails with one line naming the topology file and key (`PreflightError`), found in a second
+instead of after Ray and every worker started (tens of seconds to minutes) as an actor traceback:
+
+- weights: a preset has no weights on disk (needs `model.dummy`); a checkpoint directory is opened the
+  way the workers open it (format detected, every tensor's name, shape and dtype checked from the
+  safetensors headers; nothing is loaded);
+- ports: the router's ports are free on `router.host`;
+- memory: the workers' weights and KV pools fit the memory of this machine (CPU: the RAM available; GPU:
+  each GPU's memory, as nvidia-smi reports it), when the cluster is a local one (no `ray.address`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import socket
+import subprocess
+from typing import Callable
+
+GIB = 1 << 30
+# GPU: the share of a GPU's memory that weights plus one full-context sequence may take; the rest is for
+# activations, CUDA graphs and the allocator (the workers size their pool from what is measured free).
+GPU_USABLE = 0.9
+
+
+class PreflightError(ValueError):
+    """A check failed; the message is `FILE: key: problem` on one line."""
+
+
+def run_checks(topo, *, memory_bytes: Callable[[], int | None] | None = None,
+               gpu_bytes: Callable[[], list[int] | None] | None = None) -> list[str]:
+    """Every check in turn; raises PreflightError at the first failure, else returns one line per check.
+    `memory_bytes` / `gpu_bytes` read this machine (overridable for tests)."""
+    where = topo.source
+    try:
+        lines = [check_weights(topo), check_ports(topo),
+                 check_memory(topo, memory_bytes or available_memory, gpu_bytes or gpu_memory)]
+    except PreflightError as e:
+        raise PreflightError(f"{where}: {e}") from None
+    return lines
+
+
+def check_weights(topo) -> str:
+    from kvrelay.engine.config import PRESETS
+
+    m = topo.model
+    if m.dummy:
+        return f"weights    random (model.dummy), shape of {m.name}"
+    if m.name in PRESETS:
+        raise PreflightError(f"model.name: {m.name!r} is a preset, which has no weights on disk: point model.name "
+                             "at a checkpoint directory, or pass --dummy (model.dummy: true) for random weights "
+                             "of its shape")
+    from kvrelay.engine.config import load_model_config
+    from kvrelay.engine.weights import WeightError, detect_format, open_weights
+
+    try:
+        fmt = detect_format(m.name)
+        open_weights(m.name, load_model_config(m.name))
+    except (WeightError, OSError, ValueError) as e:
+        raise PreflightError(f"model.name: {' '.join(str(e).split())}") from None
+    return f"weights    {m.name} ({fmt.kind} format): every tensor present with its shape and dtype"
+
+
+def check_ports(topo) -> str:
+    r = topo.router
+    for key, port in (("router.grpc_port", r.grpc_port), ("router.http_port", r.http_port)):
+        if port == 0:
+            continue
+        with socket.socket(socket.AF_INET6 if ":" in r.host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((r.host, port))
+            except OSError as e:
+                raise PreflightError(f"{key}: {r.host}:{port} is already in use ({e.strerror}); pick another or 0") \
+                    from None
+    return f"ports      gRPC {r.host}:{r.grpc_port or 'any'}, HTTP {r.host}:{r.http_port or 'any'}: free"
+
+
+def _worker_needs(topo, cfg) -> list[tuple[str, int, int]]:
+    """(pool, processes, bytes each) of the workers this topology starts: weights plus the KV pool a CPU
+    worker allocates (a GPU worker's pool is sized from measured free memory, so only one full-context
+    sequence of it is counted there)."""
+    from kvrelay.engine.parallel import head_range
+
+    def per_token(tp: int) -> int:
+        kv = head_range(cfg.num_attention_heads, cfg.num_key_value_heads, 0, tp).num_kv
+        return 2 * kv * cfg.head_dim * 2 * cfg.num_hidden_layers
+
+    weights = cfg.weight_bytes(topo.model.quant)
+    ctx = min(topo.model.max_context, cfg.max_context)
+    out = []
+    pools = [("decode", topo.decode)] if topo.colocate else [("prefill", topo.prefill), ("decode", topo.decode)]
+    for name, pool in pools:
+        tp = pool.tp
+        if topo.device == "cpu":
+            tokens = 4 * topo.prefill.max_prompt_tokens if name == "prefill" else topo.decode.max_batch * ctx
+        else:
+            tokens = ctx
+        out.append((name, pool.workers * tp, weights // tp + tokens * per_token(tp)))
+    return out
+
+
+def check_memory(topo, memory_bytes: Callable[[], int | None], gpu_bytes: Callable[[], list[int] | None]) -> str:
+    from kvrelay.engine.config import load_model_config
+
+    if topo.ray.address is not None:
+        return "memory     not checked here: the workers run on the Ray cluster at ray.address"
+    cfg = load_model_config(topo.model.name)
+    needs = _worker_needs(topo, cfg)
+    if topo.device == "cpu":
+        have = memory_bytes()
+        total = sum(n * each for _, n, each in needs)
+        if have is None:
+            return f"memory     {total / GIB:.2f} GiB needed; not checked (no /proc/meminfo)"
+        if total > have:
+            parts = " + ".join(f"{n} {name} x {each / GIB:.2f} GiB" for name, n, each in needs)
+            weights = sum(n * cfg.weight_bytes(topo.model.quant) // getattr(topo, name).tp for name, n, _ in needs)
+            key = "model.name" if 2 * weights > total else "decode.max_batch"  # the bigger share
+            raise PreflightError(
+                f"{key}: the workers need {total / GIB:.2f} GiB ({parts}: weights and KV pools of "
+                f"decode.max_batch x model.max_context and 4 x prefill.max_prompt_tokens positions) but this "
+                f"machine has {have / GIB:.2f} GiB available; lower decode.max_batch or model.max_context")
+        return f"memory     {total / GIB:.2f} GiB of the {have / GIB:.2f} GiB available"
+    gpus = gpu_bytes()
+    if not gpus:
+        return "memory     not checked: no GPU visible here (nvidia-smi)"
+    smallest = min(gpus)
+    for name, _, each in needs:
+        if each > GPU_USABLE * smallest:
+            pool = getattr(topo, name)
+            raise PreflightError(
+                f"{name}.tp: {topo.model.name} ({topo.model.quant}) needs {each / GIB:.1f} GiB per GPU at {name}.tp "
+                f"{pool.tp} (weights / tp + one model.max_context sequence of KV) but a GPU here has "
+                f"{smallest / GIB:.1f} GiB ({GPU_USABLE:.0%} usable); raise {name}.tp or use "
+                f"quant: fp8-block128")
+    worst = max(each for _, _, each in needs)
+    return f"memory     {worst / GIB:.1f} GiB per GPU at most, of {smallest / GIB:.1f} GiB"
+
+
+def available_memory() -> int | None:
+    """MemAvailable of this machine, bytes (None where /proc/meminfo is missing)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def gpu_memory() -> list[int] | None:
+    """Each visible GPU's total memory, bytes, from nvidia-smi (no CUDA context in this process)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    sizes = [int(v) * (1 << 20) for v in out.split()]
+    if visible:
+        keep = [int(i) for i in visible.split(",") if i.strip().isdigit()]
+        sizes = [sizes[i] for i in keep if i < len(sizes)] or sizes
+    return sizes
+
+
+def with_dummy(topo, dummy: bool):
+    return dataclasses.replace(topo, model=dataclasses.replace(topo.model, dummy=True)) if dummy else topo
