@@ -32,6 +32,7 @@ from kvrelay.workers.loading import load_sized_runner
 from kvrelay.workers.messages import DecodeChunk, PullMetrics, WorkerStatus
 from kvrelay.workers.rank_group import Followers, lead_group, node_name
 
+RELEASE_TIMEOUT_S = 10.0  # for the prefill worker's answer to a lease release after a pull
 _ABORTED = object()  # put on a stream's queue by `abort`: end the stream without a finish reason
 
 def need_tokens(topology) -> int:
@@ -253,10 +254,15 @@ class DecodeWorker:
         import ray
 
         try:
-            return await prefill.release.remote(handle.lease_id)
+            # Bounded: a hung prefill worker would otherwise hold this request (and its pulled pages) for
+            # good; the supervisor replaces a worker that stops answering.
+            return await asyncio.wait_for(prefill.release.remote(handle.lease_id), timeout=RELEASE_TIMEOUT_S)
         except ray.exceptions.RayActorError as e:
             raise KVTransferError(f"request {handle.request_id}: prefill worker gone before the pull was "
                                   f"confirmed ({type(e).__name__}); re-run prefill") from None
+        except asyncio.TimeoutError:
+            raise KVTransferError(f"request {handle.request_id}: prefill worker did not confirm the pull within "
+                                  f"{RELEASE_TIMEOUT_S:g} s; re-run prefill") from None
 
     def _end(self, request_id: str, joined: bool) -> None:
         if joined:

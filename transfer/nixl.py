@@ -330,6 +330,12 @@ class KVImporter:
                     time.sleep(self._poll)
                     pending = [(src, x) for src, x in pending
                                if self._settled(handle, src, self._agent.check_xfer_state(x)) == "PROC"]
+            except KVTransferError:
+                raise
+            except Exception as e:  # NIXL's own errors (e.g. the exporting worker died: its agent
+                # disconnected): a failed pull, which the client fixes by prefilling again
+                raise KVTransferError(f"request {handle.request_id}: NIXL READ failed "
+                                      f"({type(e).__name__}: {e})") from e
             finally:
                 self._retire(handle, [(src, x) for src, x, _ in xfers])
         nbytes = int(sum(int(lr[:, 1].sum()) for _, lr, _ in jobs))

@@ -42,6 +42,17 @@ def many(reference, jobs: list[tuple[list[int], int]]) -> list[list[int]]:
     return reference.generate_many([p for p, _ in jobs], [SamplingParams(max_tokens=k, temperature=0) for _, k in jobs])
 
 
+def undisturbed(url: str, reference, jobs: list[tuple[list[int], int]]) -> list[list[int]]:
+    """The jobs' greedy outputs from the cluster with nothing killed, run together (seconds, where the
+    single-process reference takes ~2 s a request on a loaded CI box); the first is also checked against
+    the single-process reference, as test_cluster.py checks them all."""
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        outs = list(pool.map(lambda j: completion(url, j[0], j[1], stream=False), jobs))
+    assert all(o["status"] == 200 for o in outs), outs
+    assert outs[0]["tokens"] == many(reference, jobs[:1])[0]
+    return [o["tokens"] for o in outs]
+
+
 def completion(url: str, prompt: list[int], max_tokens: int, *, stream: bool, progress: list | None = None) -> dict:
     """One greedy /v1/completions request: {"status", "tokens", "finish", "error"}; `progress` gets the
     streamed token count as it grows."""
@@ -61,6 +72,9 @@ def completion(url: str, prompt: list[int], max_tokens: int, *, stream: bool, pr
         return out
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
         out["status"], out["retry_after"] = r.status_code, r.headers.get("retry-after")
+        if r.status_code != 200:  # refused before the stream started: a JSON error body
+            out["error"] = json.loads(r.read())["error"]
+            return out
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -68,15 +82,11 @@ def completion(url: str, prompt: list[int], max_tokens: int, *, stream: bool, pr
             if "error" in data:
                 out["error"] = data["error"]
                 continue
-            if r.status_code != 200:
-                continue
             choice = data["choices"][0]
             out["tokens"] += choice["token_ids"]
             out["finish"] = choice["finish_reason"] or out["finish"]
             if progress is not None:
                 progress.append(len(out["tokens"]))
-        if r.status_code != 200:
-            out["error"] = json.loads(r.read() or b"{}").get("error") if not out["error"] else out["error"]
     return out
 
 
@@ -117,8 +127,8 @@ def test_killed_decode_worker_is_replaced_and_16_requests_resume(running, refere
     from kvrelay.cluster.status import _table
 
     run, server = running
-    jobs = [(prompt_of(20 + 3 * i, i), 120) for i in range(16)]
-    want = many(reference, jobs)
+    jobs = [(prompt_of(20 + 3 * i, i), 80) for i in range(16)]
+    want = undisturbed(server.http_url, reference, jobs)
     progress = [[] for _ in jobs]
     before = _retries("decode_died") + _retries("decode_unresponsive")
     t0 = time.monotonic()
@@ -157,7 +167,7 @@ def test_killed_prefill_worker_is_replaced_and_its_requests_resume(running, refe
     prefilled there; the streams already decoding go on untouched."""
     run, server = running
     jobs = [(prompt_of(300 + 40 * i, 50 + i), 30) for i in range(8)]
-    want = many(reference, jobs)
+    want = undisturbed(server.http_url, reference, jobs)
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         kill_by_pid(run, "prefill")
         futs = [pool.submit(completion, server.http_url, p, k, stream=i % 2 == 1) for i, (p, k) in enumerate(jobs)]
@@ -167,4 +177,100 @@ def test_killed_prefill_worker_is_replaced_and_its_requests_resume(running, refe
     for i, (res, w) in enumerate(zip(results, want)):
         assert res["status"] == 200 and res["tokens"] == w, (i, res)
     assert worker_row(run, "prefill")["restarts"] == 1
+    assert_no_pages_left(run)
+
+
+def grpc_stream(target: str, prompt: list[int], max_tokens: int, progress: list) -> dict:
+    import grpc
+
+    from kvrelay.router.client import RouterClient
+    from kvrelay.router.types import SamplingOptions
+
+    out = {"tokens": [], "code": None, "details": None}
+    with RouterClient(target, timeout_s=120) as c:
+        try:
+            for resp in c.generate(prompt, SamplingOptions(temperature=0.0, max_tokens=max_tokens)):
+                out["tokens"] += resp.token_ids
+                progress.append(len(out["tokens"]))
+        except grpc.RpcError as e:
+            out["code"], out["details"] = e.code(), e.details()
+    return out
+
+
+def test_past_the_resume_bound_requests_end_with_clear_errors(running):
+    """The decode worker dies and its replacement takes longer than router.resume_timeout_s (0.5 s here):
+    a started SSE stream ends with an in-band error event, a gRPC stream with UNAVAILABLE, a request whose
+    response had not started (non-streamed, or arriving meanwhile) with 503 + Retry-After; no 500."""
+    import grpc
+
+    run, server = running
+    restarts = worker_row(run, "decode")["restarts"]
+    saved = run.client.resume_timeout_s
+    run.client.resume_timeout_s = 0.5
+    try:
+        progress = [[] for _ in range(4)]
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            streams = [pool.submit(completion, server.http_url, prompt_of(30, 70 + i), 1500, stream=True,
+                                   progress=progress[i]) for i in range(2)]
+            rpcs = [pool.submit(grpc_stream, run.grpc_target, prompt_of(30, 80 + i), 1500, progress[2 + i])
+                    for i in range(2)]
+            plain = [pool.submit(completion, server.http_url, prompt_of(30, 90 + i), 1500, stream=False)
+                     for i in range(2)]
+            deadline = time.monotonic() + 60
+            while not (all(progress) and worker_row(run, "decode")["running"] == 6):
+                assert time.monotonic() < deadline, "the 6 requests never ran together"
+                time.sleep(0.02)
+            kill_by_pid(run, "decode")
+            for f in streams:
+                res = f.result(timeout=60)
+                assert res["status"] == 200 and res["tokens"], res
+                assert res["error"]["code"] == "service_unavailable", res["error"]
+                assert "no live decode worker within 0.5 s" in res["error"]["message"]
+            for f in rpcs:
+                res = f.result(timeout=60)
+                assert res["code"] == grpc.StatusCode.UNAVAILABLE and res["tokens"], res
+                assert "no live decode worker within 0.5 s" in res["details"]
+            for f in plain:
+                res = f.result(timeout=60)
+                assert res["status"] == 503 and int(res["retry_after"]) >= 1, res
+                assert res["error"]["code"] == "service_unavailable"
+            # While the replacement loads, a new request (streamed or not) is refused before it starts.
+            if worker_row(run, "decode")["state"] != "healthy":
+                res = completion(server.http_url, prompt_of(10, 99), 5, stream=True)
+                assert res["status"] == 503 and res["retry_after"] and res["error"]["code"] == "service_unavailable"
+        wait_states(run, "decode", restarts=restarts + 1)
+    finally:
+        run.client.resume_timeout_s = saved
+    res = completion(server.http_url, prompt_of(10, 99), 5, stream=True)
+    assert res["status"] == 200 and len(res["tokens"]) == 5 and res["error"] is None
+    assert_no_pages_left(run)
+
+
+def test_kv_pull_from_a_dead_prefill_worker_resumes_on_its_replacement(running, reference, monkeypatch):
+    """The prefill worker dies after prefilling, before the decode worker has pulled (and confirmed) the
+    KV: the pull fails, the request waits for the replacement prefill worker and is prefilled again
+    there; the stream equals its undisturbed run, counted as a kv_transfer re-prefill."""
+    run, server = running
+    client = run.client
+    restarts = worker_row(run, "prefill")["restarts"]
+    pid = worker_row(run, "prefill")["pid"]
+    real_start = client._start
+    killed = []
+
+    async def start_after_killing_prefill(decode, attempt_id, *args, **kwargs):
+        if not killed:  # the first handoff: its KV sits in the prefill worker we now kill
+            killed.append(attempt_id)
+            os.kill(pid, signal.SIGKILL)
+        return await real_start(decode, attempt_id, *args, **kwargs)
+
+    monkeypatch.setattr(client, "_start", start_after_killing_prefill)
+    prompt, k = prompt_of(200, 123), 40
+    before = _retries("kv_transfer") + _retries("prefill_died")
+    t0 = time.monotonic()
+    res = completion(server.http_url, prompt, k, stream=True)
+    assert res["status"] == 200 and res["error"] is None, res
+    assert res["tokens"] == many(reference, [(prompt, k)])[0]
+    assert time.monotonic() - t0 < 60 and killed
+    assert _retries("kv_transfer") + _retries("prefill_died") == before + 1
+    wait_states(run, "prefill", restarts=restarts + 1)
     assert_no_pages_left(run)
