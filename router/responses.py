@@ -135,7 +135,10 @@ class ResponseRun:
         if self.body.instructions:
             sources.insert(0, Sourced(ChatMessage("developer", self.body.instructions), "instructions", "message"))
         chat = ChatRequest(messages=tuple(s.message for s in sources), tools=self.opts.tools,
-                           reasoning_effort=self.opts.effort, sampling=self.opts.sampling, request_id=self.id)
+                           reasoning_effort=self.opts.effort, sampling=self.opts.sampling, request_id=self.id,
+                           response_format=self.opts.response_format, tool_choice=self.opts.tool_choice,
+                           tool_choice_function=self.opts.tool_choice_function,
+                           max_reasoning_tokens=self.body.max_reasoning_tokens)
         try:
             self.prep = self.core.prepare_chat(chat)
         except ValidationError as exc:
@@ -169,8 +172,8 @@ class ResponseRun:
             "service_tier": "default",
             "store": self.opts.store,
             "temperature": params.temperature if params is not None else b.temperature,
-            "text": {"format": {"type": "text"}, "verbosity": "medium"},
-            "tool_choice": self.opts.tool_choice,
+            "text": self.opts.text_echo,
+            "tool_choice": self.opts.tool_choice_echo,
             "tools": list(self.opts.tools_echo),
             "top_logprobs": b.top_logprobs or 0,
             "top_p": params.top_p if params is not None else b.top_p,

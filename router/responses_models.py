@@ -23,7 +23,7 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict
 
-from kvrelay.router.types import ChatMessage, SamplingOptions, ToolCall, ToolSpec
+from kvrelay.router.types import ChatMessage, ResponseFormat, SamplingOptions, ToolCall, ToolSpec
 from kvrelay.router.validation import ValidationError
 
 INCLUDE_ENCRYPTED = "reasoning.encrypted_content"
@@ -117,6 +117,7 @@ class ResponsesRequest(_Strict):
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     repetition_penalty: Optional[float] = None
+    max_reasoning_tokens: Optional[int] = None  # kvrelay's (as on chat): with structured outputs, caps analysis
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,11 @@ class ResponsesOptions:
     stream: bool
     tools: tuple[ToolSpec, ...]
     tools_echo: tuple[dict[str, Any], ...]  # the tools as the response object lists them
-    tool_choice: str
+    tool_choice: str  # auto | none | required
+    tool_choice_function: str  # a named function ("" = none named)
+    tool_choice_echo: Any  # as the response object shows it
+    response_format: ResponseFormat | None  # text.format json_object / json_schema (structured outputs)
+    text_echo: dict[str, Any]
     sampling: SamplingOptions
 
 
@@ -169,13 +174,12 @@ def check_options(body: ResponsesRequest) -> ResponsesOptions:
     logprobs = INCLUDE_LOGPROBS in (body.include or ()) or bool(body.top_logprobs)
     _check_metadata(body.metadata)
     effort, summary = _reasoning(body.reasoning)
-    _check_text(body.text)
-    tools, echo = _tools(body.tools)
-    choice = body.tool_choice
-    if choice is None:
-        choice = "auto"
-    if choice not in ("auto", "none"):
-        raise ValidationError("tool_choice", f"only 'auto' and 'none' are supported, got {choice!r}")
+    response_format, text_echo = _text_format(body.text)
+    choice, function = _tool_choice(body.tool_choice)
+    # strict: the arguments must match the schema. The grammar enforces it only where it constrains the
+    # reply: a required or named call, or a JSON final answer (its tools' calls are constrained too).
+    constrained = choice == "required" or bool(function) or response_format is not None
+    tools, echo = _tools(body.tools, strict_ok=constrained)
     if body.repetition_penalty not in (None, 1.0):
         raise ValidationError("repetition_penalty", f"not supported yet (only 1, the neutral value; presence_penalty "
                                                     f"and frequency_penalty are), got {body.repetition_penalty:g}")
@@ -185,8 +189,31 @@ def check_options(body: ResponsesRequest) -> ResponsesOptions:
                                frequency_penalty=body.frequency_penalty)
     return ResponsesOptions(effort=effort, summary=summary, encrypted=encrypted, logprobs=logprobs,
                             store=body.store is not False, stream=bool(body.stream),
-                            tools=tools if choice == "auto" else (), tools_echo=echo, tool_choice=choice,
-                            sampling=sampling)
+                            tools=tools if choice != "none" else (), tools_echo=echo, tool_choice=choice,
+                            tool_choice_function=function,
+                            tool_choice_echo=body.tool_choice if body.tool_choice is not None else "auto",
+                            response_format=response_format, text_echo=text_echo, sampling=sampling)
+
+
+def _tool_choice(value: str | dict[str, Any] | None) -> tuple[str, str]:
+    """Responses' tool_choice -> (auto | none | required, named function or "")."""
+    if value is None:
+        return "auto", ""
+    if isinstance(value, str):
+        if value not in ("auto", "none", "required"):
+            raise ValidationError("tool_choice", f"expected auto, none, required or "
+                                                 f'{{"type": "function", "name": ...}}, got {value!r}')
+        return value, ""
+    if value.get("type") != "function":
+        raise ValidationError("tool_choice.type", f"only 'function' is supported (no built-in tools or "
+                                                  f"allowed_tools), got {value.get('type')!r}")
+    unknown = sorted(set(value) - {"type", "name"})
+    if unknown:
+        raise ValidationError(f"tool_choice.{unknown[0]}", "not a field of a function tool choice")
+    name = value.get("name")
+    if not isinstance(name, str) or not name:
+        raise ValidationError("tool_choice.name", "a function name is required")
+    return "auto", name
 
 
 def _check_metadata(metadata: dict[str, str] | None) -> None:
@@ -219,19 +246,42 @@ def _reasoning(r: ReasoningIn | None) -> tuple[str, str | None]:
     return effort, summary
 
 
-def _check_text(text: TextIn | None) -> None:
+def _text_format(text: TextIn | None) -> tuple[ResponseFormat | None, dict[str, Any]]:
+    """text.format: text, json_object, or json_schema ({name, schema, description, strict}, flat as the
+    Responses API has it) -> the chat route's ResponseFormat; and text as the response echoes it."""
+    echo: dict[str, Any] = {"format": {"type": "text"}, "verbosity": "medium"}
     if text is None:
-        return
-    kind = (text.format or {}).get("type", "text")
-    if kind != "text":
-        raise ValidationError("text.format", f"structured outputs are not supported yet (only type 'text'), "
-                                             f"got type {kind!r}")
+        return None, echo
     if text.verbosity not in (None, "medium"):
         raise ValidationError("text.verbosity", f"gpt-oss has no verbosity control (only 'medium'), "
                                                 f"got {text.verbosity!r}")
+    fmt = text.format or {"type": "text"}
+    kind = fmt.get("type", "text")
+    allowed = {"text": {"type"}, "json_object": {"type"},
+               "json_schema": {"type", "name", "schema", "description", "strict"}}
+    if kind not in allowed:
+        raise ValidationError("text.format.type", f"expected text, json_object or json_schema, got {kind!r}")
+    unknown = sorted(set(fmt) - allowed[kind])
+    if unknown:
+        raise ValidationError(f"text.format.{unknown[0]}", f"not a field of a {kind} format")
+    echo["format"] = dict(fmt)
+    if kind == "text":
+        return None, echo
+    if kind == "json_object":
+        return ResponseFormat("json_object"), echo
+    name = fmt.get("name")
+    if not isinstance(name, str) or not name:
+        raise ValidationError("text.format.name", "a name is required (OpenAI's rule)")
+    schema = fmt.get("schema")
+    if not isinstance(schema, (dict, bool)):
+        raise ValidationError("text.format.schema", "required (a JSON Schema object)")
+    desc = fmt.get("description")
+    strict = fmt.get("strict")
+    return ResponseFormat("json_schema", json.dumps(schema), name, desc if isinstance(desc, str) else "",
+                          strict if isinstance(strict, bool) else None, field="text.format.schema"), echo
 
 
-def _tools(tools: list[Any] | None) -> tuple[tuple[ToolSpec, ...], tuple[dict[str, Any], ...]]:
+def _tools(tools: list[Any] | None, *, strict_ok: bool) -> tuple[tuple[ToolSpec, ...], tuple[dict[str, Any], ...]]:
     specs, echo = [], []
     for i, t in enumerate(tools or ()):
         where = f"tools[{i}]"
@@ -246,10 +296,11 @@ def _tools(tools: list[Any] | None) -> tuple[tuple[ToolSpec, ...], tuple[dict[st
         name = _field(t, "name", where)
         description = _field(t, "description", where, required=False)
         params = t.get("parameters")
-        if t.get("strict"):
-            # OpenAI enforces the schema with constrained decoding; we have none yet, so we cannot promise it.
-            raise ValidationError(f"{where}.strict", "strict schema adherence needs constrained decoding, which is "
-                                                     "not supported yet; send strict: false")
+        if t.get("strict") and not strict_ok:
+            raise ValidationError(f"{where}.strict", "strict: true is enforced only where the reply is constrained "
+                                                     "(tool_choice required or a named function, or text.format "
+                                                     "json_object/json_schema); send strict: false with "
+                                                     "tool_choice auto")
         specs.append(ToolSpec(name, description, "" if params is None else json.dumps(params)))
         echo.append({"type": "function", "name": name, "description": description or None,
                      "parameters": params, "strict": bool(t.get("strict"))})
@@ -410,14 +461,17 @@ _SUFFIXES = {
     "reasoning": {".reasoning": ".content"},
     "message": {".channel": ".phase"},
 }
-_TOP_FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "reasoning_effort": "reasoning.effort"}
+_TOP_FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "reasoning_effort": "reasoning.effort",
+               "response_format.type": "text.format.type", "tool_choice.function.name": "tool_choice.name"}
+_TOOL_FIELD = re.compile(r"^tools\[(\d+)\]\.function\.(.*)$")
 
 
 def responses_field(field: str, sources: list[Sourced]) -> str:
     """The shared chat validation's field name (`messages[3].content`) as the Responses field."""
     m = _MESSAGE_FIELD.match(field)
     if m is None:
-        return _TOP_FIELDS.get(field, field)
+        tool = _TOOL_FIELD.match(field)  # the chat route's nesting; Responses tools are flat
+        return f"tools[{tool.group(1)}].{tool.group(2)}" if tool else _TOP_FIELDS.get(field, field)
     index, suffix = int(m.group(1)), m.group(2)
     if index >= len(sources):
         return "input"

@@ -59,6 +59,11 @@ plausible = {
                                              "name": st.sampled_from(["f", "g", "bad name"])},
                                             optional={"parameters": json_values, "strict": st.booleans()}),
                       max_size=2),
+    "text": st.fixed_dictionaries({"format": st.one_of(
+        st.just({"type": "json_object"}),
+        st.fixed_dictionaries({"type": st.just("json_schema"), "name": st.just("x"), "schema": json_values}))}),
+    "tool_choice": st.one_of(st.sampled_from(["auto", "none", "required"]), st.fixed_dictionaries(
+        {"type": st.just("function"), "name": st.sampled_from(["f", "g"])})),
     "reasoning": st.fixed_dictionaries({}, optional={"effort": st.sampled_from(["low", "high", "minimal"]),
                                                      "summary": st.sampled_from(["auto", "x"])}),
     "include": st.lists(st.sampled_from(["reasoning.encrypted_content", "file_search_call.results"]), max_size=2),

@@ -428,8 +428,15 @@ def test_store_bounds_entries_characters_and_age() -> None:
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"tools": [dict(TOOLS[0], strict=True)]}, "tools[0].strict"),
     ({"tools": [dict(TOOLS[0], name="bad name")]}, "tools[0].name"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
+    ({"tool_choice": "required"}, "tool_choice"),  # without tools
+    ({"tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS}, "tool_choice.name"),
+    ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice.type"),
+    ({"tool_choice": "any"}, "tool_choice"),
+    ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
+    ({"text": {"format": {"type": "json_object", "schema": {}}}}, "text.format.schema"),
+    ({"max_reasoning_tokens": 5}, "max_reasoning_tokens"),  # only with a constrained reply
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
     ({"include": ["file_search_call.results"]}, "include[0]"),
     ({"top_logprobs": 21}, "top_logprobs"),
@@ -471,6 +478,66 @@ def test_vllm_sampling_extensions_reach_the_engine(client, engine) -> None:
     assert (p.temperature, p.top_p, p.max_tokens, p.seed, p.top_k, p.min_p) == (0.5, 0.9, 30, 7, 5, 0.1)
     assert (p.presence_penalty, p.frequency_penalty) == (0.5, -0.5)
     assert set(harmony.CHAT_STOP_TOKEN_IDS) <= set(p.stop_token_ids)
+
+
+JSON_FINAL = _ids('<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>'
+                  '{"temp_c": 21}<|return|>')
+SCHEMA = {"type": "object", "properties": {"temp_c": {"type": "number"}}, "required": ["temp_c"],
+          "additionalProperties": False}
+
+
+def _last_request(engine):
+    return engine.prompts[-1], engine.params[-1].structured
+
+
+def test_structured_outputs_are_the_chat_routes(client, engine) -> None:
+    """text.format and tool_choice constrain the reply exactly as chat's response_format and tool_choice do:
+    the same prompt (harmony's # Response Formats section) and the same engine constraint."""
+    engine.scripts = [JSON_FINAL]
+    r = client.responses.create(model=MODEL, input="Weather?", extra_body={"max_reasoning_tokens": 64}, text={"format": {
+        "type": "json_schema", "name": "weather", "schema": SCHEMA, "strict": True}})
+    responses = _last_request(engine)
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather?"}],
+                                   extra_body={"max_reasoning_tokens": 64}, response_format={
+                                       "type": "json_schema",
+                                       "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True}})
+    assert responses[1] is not None and responses == _last_request(engine)
+    assert "# Response Formats" in harmony.decode_tokens(responses[0])
+    assert json.loads(r.output_text) == {"temp_c": 21}
+    assert (r.text.format.type, r.text.format.name) == ("json_schema", "weather")
+
+    client.responses.create(model=MODEL, input="Weather?", text={"format": {"type": "json_object"}})
+    responses = _last_request(engine)
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather?"}],
+                                   response_format={"type": "json_object"})
+    assert responses[1] is not None and responses == _last_request(engine)
+
+    engine.scripts = [TOOL_CALL]
+    strict = [dict(TOOLS[0], strict=True)]
+    chat_tools = [{"type": "function", "function": {k: v for k, v in TOOLS[0].items() if k not in ("type", "strict")}}]
+    for choice, chat_choice in (("required", "required"), ({"type": "function", "name": "get_weather"},
+                                                          {"type": "function", "function": {"name": "get_weather"}})):
+        r = client.responses.create(model=MODEL, input="Weather?", tools=strict, tool_choice=choice)
+        responses = _last_request(engine)
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather?"}],
+                                       tools=chat_tools, tool_choice=chat_choice)
+        assert responses[1] is not None and responses == _last_request(engine)
+        assert r.output[-1].type == "function_call" and r.tool_choice == (
+            choice if isinstance(choice, str) else openai.types.responses.ToolChoiceFunction(**choice))
+
+
+def test_responses_parse_with_a_pydantic_format(client, engine) -> None:
+    from pydantic import BaseModel
+
+    class Weather(BaseModel):
+        temp_c: float
+
+    engine.scripts = [JSON_FINAL]
+    parsed = client.responses.parse(model=MODEL, input="Weather?", text_format=Weather)
+    assert parsed.output_parsed == Weather(temp_c=21)
+    assert engine.params[-1].structured is not None
+    with client.responses.stream(model=MODEL, input="Weather?", text_format=Weather) as stream:
+        assert stream.get_final_response().output_parsed == Weather(temp_c=21)
 
 
 def test_unknown_model_is_404(server) -> None:
