@@ -165,3 +165,49 @@ def test_bad_schemas_and_choices_name_the_field() -> None:
     assert err(tools=(ToolSpec("a"),), tool_choice_function="b") == "tool_choice.function.name"
     assert err(tools=(ToolSpec("a", "", '{"type": "object", "properties": {"x": {"type": "strin"}}}'),),
                tool_choice="required") == "tools[0].function.parameters"
+
+
+def test_decode_steps_mask_constrained_rows_and_keep_the_rest_on_the_fast_path() -> None:
+    """Scheduler with overlapped steps: a structured request's steps are synchronous, their masks
+    submitted before the forward; alone, the plain greedy request overlaps again and equals a solo run."""
+    from kvrelay.decode_worker.scheduler import Scheduler
+    from kvrelay.engine import structured as es
+    from kvrelay.engine.runner import Runner
+
+    runner = Runner.load("gpt-oss-tiny", dummy=True, seed=0, page_size=16, num_pages=64)
+    sched = Scheduler(runner, max_batch=4, overlap=True)
+    events: list[str] = []
+    decode, submit = runner.decode, es.ConstraintBatch.submit
+    runner.decode = lambda *a, **k: (events.append("forward"), decode(*a, **k))[1]
+    es.ConstraintBatch.submit = lambda self, cons: (events.append("mask"), submit(self, cons))[1]
+    try:
+        spec = structured.build(_chat(response_format=ResponseFormat("json_schema", json.dumps(BOUNDED), "r"),
+                                      max_reasoning_tokens=2))
+        stops = harmony.CHAT_STOP_TOKEN_IDS
+        prompt = harmony.render_chat(_chat(), "2026-12-01")
+        out: dict[str, list] = {"json": [], "plain": []}
+        params = {"json": SamplingParams(max_tokens=80, temperature=1.0, seed=1, stop_token_ids=stops, structured=spec),
+                  "plain": SamplingParams(max_tokens=6, temperature=0.0)}
+        for rid in ("json", "plain"):
+            sched.reserve(rid, len(prompt), params[rid].max_tokens)
+            logits = runner.prefill(rid, prompt)
+            (tok, _), = sample_constrained(runner.sample, logits, [params[rid]], [0],
+                                           masks=es.masks_for([params[rid]], [[]]))
+            out[rid].append(tok)
+            sched.join(rid, params[rid], tok, 1, lambda o, rid=rid: out[rid].append(o.token_id))
+        while sched.has_work():
+            sched.step()
+    finally:
+        runner.decode, es.ConstraintBatch.submit = decode, submit
+    msgs = _messages(out["json"])
+    assert out["json"][-1] == harmony.RETURN and msgs[-1].channel == "final"
+    jsonschema.validate(json.loads(msgs[-1].content[0].text), BOUNDED)
+    assert events[:2] == ["mask", "forward"] and events.count("mask") == events.count("forward")
+    # No step overlapped (a constrained row was in each); the plain request is what it is alone.
+    assert sched.times.overlapped == 0
+    logits, solo = runner.prefill("solo", prompt), []
+    for step in range(6):
+        (tok, _), = runner.sample(logits, [params["plain"]], [step])
+        solo.append(tok)
+        logits = runner.decode(["solo"], [tok])[0]
+    assert out["plain"] == solo
