@@ -43,11 +43,13 @@ def main(argv: list[str] | None = None) -> dict:
         runner.import_sequence(sid, args.context)
     for pool in runner.kv_pools.values():
         pool.normal_(0, 1)  # random KV: the kernels read real bytes, values do not matter here
-    pieces = runner._pieces  # None off CUDA: both timings are then the eager forward
+    pieces, sizes = runner._pieces, runner.piecewise_token_sizes  # None off CUDA: both timings eager
     sync = torch.cuda.synchronize if torch.device(args.device).type == "cuda" else (lambda: None)
 
     def step(chunk: int, use_pieces: bool) -> tuple[float, float]:
+        # Off: no pieces and no sizes (the Runner would capture them again at the next forward).
         runner._pieces = pieces if use_pieces else None
+        runner.piecewise_token_sizes = sizes if use_pieces else ()
         items = [(sid, [1]) for sid in sids] + [("p", [(i * 7919) % cfg.vocab_size for i in range(chunk)])]
         sync()
         t = time.perf_counter()
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
         point["speedup"] = round(point["eager_ms"] / point["pieces_ms"], 2)
         point["prefill_tok_s_pieces"] = round(chunk / (point["pieces_ms"] / 1e3))
         rows.append(point)
-    runner._pieces = pieces
+    runner._pieces, runner.piecewise_token_sizes = pieces, sizes
     print(f"{args.model} {args.quant}: {args.rows} decode rows at context {args.context} + one prompt chunk "
           f"(model built in {build_s:.0f} s, graphs captured in {capture_s:.1f} s); their plain decode step "
           f"{decode_ms:.2f} ms = {args.rows / decode_ms * 1e3:,.0f} tok/s")

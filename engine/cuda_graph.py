@@ -15,12 +15,35 @@ Graphs of all sizes share one memory pool (captured largest first, so smaller on
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from bisect import bisect_left
 from typing import Any, Callable, Sequence
 
 import torch
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+@contextlib.contextmanager
+def _capturing():
+    """Around a capture: no garbage collection. A collected CUDA object of an earlier Runner (a graph,
+    an event, a pinned buffer) calls the CUDA runtime from its destructor, which invalidates a capture in
+    progress (seen on the H200: "operation failed due to a previous error during capture", once in a
+    test session that had built several Runners)."""
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+# Other threads of the process (Ray's, NIXL's progress thread, the grammar thread) never touch our
+# stream; "thread_local" keeps a CUDA call of theirs from invalidating a capture of ours.
+_MODE = "thread_local"
 
 
 class DecodeGraphs:
@@ -52,7 +75,7 @@ class DecodeGraphs:
                     self.step(bs)
                 torch.cuda.synchronize()
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool, stream=stream):
+                with _capturing(), torch.cuda.graph(g, pool=self.pool, stream=stream, capture_error_mode=_MODE):
                     self.outputs[bs] = self.step(bs)
                 if self.pool is None:
                     self.pool = g.pool()
@@ -176,7 +199,8 @@ class PiecewiseGraphs:
                 graphs = []
                 for i in range(self._pieces(bs)):
                     g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=self.pool, stream=stream):
+                    with _capturing(), torch.cuda.graph(g, pool=self.pool, stream=stream,
+                                                        capture_error_mode=_MODE):
                         self._piece(bs, i)
                     if self.pool is None:
                         self.pool = g.pool()
