@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kvrelay.router.engine_client import EngineUnavailable
 from kvrelay.router.responses_models import (
     ResponsesOptions,
     ResponsesRequest,
@@ -34,7 +35,7 @@ from kvrelay.router.responses_models import (
 from kvrelay.router.responses_output import OutputBuilder
 from kvrelay.router.responses_store import ResponseStore
 from kvrelay.router.service import Prepared, RouterCore
-from kvrelay.router.types import ChatMessage, ChatRequest, Usage
+from kvrelay.router.types import ChatMessage, ChatRequest, TokenStep, Usage
 from kvrelay.router.validation import ValidationError
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ def add_routes(app: FastAPI, core: RouterCore, check_model, store: ResponseStore
         await core.off_loop(run.prepare, history)
         core.check_admission()
         if opts.stream:
+            await run.prime()  # no worker to take it (503) or a full waiting line (429): said before a 200
             return StreamingResponse(run.sse(), media_type="text/event-stream")
         return await run.complete()
 
@@ -126,6 +128,8 @@ class ResponseRun:
         self.prep: Prepared | None = None
         self.conversation: tuple[ChatMessage, ...] = ()  # history + this input, without instructions
         self._seq = 0
+        self._source: AsyncIterator[list[TokenStep]] | None = None  # the core's stream, once primed
+        self._first: list[TokenStep] | None = None
 
     def prepare(self, history: tuple[ChatMessage, ...]) -> None:
         """Validate and render (on the preparation threads). Errors name the Responses field."""
@@ -198,6 +202,31 @@ class ResponseRun:
             self._seq += 1
         return events
 
+    async def prime(self) -> None:
+        """Wait for the engine's first tokens before a streamed response starts (as the chat route does), so
+        that EngineUnavailable / EngineOverloaded are answered with their status code, not an event."""
+        assert self.prep is not None
+        source = self.core.stream_batches(self.prep)
+        try:
+            self._first = await source.__anext__()
+        except StopAsyncIteration:
+            self._first = None
+        except BaseException:
+            await source.aclose()  # type: ignore[attr-defined]
+            raise
+        self._source = source
+
+    async def _batches(self) -> AsyncIterator[list[TokenStep]]:
+        if self._first is not None:
+            yield self._first
+            self._first = None
+        if self._source is None:
+            assert self.prep is not None
+            self._source = self.core.stream_batches(self.prep)
+        async with contextlib.aclosing(self._source):  # type: ignore[type-var]
+            async for steps in self._source:
+                yield steps
+
     async def events(self) -> AsyncIterator[list[dict[str, Any]]]:
         """The stream's events, one list per engine hand-over; the last list ends with
         response.completed (or response.incomplete, at max_output_tokens)."""
@@ -205,7 +234,7 @@ class ResponseRun:
         yield self._numbered([{"type": "response.created", "response": self.response("in_progress")},
                               {"type": "response.in_progress", "response": self.response("in_progress")}])
         finish, usage = None, None
-        async with contextlib.aclosing(self.core.stream_batches(self.prep)) as batches:
+        async with contextlib.aclosing(self._batches()) as batches:
             async for steps in batches:
                 for step in steps:
                     self.builder.feed(step)
@@ -234,9 +263,14 @@ class ResponseRun:
                 async for batch in events:
                     yield b"".join(_sse(e) for e in batch)
         except Exception as exc:  # headers are already sent: report in-band, as OpenAI's response.failed
-            log.exception("response %s failed", self.id)
+            if isinstance(exc, EngineUnavailable):  # the workers went away: what a 503 would have said
+                log.warning("response %s ended: %s", self.id, exc)
+                error = {"code": "service_unavailable", "message": f"{exc} (retry after {exc.retry_after_s} s)"}
+            else:
+                log.exception("response %s failed", self.id)
+                error = {"code": "server_error", "message": f"internal error: {exc}"}
             self.builder.finish("incomplete")
-            failed = self.response("failed", error={"code": "server_error", "message": f"internal error: {exc}"})
+            failed = self.response("failed", error=error)
             yield b"".join(_sse(e) for e in self._numbered(self.builder.take_events() +
                                                           [{"type": "response.failed", "response": failed}]))
 

@@ -345,6 +345,32 @@ def test_engine_failure_mid_stream_is_response_failed(client, engine) -> None:
         client.responses.create(model=MODEL, input="hi")
 
 
+def test_no_worker_is_a_503_before_the_stream_and_response_failed_after(client, engine) -> None:
+    from kvrelay.router.engine_client import EngineUnavailable
+
+    def gone(prompt):
+        raise EngineUnavailable("every decode worker is gone", retry_after_s=3)
+        yield
+
+    def gone_later(prompt):
+        yield from TOOL_CALL[:4]
+        raise EngineUnavailable("every decode worker is gone", retry_after_s=3)
+
+    for stream in (False, True):
+        engine.scripts = [gone]
+        with pytest.raises(openai.InternalServerError) as err:
+            if stream:
+                with client.responses.stream(model=MODEL, input="hi") as s:
+                    list(s)
+            else:
+                client.responses.create(model=MODEL, input="hi")
+        assert err.value.status_code == 503 and err.value.response.headers["retry-after"] == "3"
+    engine.scripts = [gone_later]
+    with client.responses.stream(model=MODEL, input="hi") as s:
+        last = list(s)[-1]
+    assert last.type == "response.failed" and last.response.error.code == "service_unavailable"
+
+
 def test_client_going_away_aborts_the_engine_request(client, engine) -> None:
     engine.scripts, engine.token_delay_s = [FINAL * 50], 0.01
     try:
