@@ -2,6 +2,9 @@
 # .venv on first use and installs what it needs (CPU build of torch; packages from PyPI only).
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# lm-eval and aiperf, which the e2e tests run as a user would, with their own pins (tests/e2e/clients/).
+CLIENTS_VENV ?= .venv-clients
+export KVRELAY_CLIENTS_VENV := $(abspath $(CLIENTS_VENV))
 # A plain `torch` requirement pulls a multi-GB CUDA build; pin the CPU build explicitly for CPU machines.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
@@ -16,7 +19,7 @@ export UCX_NET_DEVICES ?= lo
 export RAY_USAGE_STATS_ENABLED ?= 0
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv test test-gpu demo wheel-check protos clean
+.PHONY: venv clients-venv test test-gpu demo wheel-check protos clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -27,7 +30,15 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
-test: $(VENV)/.installed
+$(CLIENTS_VENV)/.installed: tests/e2e/clients/requirements.txt
+	test -x $(CLIENTS_VENV)/bin/python || python3 -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(CLIENTS_VENV)/bin/python -m pip install -q -r tests/e2e/clients/requirements.txt
+	touch $@
+
+clients-venv: $(CLIENTS_VENV)/.installed
+
+test: $(VENV)/.installed $(CLIENTS_VENV)/.installed
 	$(PY) -m pytest tests/cpu tests/e2e -m "not gpu" -q -p no:cacheprovider $(PYTEST_ARGS)
 
 # On the H200 machine (see README "GPU tests").
