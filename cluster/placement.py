@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrelay.cluster.topology import Topology
+from kvrelay.transfer.ucx import UcxSettings
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +44,17 @@ def on_loopback(topology: Topology) -> bool:
     return topology.device == "cpu" or (topology.ray.address is None and topology.router.host.startswith("127."))
 
 
+def ucx_settings(topology: Topology) -> UcxSettings:
+    """UCX's transports for every worker of this topology; the loopback device only when everything
+    stays on 127.0.0.1 (see on_loopback)."""
+    return UcxSettings(topology.kv_transfer.ucx_tls, "lo" if on_loopback(topology) else None)
+
+
 def worker_env(topology: Topology) -> dict[str, str]:
     """Environment for every worker process (UCX reads it when the first NIXL agent starts)."""
-    env = {"UCX_TLS": topology.kv_transfer.ucx_tls}
+    env = ucx_settings(topology).env()
     if on_loopback(topology):
-        env.update(UCX_NET_DEVICES="lo", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+        env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     return env
 
 
@@ -124,7 +131,7 @@ def rank_names(topology: Topology, role: str, worker: int) -> list[str]:
 def check_supported(topology: Topology) -> None:
     """Refuse what the workers cannot run before any actor starts (an uneven head or expert split)."""
     from kvrelay.engine.config import load_model_config
-    from kvrelay.engine.parallel import check_partition
+    from kvrelay.engine.partition import check_partition
 
     cfg = load_model_config(topology.model.name)
     for role in ROLES:

@@ -65,13 +65,14 @@ class Cluster:
         import ray
 
         from kvrelay.cluster import placement
+        from kvrelay.cluster.specs import worker_spec
         from kvrelay.decode_worker.colocated import ColocatedWorker
         from kvrelay.decode_worker.worker import DecodeWorker
         from kvrelay.prefill_worker.worker import PrefillWorker
 
         cls = {"prefill": PrefillWorker, "decode": DecodeWorker, placement.COLOCATED: ColocatedWorker}[slot.role]
         return ray.remote(cls).options(**placement.actor_options(self.topology, slot)).remote(
-            self.topology, slot.rank)
+            worker_spec(self.topology, slot.role), slot.rank)
 
     def set_worker(self, slot, actor) -> None:
         """Record `actor` as the worker of `slot` (a replacement)."""
@@ -223,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
           f"decode (EP{topo.decode.ep} TP{topo.decode.tp}) worker(s) for {topo.model.name} on {topo.device}",
           flush=True)
     from kvrelay.cluster import placement
-    from kvrelay.engine.parallel import ParallelConfigError
+    from kvrelay.engine.partition import ParallelConfigError
 
     try:
         cluster = Cluster.start(topo, address=args.address)

@@ -20,6 +20,8 @@ from typing import Any, Literal
 
 import yaml
 
+from kvrelay.engine.partition import ParallelConfigError, check_partition, valid_tp_sizes
+
 Quant = Literal["fp8-block128", "bf16"]
 Device = Literal["cpu", "cuda"]
 Policy = Literal["least-loaded", "round-robin"]
@@ -226,26 +228,23 @@ def _build(cls: type, raw: Any, where: str) -> Any:
     return cls(**kwargs)
 
 
-def _model_dims(model: ModelSection, base_dir: Path) -> tuple[str, int, int, int]:
-    """(resolved name or path, query heads, kv heads, experts) without importing torch."""
+def _model_config(model: ModelSection, base_dir: Path) -> tuple[str, Any]:
+    """(resolved name or path, the model's ModelConfig) without importing torch."""
     from kvrelay.engine.config import PRESETS, load_model_config
 
     if model.name in PRESETS:
-        cfg = PRESETS[model.name]
-    else:
-        path = Path(os.path.expanduser(model.name))
-        if not path.is_absolute() and not path.exists():
-            path = base_dir / path
-        if not path.exists():
-            raise TopologyError(
-                f"model.name: {model.name!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
-                f"nor an existing checkpoint directory")
-        try:
-            cfg = load_model_config(str(path))
-        except Exception as e:  # the loader's message says what is wrong with the checkpoint
-            raise TopologyError(f"model.name: cannot read the model config in {path}: {e}") from e
-        return str(path), cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_experts
-    return model.name, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_experts
+        return model.name, PRESETS[model.name]
+    path = Path(os.path.expanduser(model.name))
+    if not path.is_absolute() and not path.exists():
+        path = base_dir / path
+    if not path.exists():
+        raise TopologyError(
+            f"model.name: {model.name!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
+            f"nor an existing checkpoint directory")
+    try:
+        return str(path), load_model_config(str(path))
+    except Exception as e:  # the loader's message says what is wrong with the checkpoint
+        raise TopologyError(f"model.name: cannot read the model config in {path}: {e}") from e
 
 
 def _check(t: Topology, base_dir: Path) -> Topology:
@@ -278,13 +277,17 @@ def _check(t: Topology, base_dir: Path) -> Topology:
         raise TopologyError(f"router.http_port: {t.router.http_port} is also router.grpc_port")
 
     t = _check_router_files(t, base_dir)
-    name, n_q, n_kv, n_exp = _model_dims(t.model, base_dir)
+    name, cfg = _model_config(t.model, base_dir)
+    n_exp = cfg.num_experts
     for pool in ("prefill", "decode"):
+        # The engine's own rule (engine/partition.py): more ranks than KV heads replicate a KV head.
         tp = getattr(t, pool).tp
-        if n_q % tp or n_kv % tp:
-            ok = [d for d in range(1, n_kv + 1) if n_kv % d == 0 and n_q % d == 0]
-            raise TopologyError(f"{pool}.tp: {tp} does not divide {n_q} query heads and {n_kv} KV heads "
-                                f"(use one of {', '.join(map(str, ok))})")
+        expert_parallel = pool == "prefill" or t.decode.ep == tp
+        try:
+            check_partition(cfg, tp, expert_parallel=expert_parallel)
+        except ParallelConfigError as e:
+            ok = valid_tp_sizes(cfg, expert_parallel=expert_parallel)
+            raise TopologyError(f"{pool}.tp: {e} (use one of {', '.join(map(str, ok))})") from None
     if n_exp % t.decode.ep:
         raise TopologyError(f"decode.ep: {t.decode.ep} does not divide the model's {n_exp} experts")
     if t.decode.ep not in (1, t.decode.tp):

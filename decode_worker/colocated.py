@@ -28,14 +28,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from kvrelay.decode_worker.worker import DecodeWorker, need_tokens
+from kvrelay.decode_worker.worker import DecodeWorker
 from kvrelay.engine.memory import chunk_headroom, window_pages
 from kvrelay.engine.sampling import (PROMPT_LOGPROB_CHUNK, PromptLogprobs, SamplingParams, TokenOutput,
                                      finish_reason, prompt_logprobs, top_logprobs)
 from kvrelay.transfer.handle import TransferStats
-from kvrelay.workers.loading import load_sized_runner
 from kvrelay.workers.messages import InPlaceKV, PrefillResult, WorkerStatus
-from kvrelay.workers.specs import check_prompt_limits
+from kvrelay.workers.specs import ColocatedSpec, DecodeSpec, check_prompt_limits
 from kvrelay.engine.structured import masks_for, sample_constrained
 
 
@@ -69,28 +68,24 @@ class _Counters:
 class ColocatedWorker(DecodeWorker):
     colocated = True
 
-    def __init__(self, topology, rank: int = 0):
-        self.chunk_tokens = topology.prefill.chunk_tokens
-        self.max_prompt_tokens = topology.prefill.max_prompt_tokens
-        self.max_context = topology.model.max_context
+    def __init__(self, spec: ColocatedSpec, rank: int = 0):
+        self.chunk_tokens = spec.chunk_tokens
+        self.max_prompt_tokens = spec.max_prompt_tokens
+        self.max_context = spec.decode.model.max_context
         self._prompts: collections.deque[_Prompt] = collections.deque()
         self._plock = threading.Lock()  # guards _prompts only: the event loop never waits for a forward
         self._lease = 0
         self.prefill_counters = _Counters()
-        super().__init__(topology, rank)
+        super().__init__(spec.decode, rank)
 
-    def _load_single(self, topology):
-        d = topology.decode
-        return load_sized_runner(
-            topology.model, device=topology.device, page_size=d.page_size, fraction=d.kv_memory_fraction,
-            max_seqs=d.max_batch, chunk_tokens=self.chunk_tokens,
-            max_tokens=d.max_batch * topology.model.max_context, need_tokens=need_tokens(topology),
-            key="decode.kv_memory_fraction", graph_sizes=d.cuda_graph_batch_sizes, log=self.plan_log.append)
+    def _load_single(self, spec: DecodeSpec, chunk_tokens: int | None = None):
+        # The pool is sized around a forward of a whole prompt chunk, not just a decode step.
+        return super()._load_single(spec, self.chunk_tokens)
 
-    def _headroom(self, topology) -> dict[str, int]:
+    def _headroom(self, spec: DecodeSpec) -> dict[str, int]:
         """Sliding pages that a forward's prompt chunks hold beyond one window each (see Scheduler)."""
-        ps = topology.decode.page_size
-        want = chunk_headroom(chunk_tokens=self.chunk_tokens, page_size=ps, max_seqs=topology.decode.max_batch)
+        ps = spec.page_size
+        want = chunk_headroom(chunk_tokens=self.chunk_tokens, page_size=ps, max_seqs=spec.max_batch)
         room = self.runner.kv.allocators["sliding"].num_pages - window_pages(self.runner.cfg, ps)
         return {"sliding": max(0, min(want, room))}
 

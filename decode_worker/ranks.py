@@ -11,44 +11,43 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvrelay.transfer.ucx import UcxSettings
-from kvrelay.workers.loading import load_runner as load_model_runner
+from kvrelay.workers.loading import load_runner
 from kvrelay.workers.rank_group import Followers, FollowerRank, join_group
+from kvrelay.workers.specs import DecodeSpec
 
 
-
-def pool_tokens(topology) -> int:
+def pool_tokens(spec: DecodeSpec) -> int:
     """KV positions per group of a TP>1 decode rank: a share of free memory, but never more than a full
     batch of full contexts. Every rank of a TP group gets the same count (its allocator must mirror the
     leader's), sized on rank 0 before any rank loads weights, so the estimated weight bytes per rank are
-    taken off first. (TP1 workers size their pool after loading instead: load_runner below.)"""
-    cap = topology.decode.max_batch * topology.model.max_context
-    if topology.device == "cuda":
+    taken off first. (TP1 workers size their pool after loading instead: workers/loading.load_sized_runner.)"""
+    cap = spec.max_batch * spec.model.max_context
+    if spec.device == "cuda":
         import torch
 
         from kvrelay.engine.config import load_model_config
-        from kvrelay.engine.parallel import head_range
+        from kvrelay.engine.partition import head_range
 
-        cfg = load_model_config(topology.model.name)
+        cfg = load_model_config(spec.model.name)
         # Heads per rank from the same rule as the cache: more ranks than KV heads replicate one.
-        local_kv = head_range(cfg.num_attention_heads, cfg.num_key_value_heads, 0, topology.decode.tp).num_kv
+        local_kv = head_range(cfg.num_attention_heads, cfg.num_key_value_heads, 0, spec.tp).num_kv
         per_token = 2 * local_kv * cfg.head_dim * 2 * cfg.num_hidden_layers
         free, _ = torch.cuda.mem_get_info()
-        free -= cfg.weight_bytes(topology.model.quant) // topology.decode.tp
-        cap = min(cap, max(0, int(free * topology.decode.kv_memory_fraction)) // per_token)
+        free -= cfg.weight_bytes(spec.model.quant) // spec.tp
+        cap = min(cap, max(0, int(free * spec.kv_memory_fraction)) // per_token)
     return cap
 
 
-def load_runner(topology, kv_tokens: int, shard=None):
-    """A TP rank's Runner (its shard of the model when `shard` is a TP rank's ParallelContext)."""
-    return load_model_runner(topology.model, device=topology.device, page_size=topology.decode.page_size,
-                             kv_tokens=kv_tokens, shard=shard, graph_sizes=topology.decode.cuda_graph_batch_sizes)
+def load_rank_runner(spec: DecodeSpec, kv_tokens: int, shard):
+    """A TP rank's shard of the decode Runner, with the leader's pool size (the allocators must mirror)."""
+    return load_runner(spec.model, device=spec.device, page_size=spec.page_size, kv_tokens=kv_tokens,
+                       shard=shard, graph_sizes=spec.graph_sizes)
 
-def decode_join(topology, tp_rank: int, port: int):
+
+def decode_join(spec: DecodeSpec, tp_rank: int, port: int):
     """This rank's ParallelContext. "EPn TPn": whole experts per rank; "EP1 TPn": a slice of every
     expert's intermediate units."""
-    return join_group(topology.device, tp_rank, topology.decode.tp, port,
-                      expert_parallel=topology.decode.ep == topology.decode.tp)
+    return join_group(spec.device, tp_rank, spec.tp, port, expert_parallel=spec.expert_parallel)
 
 
 class DecodeRank(FollowerRank):
@@ -56,17 +55,17 @@ class DecodeRank(FollowerRank):
 
     role = "decode"
 
-    def __init__(self, topology, worker: int, tp_rank: int, port: int, kv_tokens: int):
+    def __init__(self, spec: DecodeSpec, worker: int, tp_rank: int, port: int, kv_tokens: int):
         from kvrelay.transfer.handle import layout_of
         from kvrelay.transfer.nixl import KVImporter
 
-        UcxSettings(topology.kv_transfer.ucx_tls, "lo" if topology.device == "cpu" else None).apply()
-        ctx = decode_join(topology, tp_rank, port)
+        spec.ucx.apply()
+        ctx = decode_join(spec, tp_rank, port)
         # The leader's pool size, not this rank's own free-memory share: the allocators must mirror.
-        runner = load_runner(topology, kv_tokens=kv_tokens, shard=ctx)
+        runner = load_rank_runner(spec, kv_tokens, ctx)
         layout, pools = layout_of(runner.kv)
         importer = KVImporter(layout, pools, name_prefix=f"decode{worker}r{tp_rank}")
-        super().__init__(worker, tp_rank, topology.decode.tp, runner, importer)
+        super().__init__(worker, tp_rank, spec.tp, runner, importer)
 
     def import_sequence(self, rid: str, length: int):
         return self.op(lambda: self.runner.import_sequence(rid, length))

@@ -22,42 +22,37 @@ import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 
-from kvrelay.decode_worker.ranks import DecodeRank, GroupRunner, decode_join, load_runner, pool_tokens
+from kvrelay.decode_worker.ranks import DecodeRank, GroupRunner, decode_join, load_rank_runner, pool_tokens
 from kvrelay.decode_worker.scheduler import Scheduler
 from kvrelay.engine.sampling import SamplingParams
 from kvrelay.transfer.handle import KVHandle, KVLeaseExpired, KVReadInFlight, KVTransferError, TransferStats, layout_of
 from kvrelay.transfer.nixl import KVImporter
-from kvrelay.transfer.ucx import UcxSettings
 from kvrelay.workers.loading import load_sized_runner
 from kvrelay.workers.messages import DecodeChunk, PullMetrics, WorkerStatus
 from kvrelay.workers.rank_group import Followers, lead_group, node_name
+from kvrelay.workers.specs import DecodeSpec
 
 RELEASE_TIMEOUT_S = 10.0  # for the prefill worker's answer to a lease release after a pull
 _ABORTED = object()  # put on a stream's queue by `abort`: end the stream without a finish reason
 
-def need_tokens(topology) -> int:
-    """Positions one request may hold: the pool must fit at least that."""
-    return min(topology.model.max_context, topology.prefill.max_prompt_tokens + 1)
-
-
 class DecodeWorker:
     colocated = False
 
-    def __init__(self, topology, rank: int = 0):
-        UcxSettings(topology.kv_transfer.ucx_tls, "lo" if topology.device == "cpu" else None).apply()
+    def __init__(self, spec: DecodeSpec, rank: int = 0):
+        spec.ucx.apply()
         self.rank = rank
-        self.tp_size = topology.decode.tp
+        self.tp_size = spec.tp
         self.group: Followers | None = None  # ranks 1.. of a TP group; None at TP1
         self.plan_log: list[str] = []
         if self.tp_size == 1:
-            self.runner = self._load_single(topology)
+            self.runner = self._load_single(spec)
         else:
-            kv_tokens = pool_tokens(topology)  # before any rank allocates: followers reuse this count
+            kv_tokens = pool_tokens(spec)  # before any rank allocates: followers reuse this count
             self.group, runner = lead_group(
-                DecodeRank, device=topology.device, tp_size=self.tp_size, max_concurrency=16,
-                args=lambda r, port: (topology, rank, r, port, kv_tokens),
-                join=lambda port: decode_join(topology, 0, port),
-                load=lambda ctx: load_runner(topology, kv_tokens=kv_tokens, shard=ctx))
+                DecodeRank, device=spec.device, tp_size=self.tp_size, max_concurrency=16,
+                args=lambda r, port: (spec, rank, r, port, kv_tokens),
+                join=lambda port: decode_join(spec, 0, port),
+                load=lambda ctx: load_rank_runner(spec, kv_tokens, ctx))
             self.runner = GroupRunner(runner, self.group)
         for line in self.plan_log:  # reaches `kvrelay serve`'s output through Ray's log forwarding
             print(f"kvrelay: {'colocated' if self.colocated else 'decode'} worker {rank}: {line}", flush=True)
@@ -65,8 +60,8 @@ class DecodeWorker:
         if not self.colocated:
             layout, pools = layout_of(self.runner.kv)
             self.importer = KVImporter(layout, pools, name_prefix=f"decode{rank}")
-        self.scheduler = Scheduler(self.runner, max_batch=topology.decode.max_batch,
-                                   headroom=self._headroom(topology), overlap=topology.decode.overlap_steps)
+        self.scheduler = Scheduler(self.runner, max_batch=spec.max_batch,
+                                   headroom=self._headroom(spec), overlap=spec.overlap_steps)
         # The step thread owns the Runner and the Scheduler: every other call is queued as an op that the
         # step thread runs between two steps, all pending ops at once. (A lock taken per op let one op
         # in per step: 64 arriving requests, four ops each, waited ~256 steps to be admitted.)
@@ -87,16 +82,16 @@ class DecodeWorker:
         self._thread = threading.Thread(target=self._step_loop, name="decode-steps", daemon=True)
         self._thread.start()
 
-    def _load_single(self, topology):
-        """TP1: the pool is sized after the weights, from what is measured free then (engine/memory.py)."""
-        d = topology.decode
+    def _load_single(self, spec: DecodeSpec, chunk_tokens: int | None = None):
+        """TP1: the pool is sized after the weights, from what is measured free then (engine/memory.py),
+        around one forward of `chunk_tokens` (default: a decode step of a full batch)."""
         return load_sized_runner(
-            topology.model, device=topology.device, page_size=d.page_size, fraction=d.kv_memory_fraction,
-            max_seqs=d.max_batch, chunk_tokens=max(d.max_batch, 16),
-            max_tokens=d.max_batch * topology.model.max_context, need_tokens=need_tokens(topology),
-            key="decode.kv_memory_fraction", graph_sizes=d.cuda_graph_batch_sizes, log=self.plan_log.append)
+            spec.model, device=spec.device, page_size=spec.page_size, fraction=spec.kv_memory_fraction,
+            max_seqs=spec.max_batch, chunk_tokens=max(spec.max_batch, 16) if chunk_tokens is None else chunk_tokens,
+            max_tokens=spec.max_batch * spec.model.max_context, need_tokens=spec.need_tokens,
+            key="decode.kv_memory_fraction", graph_sizes=spec.graph_sizes, log=self.plan_log.append)
 
-    def _headroom(self, topology) -> dict[str, int]:
+    def _headroom(self, spec: DecodeSpec) -> dict[str, int]:
         return {}
 
     # ---- engine calls off the event loop -----------------------------------------------------

@@ -95,7 +95,8 @@ def _load_and_generate(shard, args: argparse.Namespace, prompt_ids: list[int], p
 def _generate(args: argparse.Namespace, cfg, prompt_ids: list[int], params) -> list[dict]:
     """One result per rank. With --tp N the ranks run the same request in lockstep; the sampling seed is
     fixed here, before spawning, so every rank draws the same token from the same gathered logits."""
-    from kvrelay.engine.parallel import SINGLE, check_partition, run_ranks
+    from kvrelay.engine.parallel import SINGLE, run_ranks
+    from kvrelay.engine.partition import check_partition
 
     ep = args.tp if args.ep is None else args.ep
     if args.tp < 1 or ep not in (1, args.tp):

@@ -8,21 +8,15 @@ leader, which frees the pages on every rank once its lease is released or reclai
 
 from __future__ import annotations
 
-from kvrelay.transfer.ucx import UcxSettings
-from kvrelay.workers.loading import load_runner as load_model_runner
+from kvrelay.workers.loading import load_runner
 from kvrelay.workers.rank_group import FollowerRank, follower_op, join_group
+from kvrelay.workers.specs import PrefillSpec
 
 
-def pool_tokens(topology) -> int:
-    """Room for a few prompts in flight: one running plus the ones whose KV still waits for a pull."""
-    return 4 * topology.prefill.max_prompt_tokens
-
-
-def load_runner(topology, kv_tokens: int, shard=None):
-    """This worker's Runner (this rank's shard of it when `shard` is a TP rank's ParallelContext)."""
-    # decode's page size: both pools must share it for pages to be copyable.
-    return load_model_runner(topology.model, device=topology.device, page_size=topology.decode.page_size,
-                             kv_tokens=kv_tokens, shard=shard)
+def load_rank_runner(spec: PrefillSpec, shard):
+    """A TP rank's shard of the prefill Runner (every rank alike, so their allocators mirror)."""
+    return load_runner(spec.model, device=spec.device, page_size=spec.page_size, kv_tokens=spec.pool_tokens,
+                       shard=shard)
 
 
 class PrefillRank(FollowerRank):
@@ -30,17 +24,17 @@ class PrefillRank(FollowerRank):
 
     role = "prefill"
 
-    def __init__(self, topology, worker: int, tp_rank: int, port: int):
+    def __init__(self, spec: PrefillSpec, worker: int, tp_rank: int, port: int):
         from kvrelay.transfer.handle import layout_of
         from kvrelay.transfer.nixl import KVExporter
 
-        UcxSettings(topology.kv_transfer.ucx_tls, "lo" if topology.device == "cpu" else None).apply()
-        ctx = join_group(topology.device, tp_rank, topology.prefill.tp, port)
-        runner = load_runner(topology, kv_tokens=pool_tokens(topology), shard=ctx)
+        spec.ucx.apply()
+        ctx = join_group(spec.device, tp_rank, spec.tp, port)
+        runner = load_rank_runner(spec, ctx)
         layout, pools = layout_of(runner.kv)
         # Leases live on the leader; this exporter only registers the pool and describes pages.
         exporter = KVExporter(layout, pools, name_prefix=f"prefill{worker}r{tp_rank}")
-        super().__init__(worker, tp_rank, topology.prefill.tp, runner, exporter)
+        super().__init__(worker, tp_rank, spec.tp, runner, exporter)
 
     def prefill(self, rid: str, prompt_ids: list[int], all_logits: bool = False):
         """The leader's prefill, on this rank's shard; returns where this rank's pages are."""

@@ -23,14 +23,13 @@ from dataclasses import dataclass
 from kvrelay.engine.sampling import (PROMPT_LOGPROB_CHUNK, PromptLogprobs, SamplingParams, TokenOutput,
                                      finish_reason, prompt_logprobs, top_logprobs)
 from kvrelay.engine.structured import masks_for, sample_constrained
-from kvrelay.prefill_worker.ranks import PrefillRank, load_runner, pool_tokens
+from kvrelay.prefill_worker.ranks import PrefillRank, load_rank_runner
 from kvrelay.transfer.handle import layout_of
 from kvrelay.transfer.nixl import KVExporter
-from kvrelay.transfer.ucx import UcxSettings
 from kvrelay.workers.loading import load_sized_runner
 from kvrelay.workers.messages import PrefillResult, WorkerStatus
 from kvrelay.workers.rank_group import Followers, join_group, lead_group, node_name
-from kvrelay.workers.specs import check_prompt_limits
+from kvrelay.workers.specs import PrefillSpec, check_prompt_limits
 
 
 @dataclass(eq=False)
@@ -48,33 +47,33 @@ class _Job:
 
 
 class PrefillWorker:
-    def __init__(self, topology, rank: int = 0, *, lease_seconds: float | None = None):
-        UcxSettings(topology.kv_transfer.ucx_tls, "lo" if topology.device == "cpu" else None).apply()
+    def __init__(self, spec: PrefillSpec, rank: int = 0, *, lease_seconds: float | None = None):
+        spec.ucx.apply()
         self.rank = rank
-        self.max_prompt_tokens = topology.prefill.max_prompt_tokens
-        self.max_context = topology.model.max_context
-        self.tp_size = topology.prefill.tp
+        self.max_prompt_tokens = spec.max_prompt_tokens
+        self.max_context = spec.model.max_context
+        self.tp_size = spec.tp
         self.group: Followers | None = None  # ranks 1.. of a TP group; None at TP1
-        self.chunk_tokens = topology.prefill.chunk_tokens
+        self.chunk_tokens = spec.chunk_tokens
         self.plan_log: list[str] = []
         if self.tp_size == 1:
             # Sized after the weights (engine/memory.py): room for a few prompts in flight, at least one
             # of max_prompt_tokens, in what the weights and one chunk's activations leave free.
             self.runner = load_sized_runner(
-                topology.model, device=topology.device, page_size=topology.decode.page_size,
+                spec.model, device=spec.device, page_size=spec.page_size,
                 fraction=0.9, max_seqs=64, chunk_tokens=min(self.chunk_tokens, self.max_prompt_tokens),
-                max_tokens=pool_tokens(topology), need_tokens=self.max_prompt_tokens,
+                max_tokens=spec.pool_tokens, need_tokens=self.max_prompt_tokens,
                 key="prefill.max_prompt_tokens", graph_sizes=(), log=self.plan_log.append)
         else:
             self.group, self.runner = lead_group(
-                PrefillRank, device=topology.device, tp_size=self.tp_size, max_concurrency=4,
-                args=lambda r, port: (topology, rank, r, port),
-                join=lambda port: join_group(topology.device, 0, self.tp_size, port),
-                load=lambda ctx: load_runner(topology, kv_tokens=pool_tokens(topology), shard=ctx))
+                PrefillRank, device=spec.device, tp_size=self.tp_size, max_concurrency=4,
+                args=lambda r, port: (spec, rank, r, port),
+                join=lambda port: join_group(spec.device, 0, self.tp_size, port),
+                load=lambda ctx: load_rank_runner(spec, ctx))
         for line in self.plan_log:
             print(f"kvrelay: prefill worker {rank}: {line}", flush=True)
         layout, pools = layout_of(self.runner.kv)
-        lease = topology.kv_transfer.lease_seconds if lease_seconds is None else lease_seconds
+        lease = spec.lease_seconds if lease_seconds is None else lease_seconds
         self.exporter = KVExporter(layout, pools, lease_seconds=lease, grace_seconds=min(5.0, lease),
                                    name_prefix=f"prefill{rank}")
         self._run_lock = threading.Lock()  # one prompt at a time

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from kvrelay.engine.kv_geometry import GROUPS
-from kvrelay.engine.parallel import head_range
+from kvrelay.engine.partition import head_range
 
 _TP_SHAPE = ("tp_size", "tp_rank")  # KVLayout fields the hash leaves out: they travel as data
 
@@ -60,7 +60,7 @@ class KVLayout:
     kv_heads: int  # the model's total KV heads
     head_dim: int
     sliding_window: int
-    # This pool's rank in its TP group (parallel.head_range says which KV heads it holds). Not hashed:
+    # This pool's rank in its TP group (partition.head_range says which KV heads it holds). Not hashed:
     # differently sharded groups exchange KV by heads, see KVImporter.pull.
     tp_size: int = 1
     tp_rank: int = 0

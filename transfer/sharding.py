@@ -1,7 +1,7 @@
 """Which rank holds which KV head, and who must copy what when prefill and decode are sharded differently.
 
 A TPp prefill group leaves each sequence's K/V split by KV head over its p ranks (rank r holds the KV
-heads its query heads read, see `parallel.head_range`); a TPd decode group needs the same heads split
+heads its query heads read, see `partition.head_range`); a TPd decode group needs the same heads split
 over d ranks. With p != d (either direction) a decode rank's heads live on one or several prefill ranks,
 and a prefill rank's heads go to one or several decode ranks. This module answers that question once,
 as pure data, so the transfer code (NIXL descriptors in transfer/nixl.py) and the in-process tests
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrelay.engine.parallel import head_range
+from kvrelay.engine.partition import head_range
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ def kv_heads_of_rank(num_q_heads: int, num_kv_heads: int, rank: int, tp: int) ->
 
 def plan_kv_handoff(num_q_heads: int, num_kv_heads: int, prefill_tp: int, decode_tp: int) -> KVHandoffPlan:
     """The copy plan from a TP`prefill_tp` group to a TP`decode_tp` group. Raises
-    parallel.ParallelConfigError if either group cannot shard these heads."""
+    partition.ParallelConfigError if either group cannot shard these heads."""
     pre = tuple(kv_heads_of_rank(num_q_heads, num_kv_heads, r, prefill_tp) for r in range(prefill_tp))
     dec = tuple(kv_heads_of_rank(num_q_heads, num_kv_heads, r, decode_tp) for r in range(decode_tp))
     holders = [[r for r, (a, b) in enumerate(pre) if a <= h < b] for h in range(num_kv_heads)]

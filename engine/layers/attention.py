@@ -7,9 +7,9 @@ from typing import Callable
 
 import torch
 
-from kvrelay.engine import parallel
+from kvrelay.engine import partition
 from kvrelay.engine.layers.linear import Linear, Shard, WeightGetter
-from kvrelay.engine.parallel import HeadRange
+from kvrelay.engine.partition import HeadRange
 from kvrelay.kernels.reference import apply_rotary, write_kv
 
 
@@ -17,7 +17,7 @@ def head_range(cfg, shard: Shard) -> HeadRange:
     """The query/KV heads this rank holds. One rule for the layer, the KV cache and the KV handoff plan
     (engine/kv_sharding.py), which must all agree on which rank holds which KV head. It also rejects
     splits whose ranks would straddle GQA groups unevenly (e.g. 48 query / 6 KV heads on 8 ranks)."""
-    return parallel.head_range(cfg.num_attention_heads, cfg.num_key_value_heads, shard.rank, shard.world_size)
+    return partition.head_range(cfg.num_attention_heads, cfg.num_key_value_heads, shard.rank, shard.world_size)
 
 
 # (q [T,Hq,D], layer pool, qo_indptr, PagedKV, sinks, sm_scale, window) -> [T,Hq,D]; the reference is

@@ -35,8 +35,10 @@ def test_config_check_invalid_exits_1(tmp_path: Path) -> None:
     bad.write_text("model: {name: gpt-oss-20b}\nprefill: {tp: 3}\n")
     r = kvrelay("config", "check", str(bad))
     assert r.returncode == 1
-    assert r.stderr.strip() == (f"error: {bad}: prefill.tp: 3 does not divide 64 query heads and 8 KV heads "
-                                "(use one of 1, 2, 4, 8)")
+    assert r.stderr.strip() == (f"error: {bad}: prefill.tp: gpt-oss-20b cannot be sharded over 3 ranks: attention: "
+                                "num_attention_heads=64 is not divisible by 3 ranks; experts: num_experts=32 is "
+                                "not divisible by 3 ranks (EP3 needs a whole number of experts per rank) (use one "
+                                "of 1, 2, 4, 8, 16, 32)")
     assert r.stdout == ""
 
 

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from kvrelay.engine.config import PRESETS
-from kvrelay.engine.parallel import (SINGLE, ParallelConfigError, ParallelContext, RankFailed, all_gather,
-                                     all_reduce, check_partition, head_range, padded_range, run_ranks,
-                                     shard_range)
+from kvrelay.engine.parallel import SINGLE, ParallelContext, RankFailed, all_gather, all_reduce, run_ranks
+from kvrelay.engine.partition import ParallelConfigError, check_partition, head_range, padded_range, shard_range
 
 pytestmark = pytest.mark.timeout(180)
 

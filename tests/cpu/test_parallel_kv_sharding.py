@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvrelay.transfer.sharding import assemble_kv, kv_heads_of_rank, page_copy_runs, plan_kv_handoff
-from kvrelay.engine.parallel import ParallelConfigError
+from kvrelay.engine.partition import ParallelConfigError
 
 
 def _full_kv(num_kv: int) -> torch.Tensor:

@@ -16,7 +16,8 @@ import torch
 
 from kvrelay.engine.config import PRESETS
 from kvrelay.engine.model import GptOss
-from kvrelay.engine.parallel import ParallelConfigError, ParallelContext, held_tensor_bytes, run_ranks
+from kvrelay.engine.parallel import ParallelContext, held_tensor_bytes, run_ranks
+from kvrelay.engine.partition import ParallelConfigError
 from kvrelay.engine.runner import Runner
 from kvrelay.engine.weights import canonical_shapes, open_weights
 

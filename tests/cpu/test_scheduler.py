@@ -289,11 +289,12 @@ def _handle(layout, rid: str, num_tokens: int):
 def decode_worker():
     import os
 
+    from kvrelay.cluster.specs import decode_spec
     from kvrelay.cluster.topology import parse_topology
     from kvrelay.decode_worker.worker import DecodeWorker
 
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    worker = DecodeWorker(parse_topology(DECODE_TOPOLOGY, source="test"))
+    worker = DecodeWorker(decode_spec(parse_topology(DECODE_TOPOLOGY, source="test")))
     yield worker
     import asyncio
 

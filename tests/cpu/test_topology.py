@@ -100,9 +100,15 @@ def test_checkpoint_path_relative_to_file(tmp_path: Path) -> None:
         ("prefill: {tp: 1}\n", "model: required key is missing"),
         ("model: {dummy: true}\n", "model.name: required key is missing"),
         ("model: {name: gpt-oss-20b}\nprefill: {tp: 3}\n",
-         "prefill.tp: 3 does not divide 64 query heads and 8 KV heads (use one of 1, 2, 4, 8)"),
-        ("model: {name: gpt-oss-20b}\ndecode: {tp: 16, ep: 16}\n",
-         "decode.tp: 16 does not divide 64 query heads and 8 KV heads (use one of 1, 2, 4, 8)"),
+         "prefill.tp: gpt-oss-20b cannot be sharded over 3 ranks: attention: num_attention_heads=64 is not "
+         "divisible by 3 ranks; experts: num_experts=32 is not divisible by 3 ranks (EP3 needs a whole number "
+         "of experts per rank) (use one of 1, 2, 4, 8, 16, 32)"),
+        ("model: {name: gpt-oss-20b}\ndecode: {tp: 64, ep: 64}\n",
+         "decode.tp: gpt-oss-20b cannot be sharded over 64 ranks: experts: num_experts=32 is not divisible by "
+         "64 ranks (EP64 needs a whole number of experts per rank) (use one of 1, 2, 4, 8, 16, 32)"),
+        ("model: {name: tiny}\ndecode: {tp: 3, ep: 1}\n",
+         "decode.tp: tiny cannot be sharded over 3 ranks: attention: num_attention_heads=8 is not divisible by "
+         "3 ranks (use one of 1, 2, 4, 8)"),
         ("model: {name: gpt-oss-20b}\ndecode: {tp: 1, ep: 3}\n",
          "decode.ep: 3 does not divide the model's 32 experts"),
         ("model: {name: gpt-oss-20b}\ndecode: {tp: 4, ep: 2}\n",
@@ -165,7 +171,7 @@ def test_bad_checkpoint_dir(tmp_path: Path) -> None:
 
 
 def test_parse_from_text_names_source() -> None:
-    with pytest.raises(TopologyError, match=r"^inline.yaml: decode.tp: 5 does not divide"):
+    with pytest.raises(TopologyError, match=r"^inline.yaml: decode.tp: gpt-oss-120b cannot be sharded over 5 ranks"):
         parse_topology("model: {name: gpt-oss-120b}\ndecode: {tp: 5}\n", source="inline.yaml")
     t = parse_topology(BASE, source="inline.yaml")
     d = json.loads(json.dumps(t.to_dict()))
@@ -189,3 +195,58 @@ def test_config_check_fits_the_nodes_of_a_ray_up_file(tmp_path, capsys):
     aws.write_text("provider: {type: aws}\n")
     assert main(["config", "check", "h200-8gpu-120b.yaml", "--dummy", "--cluster", str(aws)]) == 1
     assert "provider.type: only the local provider lists its nodes" in capsys.readouterr().err
+
+
+def test_each_role_is_told_only_its_own_settings():
+    """cluster/specs.py cuts the topology into frozen per-role specs; the workers never see a Topology."""
+    import dataclasses
+
+    from kvrelay.cluster.specs import worker_spec
+    from kvrelay.workers.specs import ColocatedSpec, DecodeSpec, PrefillSpec
+
+    t = parse_topology("model: {name: tiny, max_context: 512}\nprefill: {max_prompt_tokens: 256, chunk_tokens: 64}\n"
+                       "decode: {page_size: 8, max_batch: 4, cuda_graph_batch_sizes: [1, 2]}\n"
+                       "kv_transfer: {ucx_tls: 'tcp,self', lease_seconds: 7}\n", source="t.yaml")
+    p, d = worker_spec(t, "prefill"), worker_spec(t, "decode")
+    assert isinstance(p, PrefillSpec) and isinstance(d, DecodeSpec)
+    assert (p.page_size, p.max_prompt_tokens, p.chunk_tokens, p.lease_seconds, p.pool_tokens) == (8, 256, 64, 7.0, 1024)
+    assert (d.max_batch, d.graph_sizes, d.need_tokens, d.model.max_context) == (4, (1, 2), 257, 512)
+    assert p.ucx == d.ucx and p.ucx.env() == {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}  # CPU: loopback
+    c = worker_spec(dataclasses.replace(t, colocate=True), "colocated")
+    assert isinstance(c, ColocatedSpec) and c.decode == d and c.chunk_tokens == 64
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.tp = 2  # type: ignore[misc]
+    # Nothing of a spec is a topology section: a worker could not reach the rest of the file through it.
+    parts = [getattr(spec, f.name) for spec in (p, d, c) for f in dataclasses.fields(spec)]
+    assert not [x for x in parts if type(x).__module__.startswith("kvrelay.cluster")]
+
+
+def test_the_topology_accepts_every_split_the_engine_runs():
+    """The topology once refused any tp that did not divide the KV heads ("decode.tp: 16 does not divide 64
+    query heads and 8 KV heads"), while the engine (parallel.head_range, the KV cache, the handoff plan)
+    replicates a KV head over the ranks of its GQA group when ranks outnumber KV heads: TP4 over the tiny
+    model's 2 KV heads ran in tests/cpu/test_kv_transfer_tp.py but could not be configured. Both now ask
+    engine/partition.py, so a split is accepted exactly when every rank gets its heads (and experts)."""
+    from kvrelay.engine.config import PRESETS
+    from kvrelay.engine.partition import ParallelConfigError, check_partition, head_range
+
+    t = parse_topology("model: {name: tiny}\nprefill: {tp: 4}\ndecode: {tp: 4, ep: 4}\n", source="t.yaml")
+    assert (t.prefill.tp, t.decode.tp) == (4, 4)
+    # What the engine does with it: 2 query heads per rank, each pair of ranks holding one KV head.
+    assert [(h.kv0, h.kv1) for h in (head_range(8, 2, r, 4) for r in range(4))] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    for name in ("tiny", "gpt-oss-20b"):
+        cfg = PRESETS[name]
+        for tp in range(1, 2 * cfg.num_attention_heads + 1):
+            for ep in sorted({1, tp}):
+                try:
+                    check_partition(cfg, tp, expert_parallel=ep == tp)
+                    engine_runs = True
+                except ParallelConfigError:
+                    engine_runs = False
+                try:
+                    parse_topology(f"model: {{name: {name}}}\ndecode: {{tp: {tp}, ep: {ep}}}\n", source="t.yaml")
+                    accepted = True
+                except TopologyError as e:
+                    assert "decode.tp" in str(e) or "decode.ep" in str(e), e
+                    accepted = False
+                assert accepted == engine_runs, (name, tp, ep)

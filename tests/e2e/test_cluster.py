@@ -129,13 +129,14 @@ def test_32_concurrent_streams_equal_their_solo_runs(running, reference):
     assert_no_pages_left(running)
 
 
-def _extra_actor(running, cls, topology, **kwargs):
+def _extra_actor(running, cls, topology, role, **kwargs):
     import ray
 
     from kvrelay.cluster.placement import worker_env
+    from kvrelay.cluster.specs import worker_spec
 
-    return ray.remote(cls).options(num_cpus=0, max_concurrency=16,
-                                   runtime_env={"env_vars": worker_env(topology)}).remote(topology, 90, **kwargs)
+    return ray.remote(cls).options(num_cpus=0, max_concurrency=16, runtime_env={"env_vars": worker_env(topology)}
+                                   ).remote(worker_spec(topology, role), 90, **kwargs)
 
 
 def test_layout_mismatch_is_a_clear_error(running):
@@ -146,7 +147,7 @@ def test_layout_mismatch_is_a_clear_error(running):
     from kvrelay.transfer.handle import KVLayoutMismatch
 
     other = dataclasses.replace(running.topology, decode=dataclasses.replace(running.topology.decode, page_size=8))
-    bad = _extra_actor(running, DecodeWorker, other)
+    bad = _extra_actor(running, DecodeWorker, other, "decode")
     try:
         ray.get(bad.health.remote(), timeout=120)
         client = DisaggregatedEngineClient(running.cluster.prefill, [bad], model_name="tiny", max_context=2048)
@@ -167,7 +168,7 @@ def test_expired_lease_is_a_clear_error(running):
     from kvrelay.transfer.handle import KVLeaseExpired
     from kvrelay.prefill_worker.worker import PrefillWorker
 
-    short = _extra_actor(running, PrefillWorker, running.topology, lease_seconds=0.3)
+    short = _extra_actor(running, PrefillWorker, running.topology, "prefill", lease_seconds=0.3)
     decode = running.cluster.decode[0]
     try:
         params = SamplingParams(max_tokens=4, temperature=0)
