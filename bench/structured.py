@@ -178,21 +178,24 @@ def bench_apply(device: str, batch: int, iters: int = 50) -> dict:
 
 
 def bench_state_machine(batch: int, steps: int) -> dict:
-    """kvrelay's per-request harmony+grammar state (engine/structured.py): mask for B requests inside
-    the final body, per step (what the decode step waits for if the forward is shorter)."""
-    from kvrelay.engine.structured import ConstraintBatch, StructuredOutput, final_json, open_constraint
+    """kvrelay's per-request harmony+grammar state (engine/structured.py): the masks of B requests inside
+    the final JSON body at staggered positions, per step (what a decode step waits for if its forward is
+    shorter: the masks are computed on their own thread while the forward runs)."""
+    from kvrelay.engine.structured import compute_masks, open_constraint
+    from kvrelay.router import structured
+    from kvrelay.router.types import ChatMessage, ChatRequest, ResponseFormat
 
     schema, doc = SCHEMAS["person"]
-    spec = StructuredOutput.for_final(json.dumps(schema), allow_analysis=False)
+    req = ChatRequest(messages=(ChatMessage("user", "hi"),), max_reasoning_tokens=0,
+                      response_format=ResponseFormat("json_schema", json.dumps(schema), "person"))
+    spec = structured.build(req)
     body = _doc_tokens(doc)
-    head = list(final_json(spec).header)
-    seqs = [head + body[: i % len(body)] for i in range(batch)]
-    cons = [open_constraint(spec, s) for s in seqs]
-    cb = ConstraintBatch()
+    head = list(spec.bodies[0].header)
+    cons = [open_constraint(spec, head + body[: i % len(body)]) for i in range(batch)]
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        cb.compute(cons)
+        compute_masks(cons)
         times.append(time.perf_counter() - t0)
     return {"fill": _percentiles(times), "per_token_ms": 1e3 * statistics.fmean(times) / batch}
 
@@ -210,7 +213,12 @@ def main() -> dict:
 
     for eng in args.engines.split(","):
         fn = {"llguidance": bench_llguidance, "xgrammar": bench_xgrammar}[eng]
-        r = {"version": md.version(eng)}
+        try:
+            r = {"version": md.version(eng)}
+        except md.PackageNotFoundError:  # xgrammar is not a dependency: `pip install xgrammar` to compare
+            print(f"{eng}: not installed, skipped")
+            results["engines"][eng] = {"skipped": "not installed"}
+            continue
         for name, (schema, doc) in SCHEMAS.items():
             toks = _doc_tokens(doc)
             for b in parse_ints(args.batches):

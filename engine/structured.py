@@ -29,6 +29,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvrelay.engine import grammar
@@ -178,41 +179,40 @@ def final_json(spec: StructuredOutput) -> Body:
     return spec.bodies[0]
 
 
-def _set_bit(row: torch.Tensor, token: int, on: bool) -> None:
-    word, bit = divmod(token, 32)
-    v = int(row[word]) & 0xFFFFFFFF
-    v = v | (1 << bit) if on else v & ~(1 << bit)
-    row[word] = v - (1 << 32) if v >= (1 << 31) else v
+def _bits(ids) -> tuple[np.ndarray, np.ndarray]:
+    ids = np.asarray(list(ids), dtype=np.int64)
+    return ids // 32, (np.uint32(1) << (ids % 32).astype(np.uint32))
 
 
-def _free_row() -> torch.Tensor:
-    """All tokens allowed but the special ones (ids >= 199998) other than <|end|>."""
-    row = torch.full((grammar.MASK_WORDS,), -1, dtype=torch.int32)
-    word = FIRST_SPECIAL // 32
-    row[word + 1:] = 0
-    for t in range(FIRST_SPECIAL, (word + 1) * 32):
-        _set_bit(row, t, False)
-    _set_bit(row, END, True)
-    # Ids past the vocabulary inside the last word stay clear (row[word + 1:] = 0 above).
+def _free_row() -> np.ndarray:
+    """All tokens allowed but the special ones (ids >= 199998) other than <|end|>; ids past the
+    vocabulary in the last word stay clear."""
+    row = np.zeros(grammar.MASK_WORDS, dtype=np.uint32)
+    row[: FIRST_SPECIAL // 32] = 0xFFFFFFFF
+    words, bits = _bits(range(FIRST_SPECIAL // 32 * 32, FIRST_SPECIAL))
+    np.bitwise_or.at(row, words, bits)
+    words, bits = _bits([END])
+    row[words] |= bits
     return row
 
 
-_FREE_ROW: torch.Tensor | None = None
+_FREE_ROW: np.ndarray | None = None
 
 
 def compute_masks(constraints: Sequence[Constraint | None]):
-    """(rows, bitmask int32 [len(rows), MASK_WORDS]) for the rows that have a constraint, or None."""
+    """(rows, bitmask int32 [len(rows), MASK_WORDS] on the CPU) for the rows that have a constraint, or
+    None. Bit t of a row allows token t (llguidance's layout)."""
     global _FREE_ROW
     rows = [i for i, c in enumerate(constraints) if c is not None]
     if not rows:
         return None
-    mask = torch.zeros((len(rows), grammar.MASK_WORDS), dtype=torch.int32)
+    mask = np.zeros((len(rows), grammar.MASK_WORDS), dtype=np.uint32)
     par, ends = [], []
     for k, i in enumerate(rows):
         kind = constraints[i].mask_kind()
         if kind[0] == "allow":
-            for t in kind[1]:
-                _set_bit(mask[k], t, True)
+            words, bits = _bits(kind[1])
+            np.bitwise_or.at(mask[k], words, bits)
         elif kind[0] == "ban":
             if _FREE_ROW is None:
                 _FREE_ROW = _free_row()
@@ -221,15 +221,18 @@ def compute_masks(constraints: Sequence[Constraint | None]):
             par.append((kind[1], k))
             ends.append((k, kind[2]))
     if par:
-        grammar.executor().unsafe_compute_mask_ptr(par, mask.data_ptr(), grammar.MASK_WORDS * 4, len(rows))
+        grammar.executor().unsafe_compute_mask_ptr(par, mask.ctypes.data, grammar.MASK_WORDS * 4, len(rows))
+        rw, rb = divmod(grammar.RETURN, 32)
         for k, end in ends:
             # The grammar's end-of-text is <|return|>; a tool call's body ends with <|call|> instead.
-            if end != grammar.RETURN and (int(mask[k, grammar.RETURN // 32]) >> (grammar.RETURN % 32)) & 1:
-                _set_bit(mask[k], grammar.RETURN, False)
-                _set_bit(mask[k], end, True)
-            if not bool(mask[k].any()):  # nothing allowed (engine error): end the message
-                _set_bit(mask[k], end, True)
-    return rows, mask
+            if end != grammar.RETURN and mask[k, rw] >> np.uint32(rb) & np.uint32(1):
+                mask[k, rw] &= ~np.uint32(1 << rb)
+                ew, eb = divmod(end, 32)
+                mask[k, ew] |= np.uint32(1 << eb)
+            if not mask[k].any():  # nothing allowed (an engine error): end the message
+                ew, eb = divmod(end, 32)
+                mask[k, ew] |= np.uint32(1 << eb)
+    return rows, torch.from_numpy(mask.view(np.int32))
 
 
 def masks_for(params: Sequence, histories: Sequence[Sequence[int]]):
@@ -262,21 +265,34 @@ class ConstraintBatch:
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 
-def apply_bitmask(logits: torch.Tensor, rows: Sequence[int], mask: torch.Tensor) -> torch.Tensor:
-    """`logits` [B, V] with the disallowed tokens of `rows` at -inf (in place); `mask` is the bitmask of
-    those rows. A model narrower than the tokenizer (the tiny test model) uses the first V bits."""
-    dev = logits.device
-    shifts = _SHIFTS.get(dev)
-    if shifts is None:
-        shifts = _SHIFTS[dev] = torch.arange(32, dtype=torch.int32, device=dev)
-    bm = mask.to(dev, non_blocking=True)
-    bits = ((bm.unsqueeze(-1) >> shifts) & 1).bool().view(len(rows), -1)
-    vocab = logits.shape[-1]
+def allowed_rows(mask: torch.Tensor, device: torch.device, vocab: int) -> torch.Tensor:
+    """The bitmask [n, MASK_WORDS] as bool [n, vocab] on `device`: unpacked there on a GPU (1/32 of the
+    bytes cross the bus), by numpy on the CPU (30x faster than torch's shifts there)."""
+    n = mask.shape[0]
+    if device.type == "cpu":
+        bits = torch.from_numpy(np.unpackbits(mask.numpy().view(np.uint8), axis=1, bitorder="little")).bool()
+    else:
+        shifts = _SHIFTS.get(device)
+        if shifts is None:
+            shifts = _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
+        bm = mask.to(device)  # ~1.6 MB at batch 64: cheaper than pinning a fresh buffer every step
+        bits = ((bm.unsqueeze(-1) >> shifts) & 1).bool().view(n, -1)
     if bits.shape[1] < vocab:  # a wider model: ids past the tokenizer are never allowed
         bits = torch.nn.functional.pad(bits, (0, vocab - bits.shape[1]), value=False)
-    idx = torch.as_tensor(list(rows), device=dev)
-    logits[idx] = logits[idx].masked_fill(~bits[:, :vocab], float("-inf"))
-    return logits
+    return bits[:, :vocab]
+
+
+def apply_bitmask(logits: torch.Tensor, rows: Sequence[int], mask: torch.Tensor) -> torch.Tensor:
+    """A copy of `logits` [B, V] with the disallowed tokens of `rows` at -inf; `mask` is the bitmask of
+    those rows. A model narrower than the tokenizer (the tiny test model) uses the first V bits."""
+    allowed = allowed_rows(mask, logits.device, logits.shape[-1])
+    rows = list(rows)
+    if rows == list(range(logits.shape[0])):  # every row constrained: one pass, no copy of the rest
+        return torch.where(allowed, logits, float("-inf"))
+    idx = torch.as_tensor(rows, device=logits.device)
+    out = logits.clone()
+    out[idx] = torch.where(allowed, logits[idx], float("-inf"))
+    return out
 
 
 def sample_constrained(sample_fn: Callable, logits: torch.Tensor, params, *args, masks=None):
@@ -288,7 +304,7 @@ def sample_constrained(sample_fn: Callable, logits: torch.Tensor, params, *args,
     if logits.dim() == 1:
         logits = logits[None]
     rows, mask = masks
-    out = list(sample_fn(apply_bitmask(logits.float().clone(), rows, mask), params, *args))
+    out = list(sample_fn(apply_bitmask(logits.float(), rows, mask), params, *args))
     want = [b for b in rows if params[b].logprobs]
     if want:
         raw = torch.log_softmax(logits[want].float(), dim=-1)
