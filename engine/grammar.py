@@ -1,14 +1,19 @@
 """The grammar engine behind structured outputs: JSON Schema -> token masks over o200k_harmony.
 
-We use llguidance (Rust, abi3 wheels, no Python dependencies). xgrammar was the other candidate; both
-install here from PyPI, measured with `python -m kvrelay.bench.structured` on the real 201,088-token
-vocabulary (bench/results/structured-*.json): per-token mask cost for a typical object schema at batch 1
-llguidance ~0.05 ms vs xgrammar ~0.03-0.1 ms (both far under a decode step), at batch 64 llguidance's
-executor fills all rows on its own threads with the GIL released while xgrammar's batch matcher does the
-same; grammar compilation (what a request with a new schema waits for) llguidance ~1-3 ms vs xgrammar
-tens of ms; and xgrammar's wheel pulls torch, transformers, triton and apache-tvm-ffi as runtime
-dependencies, where llguidance pulls none. The numbers in the docstring are from the bench run stored
-with the commit; re-run it on the GPU host to refresh them (it needs no GPU).
+We use llguidance (Rust, abi3 wheels, no Python dependencies) rather than xgrammar. Both install here
+from PyPI with our pins; measured with `python -m kvrelay.bench.structured` on the real 201,088-token
+vocabulary, CPU of this 2-core dev box under load (bench/results/structured-cpu-20261201-111519.json):
+
+| per step | llguidance 1.9.1 | xgrammar 0.2.9 |
+|---|---|---|
+| mask, batch 1 (object schema / any object), p50 | 0.008 / 0.007 ms | 0.003 / 0.017 ms |
+| masks, batch 64 (filled in parallel, GIL released), p50 | 0.61 / 2.3 ms | 0.74 / 1.1 ms |
+| compiling a schema (a request with a new one waits for it) | 0.2-0.7 ms | 34-54 ms |
+
+Mask costs are a tie (microseconds at batch 1, under a millisecond at 64 for typical schemas, against a
+decode step of 10+ ms that they overlap with); compilation is 50-100x cheaper with llguidance, which
+matters because tool calls bring their own schemas with every request; and xgrammar's wheel pulls torch,
+transformers, triton and apache-tvm-ffi as runtime dependencies where llguidance pulls none.
 
 The vocabulary is always the real one: the grammar is built over o200k_harmony read from
 $TIKTOKEN_ENCODINGS_BASE (the file openai-harmony loads), 201,088 ids. A model whose logits are narrower
