@@ -174,3 +174,16 @@ def test_random_weights_in_process_engine_still_answer_valid_json() -> None:
         (call,) = r.choices[0].message.tool_calls
         assert call.function.name in ("get_weather", "get_time")
         json.loads(call.function.arguments)
+
+
+def test_the_clients_parse_helper_gets_its_model_back(client) -> None:
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Verdict(BaseModel):
+        answer: Literal["yes", "no"]
+        score: int = Field(ge=0, le=9)
+
+    r = client.chat.completions.parse(model=MODEL, messages=MESSAGES, response_format=Verdict, max_tokens=200)
+    assert isinstance(r.choices[0].message.parsed, Verdict)
