@@ -39,6 +39,7 @@ from kvrelay.cluster.admission import AdmissionQueue, AdmissionTimeout
 from kvrelay.transfer.handle import KVLayoutMismatch, KVTransferError
 from kvrelay.engine.sampling import SamplingParams, TokenOutput, token_set
 from kvrelay.router.engine_client import EngineUnavailable, flatten
+from kvrelay.workers.logs import request_extra
 
 log = logging.getLogger("kvrelay.requests")
 
@@ -582,7 +583,7 @@ class DisaggregatedEngineClient:
             tpot_s=tpot, decode_tokens_per_s=(n - 1) / span if span > 0 else 0.0, retries=acc.retries,
             prefill_worker=acc.prefill_worker, decode_worker=acc.decode_worker)
         QUEUE_S.observe(m.queue_s)
-        log.info("request %s metrics %s", request_id, m.to_json())
+        log.info("request %s metrics %s", request_id, m.to_json(), extra=request_extra(request_id))
         return m
 
     def dead_workers(self) -> list[tuple[str, int]]:

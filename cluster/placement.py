@@ -52,7 +52,9 @@ def ucx_settings(topology: Topology) -> UcxSettings:
 
 def worker_env(topology: Topology) -> dict[str, str]:
     """Environment for every worker process (UCX reads it when the first NIXL agent starts)."""
-    env = ucx_settings(topology).env()
+    from kvrelay.workers import logs
+
+    env = {**ucx_settings(topology).env(), **logs.worker_env()}  # and the router's log format
     if on_loopback(topology):
         env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     return env
@@ -91,7 +93,10 @@ def init_ray(topology: Topology, *, address: str | None = None) -> bool:
     address = address if address is not None else topology.ray.address
     local = address is None
     kwargs: dict[str, Any] = dict(namespace=topology.ray.namespace, include_dashboard=False,
-                                  runtime_env={"env_vars": worker_env(topology)}, log_to_driver=True)
+                                  runtime_env={"env_vars": worker_env(topology),
+                                               # each worker process logs as the router does (workers/logs.py)
+                                               "worker_process_setup_hook": "kvrelay.workers.logs.setup_worker"},
+                                  log_to_driver=True)
     if on_loopback(topology):
         kwargs["_node_ip_address"] = "127.0.0.1"
     if local:

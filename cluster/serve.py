@@ -154,7 +154,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get to finish on shutdown")
     parser.add_argument("--log-requests", action="store_true",
-                        help="log one JSON metrics line per finished request")
+                        help="log each request: its metrics on the router, its prefill and finish on the workers")
+    parser.add_argument("--log-format", choices=("text", "json"), default=None,
+                        help="router and worker log lines as text or one JSON object per line, with the request "
+                             "id the response carries (overrides log_format; default: text)")
     parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="the model's name(s) in the API: the first is the id responses carry, requests may "
                              "use any (default: the model's own name)")
@@ -172,8 +175,6 @@ def run(args: argparse.Namespace) -> int:
 
     from kvrelay.cluster.topology import TopologyError, is_model_ref, load_topology, topology_for_model
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    logging.getLogger("kvrelay.requests").setLevel(logging.INFO if args.log_requests else logging.WARNING)
     try:
         if args.config is not None and is_model_ref(args.config):
             topo = topology_for_model(args.config, device=args.device or _default_device(),
@@ -201,7 +202,10 @@ def run(args: argparse.Namespace) -> int:
                 return 1
         router = dataclasses.replace(router, tls_cert_file=os.path.abspath(args.ssl_certfile),
                                      tls_key_file=os.path.abspath(args.ssl_keyfile))
-    topo = dataclasses.replace(topo, router=router)
+    topo = dataclasses.replace(topo, router=router, log_format=args.log_format or topo.log_format)
+    from kvrelay.workers import logs
+
+    logs.configure_router(topo.log_format, log_requests=args.log_requests)  # before Ray: workers follow it
     if args.dummy:
         topo = dataclasses.replace(topo, model=dataclasses.replace(topo.model, dummy=True))
     from kvrelay.router.auth import ApiKeyError, resolve_api_keys

@@ -25,6 +25,7 @@ from kvrelay.engine.partition import ParallelConfigError, check_partition, valid
 Quant = Literal["fp8-block128", "bf16"]
 Device = Literal["cpu", "cuda"]
 Policy = Literal["least-loaded", "round-robin"]
+LogFormat = Literal["text", "json"]
 
 DEFAULT_CONFIG = "cpu-tiny.yaml"
 
@@ -111,6 +112,8 @@ class Topology:
     device: Device = "cpu"
     gpus: int = 0  # GPUs this topology provides (per cluster); 0 on CPU
     colocate: bool = False  # one worker per GPU holds both roles (weights once, KV handed over in place)
+    # Router and worker log lines: text, or one JSON object per line with the request id (workers/logs.py).
+    log_format: LogFormat = "text"
     source: str = "<memory>"  # the file it came from, for messages
 
     @property

@@ -28,11 +28,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from kvrelay.decode_worker.worker import DecodeWorker
+from kvrelay.decode_worker.worker import DecodeWorker, req_log
 from kvrelay.engine.memory import chunk_headroom, window_pages
 from kvrelay.engine.sampling import (PROMPT_LOGPROB_CHUNK, PromptLogprobs, SamplingParams, TokenOutput,
                                      finish_reason, prompt_logprobs, top_logprobs)
 from kvrelay.transfer.handle import TransferStats
+from kvrelay.workers.logs import request_extra
 from kvrelay.workers.messages import InPlaceKV, PrefillResult, WorkerStatus
 from kvrelay.workers.specs import ColocatedSpec, DecodeSpec, check_prompt_limits
 from kvrelay.engine.structured import masks_for, sample_constrained
@@ -67,6 +68,7 @@ class _Counters:
 
 class ColocatedWorker(DecodeWorker):
     colocated = True
+    log_role = "colocated"
 
     def __init__(self, spec: ColocatedSpec, rank: int = 0):
         self.chunk_tokens = spec.chunk_tokens
@@ -104,10 +106,13 @@ class ColocatedWorker(DecodeWorker):
         with self._wake:  # a sleeping step loop wakes up; a busy one sees the queue after its step
             self._wake.notify()
         try:
-            return await asyncio.shield(item.future)
+            result = await asyncio.shield(item.future)
         except asyncio.CancelledError:
             item.cancelled = True  # the step loop drops it and frees whatever it had in the cache
             raise
+        req_log.info("prefilled %d prompt tokens in %.1f ms", n, 1000 * (time.perf_counter() - item.t_arrive),
+                     extra=request_extra(request_id, f"colocated-{self.rank}"))
+        return result
 
     async def release(self, lease_id: int) -> bool:
         """The decode role adopted the pages (or the request ended): nothing is pinned in place."""

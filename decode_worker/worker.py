@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import os
 import threading
 import time
@@ -28,6 +29,7 @@ from kvrelay.engine.sampling import SamplingParams
 from kvrelay.transfer.handle import KVHandle, KVLeaseExpired, KVReadInFlight, KVTransferError, TransferStats, layout_of
 from kvrelay.transfer.nixl import KVImporter
 from kvrelay.workers.loading import load_sized_runner
+from kvrelay.workers.logs import REQUEST_LOG, request_extra
 from kvrelay.workers.messages import DecodeChunk, PullMetrics, WorkerStatus
 from kvrelay.workers.rank_group import Followers, lead_group, node_name
 from kvrelay.workers.specs import DecodeSpec
@@ -35,7 +37,11 @@ from kvrelay.workers.specs import DecodeSpec
 RELEASE_TIMEOUT_S = 10.0  # for the prefill worker's answer to a lease release after a pull
 _ABORTED = object()  # put on a stream's queue by `abort`: end the stream without a finish reason
 
+req_log = logging.getLogger(REQUEST_LOG)  # per-request lines, with --log-requests (workers/logs.py)
+
+
 class DecodeWorker:
+    log_role = "decode"  # names the worker in log lines
     colocated = False
 
     def __init__(self, spec: DecodeSpec, rank: int = 0):
@@ -330,6 +336,9 @@ class DecodeWorker:
                 self._route.pop(rid, None)
                 if ev[3] is not None:
                     self.completed += 1
+                if req_log.isEnabledFor(logging.INFO):
+                    req_log.info("decode ended: %s", ev[4] or f"finish_reason {ev[3]}",
+                                 extra=request_extra(rid, f"{self.log_role}-{self.rank}"))
             out.setdefault(ch, []).append(ev)
         for ch, events in out.items():
             self._channels.setdefault(ch, asyncio.Queue()).put_nowait(events)

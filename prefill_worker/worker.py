@@ -15,6 +15,7 @@ is released or reclaimed.
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import threading
 import time
@@ -27,9 +28,12 @@ from kvrelay.prefill_worker.ranks import PrefillRank, load_rank_runner
 from kvrelay.transfer.handle import layout_of
 from kvrelay.transfer.nixl import KVExporter
 from kvrelay.workers.loading import load_sized_runner
+from kvrelay.workers.logs import REQUEST_LOG, request_extra
 from kvrelay.workers.messages import PrefillResult, WorkerStatus
 from kvrelay.workers.rank_group import Followers, join_group, lead_group, node_name
 from kvrelay.workers.specs import PrefillSpec, check_prompt_limits
+
+req_log = logging.getLogger(REQUEST_LOG)  # per-request lines, with --log-requests (workers/logs.py)
 
 
 @dataclass(eq=False)
@@ -116,6 +120,9 @@ class PrefillWorker:
             raise job.error
         self.completed += 1
         first, handle = job.result
+        req_log.info("prefilled %d prompt tokens (queued %.1f ms, forward %.1f ms)", n,
+                     1000 * (job.t_start - t_arrive), 1000 * (job.t_end - job.t_start),
+                     extra=request_extra(request_id, f"prefill-{self.rank}"))
         return PrefillResult(request_id, first, handle, n, job.t_start - t_arrive, job.t_end - job.t_start)
 
     def _take_jobs(self) -> list[_Job]:

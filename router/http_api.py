@@ -30,7 +30,7 @@ from kvrelay.router.health import readiness
 from kvrelay.router.limits import RateLimiter
 from kvrelay.router.engine_client import EngineOverloaded, EngineUnavailable
 from kvrelay.router.http_models import ChatCompletionRequest, CompletionRequest
-from kvrelay.router.service import Prepared, RouterCore, encode_prompt_text
+from kvrelay.router.service import Prepared, RouterCore, encode_prompt_text, new_request_id
 from kvrelay.router.types import (
     ContentDelta,
     GenerateRequest,
@@ -158,13 +158,16 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None, rate_limit: Ra
         if (bad := check_model(body.model)) is not None:
             return bad
         n = body.n or 1
-        preps = _copies(await core.off_loop(core.prepare_chat, body.to_chat()), n)
+        rid = body.request_id or new_request_id("chatcmpl")  # the response's id, in every log line about it
+        preps = _copies(await core.off_loop(core.prepare_chat, dataclasses.replace(body.to_chat(), request_id=rid)),
+                        n)
         core.check_admission()
         opts = body.stream_options
         include_usage = bool(opts and opts.include_usage)
         streams = [ChatStream(core, prep, include_usage=include_usage and n == 1, index=j,
                               continuous_usage=bool(opts and opts.continuous_usage_stats))
                    for j, prep in enumerate(preps)]
+        streams[0].id = rid
         chat = streams[0] if n == 1 else ChoiceBatch(streams, include_usage=include_usage, n=n)
         if body.stream:
             await chat.prime()
@@ -179,10 +182,10 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None, rate_limit: Ra
         prompts = await core.off_loop(_prompt_list, body.prompt)
         n = body.n or 1
         preps = []
+        base = body.request_id or new_request_id("cmpl")  # the response's id, in every log line about it
         for i, prompt in enumerate(prompts):
-            # A batch's prompts are separate requests: request ids (if given) get the prompt's index.
-            rid = body.request_id or ""
-            rid, field = (rid, "prompt") if len(prompts) == 1 else (rid and f"{rid}-{i}", f"prompt[{i}]")
+            # A batch's prompts are separate requests: their request ids get the prompt's index.
+            rid, field = (base, "prompt") if len(prompts) == 1 else (f"{base}-{i}", f"prompt[{i}]")
             req = GenerateRequest(tuple(prompt), sampling, rid)
             preps += _copies(await core.off_loop(lambda: core.prepare_generate(req, prompt_field=field, text=True)),
                              n)
@@ -195,6 +198,7 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None, rate_limit: Ra
                                     echo=body.echo, echo_only=body.echo_only,
                                     prompt_logprobs=body.prompt_logprobs is not None)
                    for i, prep in enumerate(preps)]
+        streams[0].id = base
         comp = streams[0] if len(streams) == 1 else ChoiceBatch(streams, include_usage=include_usage, n=n)
         if body.stream:
             await comp.prime()

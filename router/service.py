@@ -39,8 +39,10 @@ def utc_today() -> str:
     return _dt.datetime.now(_dt.timezone.utc).date().isoformat()
 
 
-def new_request_id() -> str:
-    return f"req-{uuid.uuid4().hex}"
+def new_request_id(prefix: str = "req") -> str:
+    """A router-assigned request id; HTTP uses its response's prefix (chatcmpl-, cmpl-), so the `id` a
+    client gets back is the id every log line about the request carries (workers/logs.py)."""
+    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 @dataclass(frozen=True)
@@ -174,7 +176,8 @@ class RouterCore:
             except Exception as exc:  # closing must not skip the abort below
                 log.warning("closing the engine stream of %s failed: %r", prep.request_id, exc)
             if not engine_done:
-                log.info("request %s ended early after %d tokens; aborting it in the engine", prep.request_id, produced)
+                log.info("request %s ended early after %d tokens; aborting it in the engine", prep.request_id, produced,
+                         extra={"request_id": prep.request_id})
                 await self.engine.abort(prep.request_id)
             released = True
 
