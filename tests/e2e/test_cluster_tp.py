@@ -177,3 +177,40 @@ def test_killed_rank_takes_its_worker_down_without_hanging_the_stream(cluster):
     assert client.dead_workers() == [(role, 0)]
     rows = {(r["role"], r["tp_rank"]): r for r in cluster.statuses(timeout_s=5)}
     assert "error" in rows[(role, 0)] and "error" in rows[(role, getattr(topo, role).tp - 1)]
+
+
+def test_prompt_logprobs_and_repetition_penalty_on_tp_groups(cluster):
+    """The TP prefill group computes every position's logits on all its ranks alike (the vocabulary gather
+    is a collective): the prompt logprobs equal a float64 single-process reference up to sharded bf16
+    sums; the TP decode group applies the repetition penalty from the prompt's token set."""
+    import torch
+
+    from kvrelay.engine.llm import LLM
+
+    llm = LLM("tiny", dummy=True, seed=0, page_size=16, kv_tokens=4096)
+    prompt = prompt_of(40)
+    params = SamplingParams(max_tokens=6, temperature=0, prompt_logprobs=2, repetition_penalty=1.5)
+    client = cluster.engine_client(stall_check_s=30.0)
+
+    async def go():
+        return [o async for o in client.generate("tp-plp", prompt, params)]
+
+    outs = asyncio.run(go())
+    assert len(outs) == 6 and outs[-1].finish_reason == "length"
+    plp = outs[0].prompt_logprobs
+    lp = torch.log_softmax(llm.runner.score(prompt).double(), dim=-1)
+    want = [float(lp[i, prompt[i + 1]]) for i in range(len(prompt) - 1)]
+    assert list(plp.token_logprobs) == pytest.approx(want, abs=2e-2)
+    assert len(plp.top) == len(prompt) - 1 and all(len(t) == 2 for t in plp.top)
+    from kvrelay.engine.sampling import apply_penalties
+
+    ref = [o.token_id for o in llm.generate(prompt, params)]
+    assert ref != [o.token_id for o in llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0))]
+    margins, tops = [], []  # of the penalized logits, each step (for near-ties, as assert_same_greedy)
+    for i in range(len(ref)):
+        logits = llm.runner.score(prompt + ref[:i])[-1:].float().clone()
+        top2 = apply_penalties(logits, [params], [ref[:i]], [prompt]).topk(2, dim=-1).values[0]
+        margins.append(float(top2[0] - top2[1]))
+        tops.append(abs(float(top2[0])))
+    assert_same_greedy([o.token_id for o in outs], Reference(ref, margins, tops), "repetition_penalty")
+    wait_no_pages(cluster)
