@@ -145,6 +145,10 @@ class RouterClient:
         sampling: SamplingOptions = SamplingOptions(),
         conversation_start_date: str = "",
         request_id: str = "",
+        response_format: pb.ResponseFormat | None = None,
+        tool_choice: str = "",
+        tool_choice_function: str = "",
+        max_reasoning_tokens: int | None = None,
     ) -> Iterator[pb.ChatResponse]:
         req = pb.ChatRequest(
             request_id=request_id,
@@ -153,5 +157,9 @@ class RouterClient:
             reasoning_effort=_effort(reasoning_effort),
             sampling=sampling_to_proto(sampling),
             conversation_start_date=conversation_start_date,
+            response_format=response_format,
+            tool_choice=tool_choice,
+            tool_choice_function=tool_choice_function,
+            max_reasoning_tokens=max_reasoning_tokens,
         )
         return self._stub.Chat(req, timeout=self._timeout, metadata=self._md)

@@ -19,6 +19,7 @@ from kvrelay.router.service import RouterCore, encode_prompt_text
 from kvrelay.router.types import (
     ChatMessage,
     ChatRequest,
+    ResponseFormat,
     ContentDelta,
     GenerateRequest,
     ReasoningDelta,
@@ -85,6 +86,8 @@ def chat_from_proto(req: pb.ChatRequest) -> ChatRequest:
         for m in req.messages
     )
     tools = tuple(ToolSpec(t.name, t.description, t.parameters_json_schema) for t in req.tools)
+    if req.tool_choice == "none":  # as HTTP: the model is not told about the tools
+        tools = ()
     return ChatRequest(
         messages=messages,
         tools=tools,
@@ -93,7 +96,27 @@ def chat_from_proto(req: pb.ChatRequest) -> ChatRequest:
         conversation_start_date=req.conversation_start_date,
         knowledge_cutoff=req.knowledge_cutoff,
         request_id=req.request_id,
+        response_format=_response_format(req),
+        tool_choice=req.tool_choice or "auto",
+        tool_choice_function=req.tool_choice_function,
+        max_reasoning_tokens=req.max_reasoning_tokens if req.HasField("max_reasoning_tokens") else None,
     )
+
+
+_FORMATS = {pb.ResponseFormat.TEXT: "text", pb.ResponseFormat.JSON_OBJECT: "json_object",
+            pb.ResponseFormat.JSON_SCHEMA: "json_schema"}
+
+
+def _response_format(req: pb.ChatRequest) -> ResponseFormat | None:
+    if not req.HasField("response_format"):
+        return None
+    rf = req.response_format
+    if rf.type not in _FORMATS:  # proto3 enums are open
+        raise ValidationError("response_format.type", f"unknown value {rf.type}; expected TEXT, JSON_OBJECT or JSON_SCHEMA")
+    if _FORMATS[rf.type] == "text":
+        return None
+    return ResponseFormat(_FORMATS[rf.type], rf.schema_json, rf.name, rf.description,
+                          field="response_format.schema_json")
 
 
 def usage_to_proto(u: Usage | None) -> pb.Usage | None:

@@ -187,3 +187,29 @@ def test_the_clients_parse_helper_gets_its_model_back(client) -> None:
 
     r = client.chat.completions.parse(model=MODEL, messages=MESSAGES, response_format=Verdict, max_tokens=200)
     assert isinstance(r.choices[0].message.parsed, Verdict)
+
+
+def test_grpc_chat_takes_the_same_constraints(server) -> None:
+    import grpc
+
+    from kvrelay.router.client import RouterClient
+    from kvrelay.router.types import ChatMessage, SamplingOptions, ToolSpec
+    from kvrelay.v1 import router_pb2 as pb
+
+    client = RouterClient(server.grpc_target, timeout_s=60)
+    msgs = [ChatMessage("user", "Is it sunny?")]
+    rf = pb.ResponseFormat(type=pb.ResponseFormat.JSON_SCHEMA, schema_json=json.dumps(SCHEMA), name="verdict")
+    out = list(client.chat(msgs, response_format=rf, max_reasoning_tokens=2, sampling=SamplingOptions(max_tokens=200)))
+    assert out[-1].finish_reason == pb.FINISH_REASON_STOP
+    jsonschema.validate(json.loads("".join(o.content for o in out)), SCHEMA)
+    tools = [ToolSpec(t["function"]["name"], "", json.dumps(t["function"]["parameters"])) for t in TOOLS]
+    out = list(client.chat(msgs, tools=tools, tool_choice_function="get_weather", sampling=SamplingOptions(max_tokens=200)))
+    assert out[-1].finish_reason == pb.FINISH_REASON_TOOL_CALLS
+    calls = [c for o in out for c in o.tool_calls]
+    assert calls[0].name == "get_weather"
+    jsonschema.validate(json.loads("".join(c.arguments for c in calls)), CITY)
+    bad = pb.ResponseFormat(type=pb.ResponseFormat.JSON_SCHEMA, schema_json='{"type": "object", "required": 3}')
+    with pytest.raises(grpc.RpcError) as err:
+        list(client.chat(msgs, response_format=bad))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("response_format.schema_json: ")

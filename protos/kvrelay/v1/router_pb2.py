@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvrelay/v1/router.proto\x12\nkvrelay.v1\"\xda\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x10\n\x08logprobs\x18\x07 \x01(\x08\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x17\n\nmin_tokens\x18\t \x01(\x05H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x12\n\x05min_p\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\t\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x08\n\x06_min_pB\x15\n\x13_repetition_penalty\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"m\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\"\x9e\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.kvrelay.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.kvrelay.v1.Usage\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xb1\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0f\n\x07\x63hannel\x18\x03 \x01(\t\x12\x11\n\trecipient\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x06 \x01(\t\x12(\n\ntool_calls\x18\x07 \x03(\x0b\x32\x14.kvrelay.v1.ToolCall\x12\x11\n\treasoning\x18\x08 \x01(\t\"I\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x1e\n\x16parameters_json_schema\x18\x03 \x01(\t\"\x8d\x02\n\x0b\x43hatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.kvrelay.v1.ChatMessage\x12\x1f\n\x05tools\x18\x03 \x03(\x0b\x32\x10.kvrelay.v1.Tool\x12\x35\n\x10reasoning_effort\x18\x04 \x01(\x0e\x32\x1b.kvrelay.v1.ReasoningEffort\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\x1f\n\x17\x63onversation_start_date\x18\x06 \x01(\t\x12\x18\n\x10knowledge_cutoff\x18\x07 \x01(\t\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xed\x01\n\x0c\x43hatResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\treasoning\x18\x02 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x03 \x01(\t\x12-\n\ntool_calls\x18\x04 \x03(\x0b\x32\x19.kvrelay.v1.ToolCallDelta\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12/\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x18.kvrelay.v1.FinishReason\x12 \n\x05usage\x18\x08 \x01(\x0b\x32\x11.kvrelay.v1.Usage\"\x0f\n\rHealthRequest\"0\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\r\n\x05model\x18\x02 \x01(\t\"\x13\n\x11ListModelsRequest\":\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.kvrelay.v1.Model\"c\n\x0fTokenizeRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12%\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.kvrelay.v1.ChatRequest\x12\x19\n\x11return_token_strs\x18\x03 \x01(\x08\"\\\n\x10TokenizeResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\ntoken_strs\x18\x04 \x03(\t\"#\n\x11\x44\x65tokenizeRequest\x12\x0e\n\x06tokens\x18\x01 \x03(\r\"$\n\x12\x44\x65tokenizeResponse\x12\x0e\n\x06prompt\x18\x01 \x01(\t*}\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x03*\x85\x01\n\x0fReasoningEffort\x12 \n\x1cREASONING_EFFORT_UNSPECIFIED\x10\x00\x12\x18\n\x14REASONING_EFFORT_LOW\x10\x01\x12\x1b\n\x17REASONING_EFFORT_MEDIUM\x10\x02\x12\x19\n\x15REASONING_EFFORT_HIGH\x10\x03\x32\xb0\x03\n\x06Router\x12G\n\x08Generate\x12\x1b.kvrelay.v1.GenerateRequest\x1a\x1c.kvrelay.v1.GenerateResponse0\x01\x12;\n\x04\x43hat\x12\x17.kvrelay.v1.ChatRequest\x1a\x18.kvrelay.v1.ChatResponse0\x01\x12?\n\x06Health\x12\x19.kvrelay.v1.HealthRequest\x1a\x1a.kvrelay.v1.HealthResponse\x12K\n\nListModels\x12\x1d.kvrelay.v1.ListModelsRequest\x1a\x1e.kvrelay.v1.ListModelsResponse\x12\x45\n\x08Tokenize\x12\x1b.kvrelay.v1.TokenizeRequest\x1a\x1c.kvrelay.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.kvrelay.v1.DetokenizeRequest\x1a\x1e.kvrelay.v1.DetokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvrelay/v1/router.proto\x12\nkvrelay.v1\"\xda\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x10\n\x08logprobs\x18\x07 \x01(\x08\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x17\n\nmin_tokens\x18\t \x01(\x05H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x12\n\x05min_p\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\t\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x08\n\x06_min_pB\x15\n\x13_repetition_penalty\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"m\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\"\x9e\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.kvrelay.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.kvrelay.v1.Usage\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xb1\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0f\n\x07\x63hannel\x18\x03 \x01(\t\x12\x11\n\trecipient\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x06 \x01(\t\x12(\n\ntool_calls\x18\x07 \x03(\x0b\x32\x14.kvrelay.v1.ToolCall\x12\x11\n\treasoning\x18\x08 \x01(\t\"I\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x1e\n\x16parameters_json_schema\x18\x03 \x01(\t\"\xb1\x03\n\x0b\x43hatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.kvrelay.v1.ChatMessage\x12\x1f\n\x05tools\x18\x03 \x03(\x0b\x32\x10.kvrelay.v1.Tool\x12\x35\n\x10reasoning_effort\x18\x04 \x01(\x0e\x32\x1b.kvrelay.v1.ReasoningEffort\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\x1f\n\x17\x63onversation_start_date\x18\x06 \x01(\t\x12\x18\n\x10knowledge_cutoff\x18\x07 \x01(\t\x12\x33\n\x0fresponse_format\x18\x08 \x01(\x0b\x32\x1a.kvrelay.v1.ResponseFormat\x12\x13\n\x0btool_choice\x18\t \x01(\t\x12\x1c\n\x14tool_choice_function\x18\n \x01(\t\x12!\n\x14max_reasoning_tokens\x18\x0b \x01(\rH\x00\x88\x01\x01\x42\x17\n\x15_max_reasoning_tokens\"\xab\x01\n\x0eResponseFormat\x12-\n\x04type\x18\x01 \x01(\x0e\x32\x1f.kvrelay.v1.ResponseFormat.Type\x12\x13\n\x0bschema_json\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x04 \x01(\t\"2\n\x04Type\x12\x08\n\x04TEXT\x10\x00\x12\x0f\n\x0bJSON_OBJECT\x10\x01\x12\x0f\n\x0bJSON_SCHEMA\x10\x02\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xed\x01\n\x0c\x43hatResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\treasoning\x18\x02 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x03 \x01(\t\x12-\n\ntool_calls\x18\x04 \x03(\x0b\x32\x19.kvrelay.v1.ToolCallDelta\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12/\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x18.kvrelay.v1.FinishReason\x12 \n\x05usage\x18\x08 \x01(\x0b\x32\x11.kvrelay.v1.Usage\"\x0f\n\rHealthRequest\"0\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\r\n\x05model\x18\x02 \x01(\t\"\x13\n\x11ListModelsRequest\":\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.kvrelay.v1.Model\"c\n\x0fTokenizeRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12%\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.kvrelay.v1.ChatRequest\x12\x19\n\x11return_token_strs\x18\x03 \x01(\x08\"\\\n\x10TokenizeResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\ntoken_strs\x18\x04 \x03(\t\"#\n\x11\x44\x65tokenizeRequest\x12\x0e\n\x06tokens\x18\x01 \x03(\r\"$\n\x12\x44\x65tokenizeResponse\x12\x0e\n\x06prompt\x18\x01 \x01(\t*}\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x03*\x85\x01\n\x0fReasoningEffort\x12 \n\x1cREASONING_EFFORT_UNSPECIFIED\x10\x00\x12\x18\n\x14REASONING_EFFORT_LOW\x10\x01\x12\x1b\n\x17REASONING_EFFORT_MEDIUM\x10\x02\x12\x19\n\x15REASONING_EFFORT_HIGH\x10\x03\x32\xb0\x03\n\x06Router\x12G\n\x08Generate\x12\x1b.kvrelay.v1.GenerateRequest\x1a\x1c.kvrelay.v1.GenerateResponse0\x01\x12;\n\x04\x43hat\x12\x17.kvrelay.v1.ChatRequest\x1a\x18.kvrelay.v1.ChatResponse0\x01\x12?\n\x06Health\x12\x19.kvrelay.v1.HealthRequest\x1a\x1a.kvrelay.v1.HealthResponse\x12K\n\nListModels\x12\x1d.kvrelay.v1.ListModelsRequest\x1a\x1e.kvrelay.v1.ListModelsResponse\x12\x45\n\x08Tokenize\x12\x1b.kvrelay.v1.TokenizeRequest\x1a\x1c.kvrelay.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.kvrelay.v1.DetokenizeRequest\x1a\x1e.kvrelay.v1.DetokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvrelay.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2245
-  _globals['_FINISHREASON']._serialized_end=2370
-  _globals['_REASONINGEFFORT']._serialized_start=2373
-  _globals['_REASONINGEFFORT']._serialized_end=2506
+  _globals['_FINISHREASON']._serialized_start=2583
+  _globals['_FINISHREASON']._serialized_end=2708
+  _globals['_REASONINGEFFORT']._serialized_start=2711
+  _globals['_REASONINGEFFORT']._serialized_end=2844
   _globals['_SAMPLINGPARAMS']._serialized_start=40
   _globals['_SAMPLINGPARAMS']._serialized_end=514
   _globals['_USAGE']._serialized_start=516
@@ -50,29 +50,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOOL']._serialized_start=1106
   _globals['_TOOL']._serialized_end=1179
   _globals['_CHATREQUEST']._serialized_start=1182
-  _globals['_CHATREQUEST']._serialized_end=1451
-  _globals['_TOOLCALLDELTA']._serialized_start=1453
-  _globals['_TOOLCALLDELTA']._serialized_end=1528
-  _globals['_CHATRESPONSE']._serialized_start=1531
-  _globals['_CHATRESPONSE']._serialized_end=1768
-  _globals['_HEALTHREQUEST']._serialized_start=1770
-  _globals['_HEALTHREQUEST']._serialized_end=1785
-  _globals['_HEALTHRESPONSE']._serialized_start=1787
-  _globals['_HEALTHRESPONSE']._serialized_end=1835
-  _globals['_LISTMODELSREQUEST']._serialized_start=1837
-  _globals['_LISTMODELSREQUEST']._serialized_end=1856
-  _globals['_MODEL']._serialized_start=1858
-  _globals['_MODEL']._serialized_end=1916
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1918
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1973
-  _globals['_TOKENIZEREQUEST']._serialized_start=1975
-  _globals['_TOKENIZEREQUEST']._serialized_end=2074
-  _globals['_TOKENIZERESPONSE']._serialized_start=2076
-  _globals['_TOKENIZERESPONSE']._serialized_end=2168
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2170
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2205
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2207
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2243
-  _globals['_ROUTER']._serialized_start=2509
-  _globals['_ROUTER']._serialized_end=2941
+  _globals['_CHATREQUEST']._serialized_end=1615
+  _globals['_RESPONSEFORMAT']._serialized_start=1618
+  _globals['_RESPONSEFORMAT']._serialized_end=1789
+  _globals['_RESPONSEFORMAT_TYPE']._serialized_start=1739
+  _globals['_RESPONSEFORMAT_TYPE']._serialized_end=1789
+  _globals['_TOOLCALLDELTA']._serialized_start=1791
+  _globals['_TOOLCALLDELTA']._serialized_end=1866
+  _globals['_CHATRESPONSE']._serialized_start=1869
+  _globals['_CHATRESPONSE']._serialized_end=2106
+  _globals['_HEALTHREQUEST']._serialized_start=2108
+  _globals['_HEALTHREQUEST']._serialized_end=2123
+  _globals['_HEALTHRESPONSE']._serialized_start=2125
+  _globals['_HEALTHRESPONSE']._serialized_end=2173
+  _globals['_LISTMODELSREQUEST']._serialized_start=2175
+  _globals['_LISTMODELSREQUEST']._serialized_end=2194
+  _globals['_MODEL']._serialized_start=2196
+  _globals['_MODEL']._serialized_end=2254
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2256
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2311
+  _globals['_TOKENIZEREQUEST']._serialized_start=2313
+  _globals['_TOKENIZEREQUEST']._serialized_end=2412
+  _globals['_TOKENIZERESPONSE']._serialized_start=2414
+  _globals['_TOKENIZERESPONSE']._serialized_end=2506
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2508
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2543
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2545
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2581
+  _globals['_ROUTER']._serialized_start=2847
+  _globals['_ROUTER']._serialized_end=3279
 # @@protoc_insertion_point(module_scope)

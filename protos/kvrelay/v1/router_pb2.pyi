@@ -134,7 +134,7 @@ class Tool(_message.Message):
     def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters_json_schema: _Optional[str] = ...) -> None: ...
 
 class ChatRequest(_message.Message):
-    __slots__ = ("request_id", "messages", "tools", "reasoning_effort", "sampling", "conversation_start_date", "knowledge_cutoff")
+    __slots__ = ("request_id", "messages", "tools", "reasoning_effort", "sampling", "conversation_start_date", "knowledge_cutoff", "response_format", "tool_choice", "tool_choice_function", "max_reasoning_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,10 @@ class ChatRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_START_DATE_FIELD_NUMBER: _ClassVar[int]
     KNOWLEDGE_CUTOFF_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    MAX_REASONING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     tools: _containers.RepeatedCompositeFieldContainer[Tool]
@@ -149,7 +153,31 @@ class ChatRequest(_message.Message):
     sampling: SamplingParams
     conversation_start_date: str
     knowledge_cutoff: str
-    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., reasoning_effort: _Optional[_Union[ReasoningEffort, str]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., conversation_start_date: _Optional[str] = ..., knowledge_cutoff: _Optional[str] = ...) -> None: ...
+    response_format: ResponseFormat
+    tool_choice: str
+    tool_choice_function: str
+    max_reasoning_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., reasoning_effort: _Optional[_Union[ReasoningEffort, str]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., conversation_start_date: _Optional[str] = ..., knowledge_cutoff: _Optional[str] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., tool_choice: _Optional[str] = ..., tool_choice_function: _Optional[str] = ..., max_reasoning_tokens: _Optional[int] = ...) -> None: ...
+
+class ResponseFormat(_message.Message):
+    __slots__ = ("type", "schema_json", "name", "description")
+    class Type(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        TEXT: _ClassVar[ResponseFormat.Type]
+        JSON_OBJECT: _ClassVar[ResponseFormat.Type]
+        JSON_SCHEMA: _ClassVar[ResponseFormat.Type]
+    TEXT: ResponseFormat.Type
+    JSON_OBJECT: ResponseFormat.Type
+    JSON_SCHEMA: ResponseFormat.Type
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_JSON_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    type: ResponseFormat.Type
+    schema_json: str
+    name: str
+    description: str
+    def __init__(self, type: _Optional[_Union[ResponseFormat.Type, str]] = ..., schema_json: _Optional[str] = ..., name: _Optional[str] = ..., description: _Optional[str] = ...) -> None: ...
 
 class ToolCallDelta(_message.Message):
     __slots__ = ("index", "id", "name", "arguments")
