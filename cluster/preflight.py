@@ -83,7 +83,7 @@ def _worker_needs(topo, cfg) -> list[tuple[str, int, int]]:
     """(pool, processes, bytes each) of the workers this topology starts: weights plus the KV pool a CPU
     worker allocates (a GPU worker's pool is sized from measured free memory, so only one full-context
     sequence of it is counted there)."""
-    from kvrelay.engine.parallel import head_range
+    from kvrelay.engine.partition import head_range
 
     def per_token(tp: int) -> int:
         kv = head_range(cfg.num_attention_heads, cfg.num_key_value_heads, 0, tp).num_kv
