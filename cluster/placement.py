@@ -173,7 +173,11 @@ def describe_need(topology: Topology) -> str:
     return ", ".join(parts)
 
 
-def place(topology: Topology, timeout_s: float = 120.0) -> list[WorkerSlot]:
+def pg_name(role: str, rank: int) -> str:
+    return f"{actor_name(role, rank)}-pg"
+
+
+def place(topology: Topology, timeout_s: float = 120.0, *, detached: bool = False) -> list[WorkerSlot]:
     """Create and wait for one placement group per worker."""
     import ray
     from ray.util.placement_group import placement_group
@@ -183,14 +187,17 @@ def place(topology: Topology, timeout_s: float = 120.0) -> list[WorkerSlot]:
     for role in roles(topology):
         for rank in range(section(topology, role).workers):
             b = bundles(topology, role)
-            pg = placement_group(b, strategy="STRICT_PACK", name=f"{actor_name(role, rank)}-pg")
+            pg = placement_group(b, strategy="STRICT_PACK", name=pg_name(role, rank),
+                                 lifetime="detached" if detached else None)
             slots.append(WorkerSlot(role, rank, pg, len(b)))
     ready = ray.get([s.placement_group.ready() for s in slots], timeout=timeout_s)
     assert len(ready) == len(slots)
     return slots
 
 
-def actor_options(topology: Topology, slot: WorkerSlot) -> dict[str, Any]:
+def actor_options(topology: Topology, slot: WorkerSlot, *, detached: bool = False) -> dict[str, Any]:
+    """`detached`: the actor outlives the router process that made it (a joined Ray cluster: a router
+    restarted after a crash re-attaches to it, cluster/serve.py)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     opts: dict[str, Any] = dict(
@@ -202,6 +209,8 @@ def actor_options(topology: Topology, slot: WorkerSlot) -> dict[str, Any]:
         # replacement visibly (`kvrelay status`: restarting, restarts).
         max_restarts=0, runtime_env={"env_vars": worker_env(topology)},
     )
+    if detached:
+        opts["lifetime"] = "detached"
     if topology.device == "cpu":
         opts["num_cpus"] = 1
     else:

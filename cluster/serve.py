@@ -30,6 +30,10 @@ class Cluster:
     slots: list = field(default_factory=list)
     started_ray: bool = False
     ray_gone: bool = False  # the Ray cluster went away while serving: nothing left to shut down
+    # On a joined Ray cluster the workers outlive this process (a restarted router re-attaches to them,
+    # cluster/reattach.py); a private Ray ends with us anyway.
+    detached: bool = False
+    attached: bool = False  # the workers were left by an earlier router, not started by this one
 
     @classmethod
     def start(cls, topology, *, address: str | None = None, startup_timeout_s: float = 300.0) -> "Cluster":
@@ -41,8 +45,15 @@ class Cluster:
         placement.check_supported(topology)
         cluster = cls(topology)
         cluster.started_ray = placement.init_ray(topology, address=address)
+        cluster.detached = not cluster.started_ray
         try:
-            cluster.slots = placement.place(topology, timeout_s=startup_timeout_s)
+            if cluster.detached:
+                from kvrelay.cluster import reattach
+
+                if reattach.attach(cluster, timeout_s=min(60.0, startup_timeout_s)):
+                    cluster.attached = True
+                    return cluster
+            cluster.slots = placement.place(topology, timeout_s=startup_timeout_s, detached=cluster.detached)
             for slot in cluster.slots:
                 actor = cluster.start_worker(slot)
                 if slot.role == placement.COLOCATED:  # one actor, both roles
@@ -53,6 +64,8 @@ class Cluster:
             # The first call on each actor waits for its constructor (model load, pool sizing, graph
             # capture, NIXL agent; a TP worker's rank 0 returns only once its other ranks are ready).
             ray.get([a.health.remote() for a in cluster.actors()], timeout=startup_timeout_s)
+            if cluster.detached:
+                reattach.record(topology)
         except BaseException:
             cluster.shutdown()
             raise
@@ -71,7 +84,7 @@ class Cluster:
         from kvrelay.prefill_worker.worker import PrefillWorker
 
         cls = {"prefill": PrefillWorker, "decode": DecodeWorker, placement.COLOCATED: ColocatedWorker}[slot.role]
-        return ray.remote(cls).options(**placement.actor_options(self.topology, slot)).remote(
+        return ray.remote(cls).options(**placement.actor_options(self.topology, slot, detached=self.detached)).remote(
             worker_spec(self.topology, slot.role), slot.rank)
 
     def set_worker(self, slot, actor) -> None:

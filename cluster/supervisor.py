@@ -68,6 +68,10 @@ class Supervisor:
         self._colocated = cluster.topology.colocate
         self._slots = {(s.role, s.rank): s for s in cluster.slots}
         self.states = {k: WorkerState(*k) for k in self._slots}
+        if getattr(cluster, "attached", False):  # a restarted router: the workers' restart counts go on
+            prev = (read_state(cluster.topology.ray.namespace) or {}).get("workers", {})
+            for (role, rank), st in self.states.items():
+                st.restarts = prev.get(f"{role}/{rank}", {}).get("restarts", 0)
         self._lock = threading.Lock()  # guards states and _restarting
         self._restarting: dict[tuple[str, int], threading.Thread] = {}
         self._wake = threading.Event()

@@ -145,6 +145,16 @@ class ColocatedWorker(DecodeWorker):
     async def _release_lease(prefill, handle) -> bool:
         return True
 
+    def _forget_all(self) -> int:
+        """(step thread) Also the queued prompts: dropped at the next chunk, their callers told."""
+        with self._plock:
+            queued = [p for p in self._prompts if not p.cancelled]
+            for p in queued:
+                p.cancelled = True
+        for p in queued:
+            self._resolve(p, exc=RuntimeError(f"request {p.request_id}: ended by a router re-attaching"))
+        return super()._forget_all()
+
     # ---- the step loop -----------------------------------------------------------------------
     def _has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._prompts)

@@ -234,6 +234,11 @@ class Scheduler:
     def running_ids(self) -> list[str]:
         return list(self._running)
 
+    def request_ids(self) -> list[str]:
+        """Every request holding a reservation or running."""
+        with self._budget_lock:
+            return sorted(set(self._budget) | set(self._running))
+
     def step(self) -> int:
         """One decode step over every running request; emits one token each, retires the finished.
         Returns how many requests the step computed (overlapped: the step it launched)."""

@@ -352,6 +352,24 @@ class DecodeWorker:
             self._deliver([(request_id, _ABORTED)])
         return found
 
+    async def reset(self) -> int:
+        """End every request an earlier router left here, freeing its pages and reservation; returns how
+        many. A router re-attaching after its predecessor died calls this before routing anything here:
+        those requests' streams have no reader any more, and their KV would otherwise stay until each
+        ran to max_tokens."""
+        n = await self._locked(self._forget_all)
+        for rid in list(self._streams) + list(self._route):
+            self._deliver([(rid, _ABORTED)])
+        self._channels.clear()
+        return n
+
+    def _forget_all(self) -> int:
+        """(step thread) Abort every request: a running one leaves at the next step boundary."""
+        ids = self.scheduler.request_ids()
+        for rid in ids:
+            self.scheduler.abort(rid)
+        return len(ids)
+
     # ---- the step loop -----------------------------------------------------------------------
     def _has_work(self) -> bool:
         return self.scheduler.has_work()

@@ -267,6 +267,11 @@ class PrefillWorker:
         """Decode pulled the pages (or gave up): unpin. False if the lease had already expired."""
         return self.exporter.release(lease_id)
 
+    def reset(self) -> int:
+        """Unpin every lease an earlier router left (it died before its decode side pulled them): a
+        router re-attaching calls this, rather than leave the pages until the leases expire."""
+        return self.exporter.release_all()
+
     # ---- freeing pages without blocking the caller -------------------------------------------
     def _queue_free(self, rid: str) -> None:
         self._to_free.append(rid)

@@ -225,12 +225,15 @@ class KVExporter:
         with self._lock:
             return len(self._leases)
 
-    def close(self) -> None:
-        """Release every lease and drop the NIXL registration."""
+    def release_all(self) -> int:
+        """Release every lease (their pages are freed); returns how many there were."""
         with self._lock:
             ids = list(self._leases)
-        for lid in ids:
-            self.release(lid)
+        return sum(self.release(lid) for lid in ids)
+
+    def close(self) -> None:
+        """Release every lease and drop the NIXL registration."""
+        self.release_all()
         if self._reg is not None:
             self._agent.deregister_memory(self._reg)
             self._reg = None
