@@ -42,6 +42,7 @@ def router():
 # (it reads a removed private attribute), so each operation's strategy is driven by hypothesis here.
 OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/responses"),
               ("GET", "/v1/responses/{response_id}"), ("DELETE", "/v1/responses/{response_id}"),
+              ("GET", "/v1/responses/{response_id}/input_items"),
               ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/tokenizer_info"), ("GET", "/v1/models"),
               ("GET", "/health"), ("GET", "/health/live"), ("GET", "/health/ready"), ("GET", "/metrics")]
 
