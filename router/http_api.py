@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvrelay.router import harmony, limits
 from kvrelay.router import metrics as router_metrics
 from kvrelay.router.auth import ApiKeys, install_http
+from kvrelay.router.completion_logprobs import echoed_prompt, legacy_top, vllm_prompt_logprobs
 from kvrelay.router.health import readiness
 from kvrelay.router.limits import RateLimiter
 from kvrelay.router.engine_client import EngineOverloaded, EngineUnavailable
@@ -461,41 +462,6 @@ class CompletionStream(_Stream):
         return TokenStep(None, None, (), step.finish_reason, usage, prompt_logprobs=step.prompt_logprobs,
                          timings=step.timings)
 
-    def _top(self, token: int, alts) -> dict[str, float]:
-        # Legacy completions list each token's alternatives as {text: logprob}: the token itself, then the
-        # most likely ones (OpenAI: up to logprobs + 1 entries; two tokens with the same text: the first).
-        d: dict[str, float] = {}
-        for t, lp in alts or ():
-            d.setdefault(harmony.decode_tokens([t]), lp)
-        return d
-
-    def _prompt_part(self, plp) -> tuple[str, list[int], list, list[int], list]:
-        """The echoed prompt: (text, token ids, logprobs, text offsets, alternatives)."""
-        ids = list(self.prep.prompt_ids)
-        lps: list = [None] + list(plp.token_logprobs) if plp is not None else [None] * len(ids)
-        offsets, at = [], 0
-        for t in ids:
-            offsets.append(at)
-            at += len(harmony.decode_tokens([t]))
-        tops: list = [None]
-        for i, t in enumerate(ids[1:]):
-            alts = plp.top[i] if plp is not None and plp.top is not None else ()
-            tops.append(((t, plp.token_logprobs[i]),) + tuple(alts) if plp is not None else ())
-        return self.prompt_text, ids, lps, offsets, tops
-
-    def _prompt_logprobs(self, plp) -> list | None:
-        """vLLM's `prompt_logprobs`: per prompt token {id: {logprob, rank, decoded_token}} (None first)."""
-        if plp is None:
-            return None
-        out: list = [None]
-        for i, t in enumerate(self.prep.prompt_ids[1:]):
-            entry = {str(t): {"logprob": plp.token_logprobs[i], "rank": plp.ranks[i],
-                              "decoded_token": harmony.decode_tokens([t])}}
-            for rank, (alt, lp) in enumerate(plp.top[i] if plp.top is not None else (), start=1):
-                entry.setdefault(str(alt), {"logprob": lp, "rank": rank, "decoded_token": harmony.decode_tokens([alt])})
-            out.append(entry)
-        return out
-
     def _choice(self, text: str, token_ids: list[int], logprobs: list, offsets: list[int],
                 finish: str | None, tops: list | None = None, echoed: list[int] | None = None,
                 plp=None) -> dict[str, Any]:
@@ -507,14 +473,14 @@ class CompletionStream(_Stream):
             top = None
             if self.prep.params.top_logprobs:
                 top = [None if i == 0 and n_echo else
-                       self._top(t, alts if i < n_echo else ((t, logprobs[i]),) + tuple(alts or ()))
+                       legacy_top(alts if i < n_echo else ((t, logprobs[i]),) + tuple(alts or ()))
                        for i, (t, alts) in enumerate(zip((echoed or []) + token_ids, tops or ()))]
             choice["logprobs"] = {
                 "tokens": [harmony.decode_tokens([t]) for t in (echoed or []) + token_ids],
                 "token_logprobs": logprobs, "top_logprobs": top, "text_offset": offsets,
             }
         if self.want_prompt_logprobs:
-            choice["prompt_logprobs"] = self._prompt_logprobs(plp)
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(self.prep.prompt_ids, plp)
         if self.return_token_ids:
             choice["token_ids"] = token_ids
             choice["prompt_token_ids"] = list(self.prep.prompt_ids)
@@ -532,7 +498,8 @@ class CompletionStream(_Stream):
         plp = next((s.prompt_logprobs for s in steps if s.prompt_logprobs is not None), None)
         echoed = None
         if self.echo and first:
-            p_text, echoed, p_lps, p_offsets, p_tops = self._prompt_part(plp)
+            p_text, p_lps, p_offsets, p_tops = echoed_prompt(self.prep.prompt_ids, plp)
+            echoed = list(self.prep.prompt_ids)
             text, lps, offsets, tops = p_text + text, p_lps + lps, p_offsets + offsets, p_tops + tops
         return self._choice(text, ids, lps, offsets, steps[-1].finish_reason, tops, echoed, plp)
 
