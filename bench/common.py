@@ -23,6 +23,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from kvrelay.engine import kv_geometry
+from kvrelay.engine.kv_geometry import FULL
+
 USD_PER_GPU_HOUR = 3.0
 # Measured on the H200 (docs: h200-notes.md); used only to put achieved rates in context.
 CEILING_TFLOPS = {"bf16": 762.0, "fp8": 1378.0}
@@ -369,13 +372,13 @@ def build_runner(args, *, num_pages: dict[str, int], attention_fn=None, extra: d
         try:
             runner = Runner(cfg, open_model_weights(args.model, cfg, dummy=args.dummy, seed=args.seed), **kwargs)
         except Exception as e:  # noqa: BLE001
-            smaller = max(min_full_pages, pages["full"] // 2)
-            if not is_oom(e) or attempt == retries or smaller == pages["full"]:
+            smaller = max(min_full_pages, pages[FULL] // 2)
+            if not is_oom(e) or attempt == retries or smaller == pages[FULL]:
                 raise
             gc.collect()
             torch.cuda.empty_cache()
             print(f"OOM building the Runner with {pages}; retrying with {smaller} full pages")
-            pages = dict(pages, full=smaller)
+            pages = dict(pages, **{FULL: smaller})
             continue
         if torch.device(args.device).type == "cuda":
             torch.cuda.synchronize()
@@ -395,7 +398,8 @@ def weight_bytes(cfg, quant: str) -> float:
 
 
 def kv_bytes_per_page(cfg, page_size: int, layers: int) -> int:
-    return layers * 2 * page_size * cfg.num_key_value_heads * cfg.head_dim * 2
+    """One page of `layers` layers, every KV head, bf16 (engine/kv_geometry.py's page)."""
+    return layers * kv_geometry.page_bytes(page_size, cfg.num_key_value_heads, cfg.head_dim, 2)
 
 
 # ---- CLI and output ----------------------------------------------------------------------------------------

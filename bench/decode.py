@@ -17,6 +17,7 @@ import math
 import sys
 
 from kvrelay.bench import common as C
+from kvrelay.engine.kv_geometry import FULL, SLIDING, pages_spanned, window_pages
 
 CONFIG = "EP1 DP1 TP1"
 FULL_LENGTHS = [8192, 32768]
@@ -57,11 +58,11 @@ def _pool_pages(cfg, args, lengths: list[int], batches: list[int]) -> tuple[dict
 
     ps = args.page_size
     steps = args.warmup + args.iters + 1
-    full_seq = -(-(max(lengths) + steps) // ps)
+    full_seq = pages_spanned(max(lengths) + steps, ps)
     # Sliding layers keep `window` positions, straddling one more page, plus pages the steps open.
-    slide_seq = min(full_seq, (cfg.sliding_window - 1) // ps + 2 + -(-steps // ps))
+    slide_seq = min(full_seq, window_pages(cfg.sliding_window, ps) + pages_spanned(steps, ps))
     # +1 per group: the Runner keeps one scratch page for CUDA-graph padding rows.
-    want = {"full": max(batches) * full_seq + 1, "sliding": max(batches) * slide_seq + 1}
+    want = {FULL: max(batches) * full_seq + 1, SLIDING: max(batches) * slide_seq + 1}
     if torch.device(args.device).type != "cuda":
         return want, "sized to the largest point"
     free, _ = torch.cuda.mem_get_info(torch.device(args.device))
@@ -69,11 +70,11 @@ def _pool_pages(cfg, args, lengths: list[int], batches: list[int]) -> tuple[dict
     page_slide = C.kv_bytes_per_page(cfg, ps, len(cfg.sliding_layers))
     # 5% on top of the weight estimate: scales, padding and the allocator's rounding are not counted.
     weights = 1.05 * C.weight_bytes(cfg, args.quant)
-    spare = free - weights - args.mem_headroom_gib * 2**30 - want["sliding"] * page_slide
+    spare = free - weights - args.mem_headroom_gib * 2**30 - want[SLIDING] * page_slide
     cap = max(int(spare // page_full), full_seq)
-    if cap >= want["full"]:
+    if cap >= want[FULL]:
         return want, "sized to the largest point"
-    return {"full": cap, "sliding": want["sliding"]}, (
+    return {FULL: cap, SLIDING: want[SLIDING]}, (
         f"capped by GPU memory at {cap} full pages ({cap * ps:,} positions); larger points are marked")
 
 
@@ -83,7 +84,8 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
     from tqdm import tqdm
 
-    from kvrelay.engine.kv_cache import GROUPS, OutOfPages
+    from kvrelay.engine.kv_cache import OutOfPages
+    from kvrelay.engine.kv_geometry import GROUPS
     from kvrelay.engine.sampling import SamplingParams
 
     console = C.console()
@@ -150,11 +152,11 @@ def main(argv: list[str] | None = None) -> dict:
             skipped.append({"length": s, "batch": b, "reason": "budget exhausted"})
             continue
         sids = [("bench-decode", s, b, i) for i in range(b)]
-        need = b * -(-(s + steps) // args.page_size)
-        if need > runner.free_pages()["full"]:
+        need = b * pages_spanned(s + steps, args.page_size)
+        if need > runner.free_pages()[FULL]:
             too_big.add(s)
             skipped.append({"length": s, "batch": b, "reason": f"KV pool too small: {need} full pages needed, "
-                            f"{runner.free_pages()['full']} in the pool ({pool_note})"})
+                            f"{runner.free_pages()[FULL]} in the pool ({pool_note})"})
             continue
         try:
             for sid in sids:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from kvrelay.bench.common import (add_common_args, build_runner, env_info, parse_ints, resolve_config,
                                   result_stem)
+from kvrelay.engine.kv_geometry import FULL, SLIDING
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -32,8 +33,8 @@ def main(argv: list[str] | None = None) -> dict:
     per = -(-(args.context + 8) // args.page_size)
     biggest = -(-(max(chunks) + 8) // args.page_size)
     win = cfg.sliding_window // args.page_size + 3
-    runner, build_s, _ = build_runner(args, num_pages={"full": per * args.rows + biggest + 16,
-                                                       "sliding": win * args.rows + biggest + 16},
+    runner, build_s, _ = build_runner(args, num_pages={FULL: per * args.rows + biggest + 16,
+                                                       SLIDING: win * args.rows + biggest + 16},
                                       extra={"cuda_graph_batch_sizes": (1, 8, 64)})
     t0 = time.perf_counter()
     runner.warmup()

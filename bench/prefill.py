@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from kvrelay.bench import common as C
+from kvrelay.engine.kv_geometry import FULL, SLIDING
 
 CONFIG = "EP1 DP1 TP1"
 FULL_LENGTHS = [8192, 32768, 65536, 128000]
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
     # One sequence at a time: each group needs the pages of the longest prompt (+1 spare).
     pages = -(-max(lengths, default=1) // args.page_size) + 1
     try:
-        runner, load_s, _ = C.build_runner(args, num_pages={"full": pages, "sliding": pages},
+        runner, load_s, _ = C.build_runner(args, num_pages={FULL: pages, SLIDING: pages},
                                            attention_fn=attention_fn, retries=0)
     except Exception as e:  # noqa: BLE001 - e.g. 120b in bf16 does not fit one H200: say so, keep the record
         payload["error"] = f"building the Runner failed: {type(e).__name__}: {e}"

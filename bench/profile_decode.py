@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from kvrelay.bench.common import add_common_args, build_runner, env_info, resolve_config
+from kvrelay.engine.kv_geometry import FULL, SLIDING
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -32,8 +33,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     cfg = resolve_config(args.model)
     per_seq = -(-(args.context + 8) // args.page_size)
-    runner, build_s, _ = build_runner(args, num_pages={"full": per_seq * args.batch + 8,
-                                                       "sliding": (cfg.sliding_window // args.page_size + 3)
+    runner, build_s, _ = build_runner(args, num_pages={FULL: per_seq * args.batch + 8,
+                                                       SLIDING: (cfg.sliding_window // args.page_size + 3)
                                                        * args.batch + 8},
                                       extra={"cuda_graphs": True, "cuda_graph_batch_sizes": (args.batch,)}
                                       if args.graphs else {"cuda_graphs": False})

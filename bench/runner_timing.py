@@ -12,6 +12,8 @@ import json
 import statistics
 import time
 
+from kvrelay.engine.kv_geometry import FULL, SLIDING
+
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser()
@@ -35,7 +37,7 @@ def main(argv=None) -> dict:
     pages = max(batches) * per_seq + 64
     t0 = time.perf_counter()
     r = Runner(cfg, open_model_weights(args.model, cfg, dummy=True, seed=0), device="cuda", quant=args.quant,
-               num_pages={"full": pages, "sliding": pages})
+               num_pages={FULL: pages, SLIDING: pages})
     torch.cuda.synchronize()
     res = {"model": cfg.name, "quant": args.quant, "ctx": args.ctx, "attention": r.model.attention_backend,
            "load_s": time.perf_counter() - t0, "gpu": torch.cuda.get_device_name(), "decode": [], "prefill": {}}

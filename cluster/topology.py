@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import yaml
 
+from kvrelay.engine.config import DEFAULT_GRAPH_BATCH_SIZES
 from kvrelay.engine.partition import ParallelConfigError, check_partition, valid_tp_sizes
 
 Quant = Literal["fp8-block128", "bf16"]
@@ -57,7 +58,7 @@ class DecodeSection:
     ep: int = 1
     tp: int = 1
     max_batch: int = 64
-    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+    cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES
     kv_memory_fraction: float = 0.5  # GPU: share of what weights, activations and graphs leave free
     page_size: int = 16
     # Plan and queue decode step N+1 while step N runs (greedy batches; vLLM's async scheduling).

@@ -29,9 +29,10 @@ import time
 from dataclasses import dataclass, field
 
 from kvrelay.decode_worker.worker import DecodeWorker, req_log
-from kvrelay.engine.memory import chunk_headroom, window_pages
+from kvrelay.engine.kv_geometry import SLIDING, window_pages
+from kvrelay.engine.memory import chunk_headroom
 from kvrelay.engine.sampling import (PROMPT_LOGPROB_CHUNK, PromptLogprobs, SamplingParams, TokenOutput,
-                                     finish_reason, prompt_logprobs, top_logprobs)
+                                     finish_reason_at, prompt_logprobs, top_logprobs)
 from kvrelay.transfer.handle import TransferStats
 from kvrelay.workers.logs import request_extra
 from kvrelay.workers.messages import InPlaceKV, PrefillResult, WorkerStatus
@@ -88,8 +89,8 @@ class ColocatedWorker(DecodeWorker):
         """Sliding pages that a forward's prompt chunks hold beyond one window each (see Scheduler)."""
         ps = spec.page_size
         want = chunk_headroom(chunk_tokens=self.chunk_tokens, page_size=ps, max_seqs=spec.max_batch)
-        room = self.runner.kv.allocators["sliding"].num_pages - window_pages(self.runner.cfg, ps)
-        return {"sliding": max(0, min(want, room))}
+        room = self.runner.kv.allocators[SLIDING].num_pages - window_pages(self.runner.cfg.sliding_window, ps)
+        return {SLIDING: max(0, min(want, room))}
 
     # ---- the prefill role --------------------------------------------------------------------
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -237,9 +238,7 @@ class ColocatedWorker(DecodeWorker):
         t_end = time.perf_counter()
         for (_, p), (token, logprob), top in zip(finished, sampled, tops):
             self.prefill_counters.prompts += 1
-            reason = finish_reason(token, p.generated + 1, p.params)
-            if reason is None and len(p.ids) + 1 >= self.max_context:
-                reason = "length"
+            reason = finish_reason_at(token, p.generated + 1, p.params, len(p.ids) + 1, self.max_context)
             handle = None
             if reason is not None or p.cancelled:
                 self.scheduler.release(p.request_id)  # nothing to decode: pages and budget back now

@@ -26,12 +26,13 @@ def pool_tokens(spec: DecodeSpec) -> int:
         import torch
 
         from kvrelay.engine.config import load_model_config
+        from kvrelay.engine.kv_geometry import bytes_per_token
         from kvrelay.engine.partition import head_range
 
         cfg = load_model_config(spec.model.name)
         # Heads per rank from the same rule as the cache: more ranks than KV heads replicate one.
         local_kv = head_range(cfg.num_attention_heads, cfg.num_key_value_heads, 0, spec.tp).num_kv
-        per_token = 2 * local_kv * cfg.head_dim * 2 * cfg.num_hidden_layers
+        per_token = bytes_per_token(cfg.num_hidden_layers, local_kv, cfg.head_dim, 2)  # bf16
         free, _ = torch.cuda.mem_get_info()
         free -= cfg.weight_bytes(spec.model.quant) // spec.tp
         cap = min(cap, max(0, int(free * spec.kv_memory_fraction)) // per_token)

@@ -28,7 +28,7 @@ import torch
 
 from kvrelay.engine.kv_geometry import GROUPS, worst_case_pages
 from kvrelay.engine.runner import Runner
-from kvrelay.engine.sampling import SamplingParams, TokenOutput, finish_reason, top_logprobs
+from kvrelay.engine.sampling import SamplingParams, TokenOutput, context_full, finish_reason_at, top_logprobs
 from kvrelay.workers.messages import AdmissionRefused
 from kvrelay.engine.structured import ConstraintBatch, open_constraint, sample_constrained
 
@@ -328,7 +328,7 @@ class Scheduler:
                 continue
             # In the launched step: its token is still on the device. Leave out a request that step ends
             # for sure (its last allowed token, or a full context); only a stop token is unknown yet.
-            if r.generated + 1 < r.params.max_tokens and n + 1 < max_context:
+            if r.generated + 1 < r.params.max_tokens and not context_full(n + 1, max_context):
                 rows.append(r)
                 last.append(None)
         launched = None
@@ -375,10 +375,8 @@ class Scheduler:
                 r.output.append(token)
             if r.constraint is not None:
                 r.constraint.advance(token)
-            reason = finish_reason(token, r.generated, r.params)
-            # The next step would write position `length`; a full context ends the request here.
-            if reason is None and n + 1 >= self.runner.max_context:
-                reason = "length"
+            # `n` positions are in the cache; with this token the sequence holds n + 1.
+            reason = finish_reason_at(token, r.generated, r.params, n + 1, self.runner.max_context)
             r.emit(TokenOutput(token, logprob, reason, tops[i] if tops is not None else None))
             if reason is not None:
                 self.release(r.request_id)

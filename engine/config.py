@@ -16,8 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SLIDING = "sliding_attention"
-FULL = "full_attention"
+# config.json's names for a layer's attention (HF's `layer_types`); the KV page groups they map to are
+# engine/kv_geometry.py's.
+SLIDING_ATTENTION = "sliding_attention"
+FULL_ATTENTION = "full_attention"
+# Decode batch sizes captured as CUDA graphs when neither the topology (decode.cuda_graph_batch_sizes) nor
+# the caller says otherwise: the one default of the engine and the topology.
+DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 @dataclass(frozen=True)
@@ -95,7 +100,8 @@ class ModelConfig:
 
     @property
     def layer_types(self) -> tuple[str, ...]:
-        return tuple(SLIDING if self.layer_is_sliding(i) else FULL for i in range(self.num_hidden_layers))
+        return tuple(SLIDING_ATTENTION if self.layer_is_sliding(i) else FULL_ATTENTION
+                     for i in range(self.num_hidden_layers))
 
     @property
     def sliding_layers(self) -> tuple[int, ...]:

@@ -13,7 +13,6 @@ layer's view [num_pages, 2, page_size, kv_heads, head_dim] is FlashInfer's NHD p
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 from dataclasses import dataclass, field
 from typing import Hashable
@@ -22,7 +21,8 @@ import numpy as np
 import torch
 
 from kvrelay.engine.config import ModelConfig
-from kvrelay.engine.kv_geometry import FULL, GROUPS, SLIDING, first_live_page, pages_spanned
+from kvrelay.engine.kv_geometry import (GROUPS, SLIDING, first_live_page, group_layers, layer_groups, layout_hash,
+                                        pages_spanned)
 from kvrelay.engine.layers.attention import head_range
 from kvrelay.engine.layers.linear import Shard
 from kvrelay.kernels.reference import PagedKV
@@ -125,7 +125,8 @@ class KVCache:
         self.kv_heads = head_range(cfg, shard).num_kv
         self.tp_rank, self.tp_size = shard.rank, shard.world_size
         counts = num_pages if isinstance(num_pages, dict) else {g: num_pages for g in GROUPS}
-        self.group_layers = {FULL: cfg.full_layers, SLIDING: cfg.sliding_layers}
+        groups = layer_groups(cfg.layer_types)
+        self.group_layers = {g: group_layers(groups, g) for g in GROUPS}
         self._layer_slot = {
             layer: (g, i) for g, layers in self.group_layers.items() for i, layer in enumerate(layers)
         }
@@ -149,10 +150,12 @@ class KVCache:
         return self._layer_slot[layer][0]
 
     def layout_hash(self) -> str:
-        """Identifies the byte layout of a page, so two processes can check they agree before a transfer."""
-        key = (self.cfg.name, self.cfg.num_hidden_layers, self.cfg.head_dim, self.kv_heads, self.page_size,
-               str(self.dtype), self.window, tuple(self.cfg.layer_types))
-        return hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+        """What a page of one KV head means in this pool (kv_geometry.layout_hash; the KV handoff's
+        KVLayout hashes the same fields), so two pools can check they agree before pages are copied."""
+        cfg = self.cfg
+        return layout_hash(model=cfg.name, dtype=str(self.dtype).removeprefix("torch."), page_size=self.page_size,
+                           layer_types=layer_groups(cfg.layer_types), kv_heads=cfg.num_key_value_heads,
+                           head_dim=cfg.head_dim, sliding_window=cfg.sliding_window, q_heads=cfg.num_attention_heads)
 
     # ---- capacity ------------------------------------------------------------------------------
     def _first_needed_page(self, group: str, length: int) -> int:
@@ -239,7 +242,8 @@ class KVCache:
     def copy_pages(self, src: "KVCache", src_kv: SequenceKV, dst_kv: SequenceKV) -> None:
         """Copy a sequence's pages from another cache in the same process (the NIXL path does the same
         thing across processes); used by tests and single-host handoff."""
-        if src.layout_hash() != self.layout_hash():
+        # Whole pages: both pools must also hold the same heads (the same TP shape).
+        if src.layout_hash() != self.layout_hash() or (src.tp_size, src.tp_rank) != (self.tp_size, self.tp_rank):
             raise ValueError("KV layouts differ; refusing to copy pages")
         for g in GROUPS:
             if src_kv.first_page[g] != dst_kv.first_page[g] or len(src_kv.pages[g]) != len(dst_kv.pages[g]):

@@ -24,7 +24,8 @@ from kvrelay.engine.config import ModelConfig
 from kvrelay.engine.kv_geometry import pages_spanned
 from kvrelay.engine.parallel import SINGLE, ParallelContext
 from kvrelay.engine.runner import Runner
-from kvrelay.engine.sampling import SamplingParams, TokenOutput, finish_reason, prompt_logprobs, top_logprobs
+from kvrelay.engine.sampling import (SamplingParams, TokenOutput, finish_reason_at, prompt_logprobs,
+                                     top_logprobs)
 from kvrelay.engine.structured import compute_masks, open_constraint, sample_constrained
 
 
@@ -162,9 +163,8 @@ class LLM:
             req.output.append(token)
             if req.constraint is not None:
                 req.constraint.advance(token)
-            reason = finish_reason(token, len(req.output), req.params)
-            if reason is None and len(req.prompt) + len(req.output) >= self.max_context:
-                reason = "length"
+            reason = finish_reason_at(token, len(req.output), req.params, len(req.prompt) + len(req.output),
+                                      self.max_context)
             outs.append((req.req_id, TokenOutput(token, logprob, reason, top, plps[i] if plps else None)))
             if reason is not None:
                 self._finish(req)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvrelay.engine import kv_geometry
+from kvrelay.engine.kv_geometry import FULL, SLIDING
 
 GIB = 1 << 30
 
@@ -24,7 +25,7 @@ class KVDoesNotFit(ValueError):
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    pages: dict[str, int]  # per page group ("full", "sliding")
+    pages: dict[str, int]  # per page group (kv_geometry.GROUPS)
     page_bytes: dict[str, int]  # one page of one group, all its layers
     total_bytes: int = 0  # device memory
     free_after_weights_bytes: int = 0  # free once weights (and the profiling pool) were freed of KV
@@ -41,19 +42,14 @@ class MemoryPlan:
 
 def page_bytes(cfg, *, page_size: int, kv_heads: int, dtype_bytes: int = 2) -> dict[str, int]:
     """Bytes of one page in each group (K and V, every layer of the group)."""
-    one = 2 * page_size * kv_heads * cfg.head_dim * dtype_bytes
-    return {"full": one * len(cfg.full_layers), "sliding": one * len(cfg.sliding_layers)}
-
-
-def window_pages(cfg, page_size: int) -> int:
-    """Most sliding pages one sequence holds between forwards (a window can straddle one extra page)."""
-    return kv_geometry.window_pages(cfg.sliding_window, page_size)
+    one = kv_geometry.page_bytes(page_size, kv_heads, cfg.head_dim, dtype_bytes)
+    return {FULL: one * len(cfg.full_layers), SLIDING: one * len(cfg.sliding_layers)}
 
 
 def chunk_headroom(*, chunk_tokens: int, page_size: int, max_seqs: int) -> int:
     """Sliding pages one forward's prompt chunks hold beyond their sequences' windows until the forward
     ends: the chunk's own pages, plus one page boundary per sequence it may straddle."""
-    return -(-chunk_tokens // page_size) + 1 + max_seqs
+    return kv_geometry.pages_spanned(chunk_tokens, page_size) + 1 + max_seqs
 
 
 def split_pages(cfg, *, budget_bytes: int, page_size: int, kv_heads: int, max_seqs: int,
@@ -62,11 +58,11 @@ def split_pages(cfg, *, budget_bytes: int, page_size: int, kv_heads: int, max_se
     forward's chunk headroom; the rest goes to the full group, capped at `max_tokens` positions (more
     could never be used)."""
     pb = page_bytes(cfg, page_size=page_size, kv_heads=kv_heads)
-    cap_pages = -(-max_tokens // page_size)
+    cap_pages = kv_geometry.pages_spanned(max_tokens, page_size)
     headroom = chunk_headroom(chunk_tokens=chunk_tokens, page_size=page_size, max_seqs=max_seqs)
-    sliding = min(cap_pages, max_seqs * window_pages(cfg, page_size) + headroom)
-    full = min(cap_pages, max(0, (budget_bytes - sliding * pb["sliding"]) // pb["full"]))
-    return {"full": int(full), "sliding": int(sliding)}
+    sliding = min(cap_pages, max_seqs * kv_geometry.window_pages(cfg.sliding_window, page_size) + headroom)
+    full = min(cap_pages, max(0, (budget_bytes - sliding * pb[SLIDING]) // pb[FULL]))
+    return {FULL: int(full), SLIDING: int(sliding)}
 
 
 def plan_cuda_pool(runner, *, fraction: float, max_seqs: int, chunk_tokens: int, max_tokens: int,
@@ -95,11 +91,11 @@ def plan_cuda_pool(runner, *, fraction: float, max_seqs: int, chunk_tokens: int,
     plan = MemoryPlan(pages=pages, page_bytes=pb, total_bytes=total, free_after_weights_bytes=free,
                       activation_bytes=activation, reserve_bytes=reserve,
                       kv_bytes=sum(pages[g] * pb[g] for g in pages))
-    if pages["full"] * runner.page_size < need_tokens:
+    if pages[FULL] * runner.page_size < need_tokens:
         raise KVDoesNotFit(
             f"{key}: {fraction:g} of the {(free - reserve) / GIB:.2f} GiB left after weights "
             f"({(total - free) / GIB:.2f} GiB in use), activations ({activation / GIB:.2f} GiB) and CUDA "
-            f"graphs ({graph_reserve_bytes / GIB:.2f} GiB) holds {pages['full'] * runner.page_size} KV "
+            f"graphs ({graph_reserve_bytes / GIB:.2f} GiB) holds {pages[FULL] * runner.page_size} KV "
             f"positions, fewer than the {need_tokens} one request may need; raise {key}, lower "
             f"model.max_context, or give this role its own GPU")
     return plan

@@ -17,17 +17,17 @@ from typing import Collection, Hashable, Sequence
 import numpy as np
 import torch
 
-from kvrelay.engine.config import ModelConfig, load_model_config
-from kvrelay.engine.kv_cache import GROUPS, BatchLayout, KVCache, OutOfPages, SequenceKV
+from kvrelay.engine.config import DEFAULT_GRAPH_BATCH_SIZES, ModelConfig, load_model_config
+from kvrelay.engine.kv_cache import BatchLayout, KVCache, OutOfPages, SequenceKV
+from kvrelay.engine.kv_geometry import GROUPS
 from kvrelay.engine.layers.attention import AttentionFn
 from kvrelay.engine.layers.linear import Shard, WeightGetter
 from kvrelay.engine.model import GptOss
 from kvrelay.engine.sampling import SamplingParams, sample
 from kvrelay.kernels.reference import PagedKV
 
-__all__ = ["Runner", "OutOfPages", "PendingStep", "open_model_weights", "DEFAULT_GRAPH_BATCH_SIZES"]
+__all__ = ["Runner", "OutOfPages", "PendingStep", "open_model_weights"]
 
-DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 _WORKSPACE_BYTES = 128 << 20
 
 

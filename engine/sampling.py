@@ -272,3 +272,19 @@ def finish_reason(token: int, n_generated: int, params: SamplingParams) -> str |
     if n_generated >= params.max_tokens:
         return "length"
     return None
+
+
+def context_full(total_tokens: int, max_context: int) -> bool:
+    """A sequence of `total_tokens` (prompt + output) has no position left for another token."""
+    return total_tokens >= max_context
+
+
+def finish_reason_at(token: int, n_generated: int, params: SamplingParams, total_tokens: int,
+                     max_context: int) -> str | None:
+    """`finish_reason`, plus the context rule: a request whose prompt and output, `token` included
+    (`total_tokens`), fill `max_context` ends here with "length". The one rule of the prefill worker,
+    the colocated worker, the decode scheduler and the in-process LLM."""
+    reason = finish_reason(token, n_generated, params)
+    if reason is None and context_full(total_tokens, max_context):
+        return "length"
+    return reason

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 from kvrelay.engine.sampling import (PROMPT_LOGPROB_CHUNK, PromptLogprobs, SamplingParams, TokenOutput,
-                                     finish_reason, prompt_logprobs, top_logprobs)
+                                     finish_reason_at, prompt_logprobs, top_logprobs)
 from kvrelay.engine.structured import masks_for, sample_constrained
 from kvrelay.prefill_worker.ranks import PrefillRank, load_rank_runner
 from kvrelay.transfer.handle import layout_of
@@ -203,9 +203,7 @@ class PrefillWorker:
 
     def _finish(self, rid: str, prompt_ids: list[int], params: SamplingParams, generated: int, token: int,
                 logprob, peers, top=None, plp: PromptLogprobs | None = None):
-        reason = finish_reason(token, generated + 1, params)
-        if reason is None and len(prompt_ids) + 1 >= self.max_context:
-            reason = "length"
+        reason = finish_reason_at(token, generated + 1, params, len(prompt_ids) + 1, self.max_context)
         first = TokenOutput(token, logprob, reason, top, plp)
         if reason is not None:
             with self._engine_lock:

@@ -5,13 +5,11 @@ tests can build and check them without a transfer engine; transfer/nixl.py moves
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from kvrelay.engine.kv_geometry import GROUPS
+from kvrelay.engine.kv_geometry import GROUPS, layout_hash
 from kvrelay.engine.partition import head_range
 
 _TP_SHAPE = ("tp_size", "tp_rank")  # KVLayout fields the hash leaves out: they travel as data
@@ -91,9 +89,7 @@ class KVLayout:
     def layout_hash(self) -> str:
         """Equal on both sides iff a page of one head means the same bytes on both; the TP shape is
         excluded because a TP2 prefill and a TP4 decode group can still exchange KV head by head."""
-        d = {k: v for k, v in asdict(self).items() if k not in _TP_SHAPE}
-        blob = json.dumps(d, sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:32]
+        return layout_hash(**{k: v for k, v in asdict(self).items() if k not in _TP_SHAPE})
 
     def diff(self, other: KVLayout) -> str:
         parts = [f"{f.name}: {getattr(self, f.name)!r} vs {getattr(other, f.name)!r}"

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kvrelay.engine.config import PRESETS
-from kvrelay.engine.kv_cache import FULL, SLIDING, KVCache, OutOfPages, PageAllocator
+from kvrelay.engine.kv_cache import KVCache, OutOfPages, PageAllocator
+from kvrelay.engine.kv_geometry import FULL, SLIDING
 from kvrelay.engine.runner import Runner
 
 FIXTURE = Path(__file__).resolve().parents[1] / "data" / "gpt-oss-tiny-original"

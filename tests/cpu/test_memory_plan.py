@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvrelay.engine.config import load_model_config
-from kvrelay.engine.memory import (GIB, KVDoesNotFit, chunk_headroom, page_bytes, plan_cuda_pool, split_pages,
-                                   window_pages)
+from kvrelay.engine.kv_geometry import window_pages
+from kvrelay.engine.memory import GIB, KVDoesNotFit, chunk_headroom, page_bytes, plan_cuda_pool, split_pages
 
 
 def test_page_bytes_of_the_real_models():
@@ -21,7 +21,7 @@ def test_page_bytes_of_the_real_models():
 
 def test_sliding_group_gets_windows_plus_one_chunk_and_the_rest_goes_to_full():
     cfg = load_model_config("gpt-oss-20b")
-    assert window_pages(cfg, 16) == 9  # 128 positions can straddle one more page boundary
+    assert window_pages(cfg.sliding_window, 16) == 9  # 128 positions can straddle one more page boundary
     pb = page_bytes(cfg, page_size=16, kv_heads=8)
     pages = split_pages(cfg, budget_bytes=20 * GIB, page_size=16, kv_heads=8, max_seqs=128, chunk_tokens=8192,
                         max_tokens=10**9)
@@ -31,7 +31,7 @@ def test_sliding_group_gets_windows_plus_one_chunk_and_the_rest_goes_to_full():
     assert pages["sliding"] == sliding
     # What a colocated worker may reserve (pool minus the chunk headroom) fits max_seqs full windows: a
     # 120b run at 256 streams ran out of sliding pages when the headroom was taken from the windows.
-    assert pages["sliding"] - headroom >= 128 * window_pages(cfg, 16)
+    assert pages["sliding"] - headroom >= 128 * window_pages(cfg.sliding_window, 16)
     assert pages["full"] == (20 * GIB - sliding * pb["sliding"]) // pb["full"]
     # More could never be used: capped at max_tokens positions.
     capped = split_pages(cfg, budget_bytes=20 * GIB, page_size=16, kv_heads=8, max_seqs=128, chunk_tokens=8192,

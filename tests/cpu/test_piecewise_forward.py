@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvrelay.engine.cuda_graph import PiecewiseGraphs
-from kvrelay.engine.kv_cache import GROUPS
+from kvrelay.engine.kv_geometry import GROUPS
 from kvrelay.engine.runner import Runner
 
 pytestmark = pytest.mark.usefixtures("model_single_thread")
