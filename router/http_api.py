@@ -69,6 +69,7 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None, rate_limit: Ra
     # The middleware added last runs first: the key check, then the rate limit (only valid keys count).
     limits.install_http(app, rate_limit)
     install_http(app, api_keys or ApiKeys())
+    app.add_middleware(limits.BodyLimit)  # before the key check: nothing reads a body over the limit
     router_metrics.install_http(app)  # outermost: counts the key check's and the rate limit's refusals too
 
     @app.exception_handler(ValidationError)
@@ -90,6 +91,8 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None, rate_limit: Ra
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and isinstance(exc.__cause__, limits.BodyTooLarge):
+            return JSONResponse(limits.too_large_body(limits.MAX_BODY_BYTES), status_code=413)
         if exc.status_code == 400 and isinstance(exc.__cause__, UnicodeDecodeError):
             # FastAPI's "There was an error parsing the body": bytes that are not UTF-8 text cannot be JSON.
             return JSONResponse(error_body(f"body: not valid JSON: not UTF-8 text ({exc.__cause__})", param="body"),

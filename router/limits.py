@@ -1,4 +1,4 @@
-"""Per-client rate limits and TLS settings of the router's two front-ends.
+"""Per-client rate limits, the request body limit and TLS settings of the router's two front-ends.
 
 A rate limit counts generation requests (HTTP chat/completions and completions, gRPC Generate and Chat)
 per API key, or per client address when the router has no keys, in a token bucket: `rpm` requests a
@@ -19,6 +19,9 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+# The largest HTTP request body (a full 131k-token context as JSON token ids is ~1 MB; a batch of prompts
+# more): beyond it 413 before the body is parsed. gRPC keeps its own 4 MiB message limit.
+MAX_BODY_BYTES = 32 << 20
 LIMITED_HTTP_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 LIMITED_GRPC_METHODS = frozenset({"/kvrelay.v1.Router/Generate", "/kvrelay.v1.Router/Chat"})
 
@@ -108,3 +111,41 @@ class GrpcRateLimitInterceptor(grpc.aio.ServerInterceptor):
 
         return grpc.unary_stream_rpc_method_handler(limited, request_deserializer=handler.request_deserializer,
                                                     response_serializer=handler.response_serializer)
+
+
+class BodyTooLarge(ValueError):
+    """An HTTP body grew past MAX_BODY_BYTES while it was read (no Content-Length, or a wrong one)."""
+
+
+def too_large_body(limit: int) -> dict:
+    return {"error": {"message": f"body: larger than {limit} bytes", "type": "invalid_request_error",
+                      "param": "body", "code": "request_too_large"}}
+
+
+class BodyLimit:
+    """Pure ASGI: a declared Content-Length over the limit is refused (413) before anything is read; a
+    body that grows past it while read raises BodyTooLarge into the app (http_api answers 413)."""
+
+    def __init__(self, app, max_bytes: int = MAX_BODY_BYTES) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or ()).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            await JSONResponse(too_large_body(self.max_bytes), status_code=413)(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise BodyTooLarge(self.max_bytes)
+            return message
+
+        await self.app(scope, counted, send)

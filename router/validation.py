@@ -67,6 +67,7 @@ def _long_run(field: str, kind: str, at: int) -> None:
                                  "the tokenizer would take seconds to minutes on it; split it")
 
 
+MAX_TOOLS = 128  # function tools per request, as OpenAI's API allows
 JSON_SCHEMA_TYPES = ("array", "boolean", "integer", "null", "number", "object", "string")
 # OpenAI's rule for function names; it also keeps names safe inside a harmony header.
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
@@ -216,6 +217,9 @@ def check_chat(request: ChatRequest) -> None:
             raise ValidationError(
                 "conversation_start_date", f"expected YYYY-MM-DD, got {request.conversation_start_date!r}"
             ) from None
+    if len(request.tools) > MAX_TOOLS:
+        raise ValidationError("tools", f"at most {MAX_TOOLS} tools per request (OpenAI's limit), got "
+                                       f"{len(request.tools)}")
     names: set[str] = set()
     for i, tool in enumerate(request.tools):
         check_tool(tool, f"tools[{i}]")
