@@ -34,7 +34,7 @@ device: cpu
 def running():
     from conftest import serving
 
-    with serving(TOPOLOGY, supervise=True, check_every_s=0.5) as (run, server):
+    with serving(TOPOLOGY, supervise=True, check_every_s=0.5, health_timeout_s=5.0) as (run, server):
         yield run, server
 
 
@@ -121,7 +121,7 @@ def _retries(cause: str) -> float:
     return REGISTRY.get_sample_value("kvrelay_request_retries_total", {"cause": cause}) or 0.0
 
 
-def test_killed_decode_worker_is_replaced_and_16_requests_resume(running, reference):
+def test_killed_decode_worker_is_replaced_and_16_requests_resume(running, reference, errors_logged):
     """The original report: 16 greedy /v1/completions in flight (8 streamed, 8 not) on the one decode
     worker; its pid is SIGKILLed. All 16 finish, each equal to its undisturbed run."""
     from kvrelay.cluster.status import _table
@@ -159,6 +159,7 @@ def test_killed_decode_worker_is_replaced_and_16_requests_resume(running, refere
 
     metrics = httpx.get(f"{server.http_url}/metrics", timeout=10).text
     assert 'kvrelay_worker_restarts_total{role="decode"} 1.0' in metrics
+    assert errors_logged() == []
     assert_no_pages_left(run)
 
 
@@ -197,7 +198,21 @@ def grpc_stream(target: str, prompt: list[int], max_tokens: int, progress: list)
     return out
 
 
-def test_past_the_resume_bound_requests_end_with_clear_errors(running):
+@pytest.fixture()
+def errors_logged(caplog):
+    """Records at ERROR or above (tracebacks: uvicorn's "Exception in ASGI application", the router's
+    500 handler) logged while the test runs, uvicorn's own logger included (it does not propagate)."""
+    import logging
+
+    uvicorn_error = logging.getLogger("uvicorn.error")
+    uvicorn_error.addHandler(caplog.handler)
+    try:
+        yield lambda: [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    finally:
+        uvicorn_error.removeHandler(caplog.handler)
+
+
+def test_past_the_resume_bound_requests_end_with_clear_errors(running, errors_logged):
     """The decode worker dies and its replacement takes longer than router.resume_timeout_s (0.5 s here):
     a started SSE stream ends with an in-band error event, a gRPC stream with UNAVAILABLE, a request whose
     response had not started (non-streamed, or arriving meanwhile) with 503 + Retry-After; no 500."""
@@ -243,6 +258,7 @@ def test_past_the_resume_bound_requests_end_with_clear_errors(running):
         run.client.resume_timeout_s = saved
     res = completion(server.http_url, prompt_of(10, 99), 5, stream=True)
     assert res["status"] == 200 and len(res["tokens"]) == 5 and res["error"] is None
+    assert errors_logged() == []  # refused as designed: no traceback, no 500
     assert_no_pages_left(run)
 
 
@@ -273,4 +289,43 @@ def test_kv_pull_from_a_dead_prefill_worker_resumes_on_its_replacement(running, 
     assert time.monotonic() - t0 < 60 and killed
     assert _retries("kv_transfer") + _retries("prefill_died") == before + 1
     wait_states(run, "prefill", restarts=restarts + 1)
+    assert_no_pages_left(run)
+
+
+def test_hung_prefill_worker_during_the_pull_is_replaced_and_the_request_resumes(running, monkeypatch):
+    """The prefill worker hangs (SIGSTOP) after prefilling, before it confirms the decode side's pull: the
+    confirmation times out, the client's health call to it fails, the supervisor kills and replaces it
+    (a stopped process answers no health check), and the request is prefilled again on the replacement;
+    its stream equals the undisturbed run."""
+    run, server = running
+    client = run.client
+    restarts = worker_row(run, "prefill")["restarts"]
+    pid = worker_row(run, "prefill")["pid"]
+    prompt, k = prompt_of(120, 321), 24
+    want = completion(server.http_url, prompt, k, stream=False)["tokens"]
+    real_start = client._start
+    stopped = []
+
+    async def start_after_stopping_prefill(decode, attempt_id, *args, **kwargs):
+        if not stopped:
+            stopped.append(attempt_id)
+            os.kill(pid, signal.SIGSTOP)
+        return await real_start(decode, attempt_id, *args, **kwargs)
+
+    monkeypatch.setattr(client, "_start", start_after_stopping_prefill)
+    before = _retries("kv_transfer") + _retries("prefill_died")
+    t0 = time.monotonic()
+    try:
+        res = completion(server.http_url, prompt, k, stream=True)
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)  # if it is still there, let it die normally
+        except ProcessLookupError:
+            pass
+    assert res["status"] == 200 and res["error"] is None, res
+    assert res["tokens"] == want and stopped
+    assert time.monotonic() - t0 < 60
+    assert _retries("kv_transfer") + _retries("prefill_died") == before + 1
+    wait_states(run, "prefill", restarts=restarts + 1)
+    assert worker_row(run, "prefill")["pid"] != pid
     assert_no_pages_left(run)
