@@ -124,9 +124,12 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: Optional[int] = None
     max_reasoning_tokens: Optional[int] = None  # kvrelay's: with structured outputs, a cap on analysis tokens
+    echo: bool = False  # vLLM's (the last message in front of the reply): refused by name, not ignored
 
     def to_chat(self) -> ChatRequest:
         self.common_checks()
+        if self.echo:
+            raise ValidationError("echo", "not supported for chat; /v1/completions echoes its prompt")
         if self.prompt_logprobs is not None:
             raise ValidationError("prompt_logprobs", "not supported for chat (the rendered harmony prompt's "
                                   "logprobs); use /v1/completions with echo or prompt_logprobs")

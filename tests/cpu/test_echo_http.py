@@ -131,6 +131,7 @@ def test_echo_without_logprobs_and_vllm_prompt_logprobs(client, engine, server) 
     ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty: must be a number > 0"),
     ({"prompt": "x", "repetition_penalty": -1.5}, "repetition_penalty: must be a number > 0"),
     ({"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1}, "prompt_logprobs: not supported for chat"),
+    ({"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo: not supported for chat"),
 ])
 def test_refused_by_name(server, body, message) -> None:
     route = "chat/completions" if "messages" in body else "completions"
