@@ -8,6 +8,7 @@ applying B bitmasks to [B, 201088] logits on --device (the GPU variant: --device
 kvrelay's own per-request harmony state machine (engine/structured.py) over the chosen engine.
 
     python -m kvrelay.bench.structured [--device cpu|cuda] [--batches 1,64] [--engines llguidance,xgrammar]
+        [--model gpt-oss-tiny|gpt-oss-20b --quant bf16|fp8-block128]   # decode steps with and without
 
 The JSON goes to bench/results/structured-<device>-<stamp>.json with the commit.
 """
@@ -200,6 +201,66 @@ def bench_state_machine(batch: int, steps: int) -> dict:
     return {"fill": _percentiles(times), "per_token_ms": 1e3 * statistics.fmean(times) / batch}
 
 
+ROWS = {"type": "object", "properties": {"rows": {"type": "array", "minItems": 500, "items": {
+    "type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 8},
+                                     "ok": {"type": "boolean"}},
+    "required": ["id", "name", "ok"], "additionalProperties": False}}},
+    "required": ["rows"], "additionalProperties": False}
+
+
+def bench_steps(model: str, device: str, quant: str, batch: int, steps: int) -> dict:
+    """Decode steps of the real Scheduler on `model` (dummy weights): B greedy requests unconstrained
+    (overlapped steps, the hot path; and synchronous ones) against B inside a long JSON body (masks
+    submitted before each forward, applied after). The difference per step is what structured outputs
+    cost a decode step; divided by B, per token."""
+    import torch
+
+    from kvrelay.decode_worker.scheduler import Scheduler
+    from kvrelay.engine.runner import Runner
+    from kvrelay.engine.sampling import SamplingParams
+    from kvrelay.router import harmony, structured
+    from kvrelay.router.types import ChatMessage, ChatRequest, ResponseFormat
+
+    req = ChatRequest(messages=(ChatMessage("user", "hi"),), max_reasoning_tokens=0,
+                      response_format=ResponseFormat("json_schema", json.dumps(ROWS), "rows"))
+    spec = structured.build(req)
+    prompt = harmony.render_chat(req, "2026-12-01")
+    pages = batch * ((len(prompt) + steps + 40) // 16 + 2) + 16
+    runner = Runner.load(model, dummy=True, device=device, quant=quant, page_size=16,
+                         num_pages={"full": pages, "sliding": pages})
+    out = {}
+    for label, overlap, constrained in (("plain_overlapped", True, False), ("plain_sync", False, False),
+                                        ("json_schema", True, True)):
+        sched = Scheduler(runner, max_batch=batch, overlap=overlap)
+        params = SamplingParams(max_tokens=steps + 20, temperature=0.0, stop_token_ids=harmony.CHAT_STOP_TOKEN_IDS,
+                                structured=spec if constrained else None)
+        first = list(spec.bodies[0].header) if constrained else [1]
+        for i in range(batch):
+            rid = f"{label}-{i}"
+            sched.reserve(rid, len(prompt) + len(first), params.max_tokens)
+            runner.prefill(rid, prompt + first[:-1])
+            sched.join(rid, params, first[-1], len(first), lambda o: None, first[:-1])
+        for _ in range(3):  # warm-up
+            sched.step()
+        sync = (lambda: torch.cuda.synchronize()) if device.startswith("cuda") else (lambda: None)
+        sync()
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            sched.step()
+            sync()
+            times.append(time.perf_counter() - t0)
+        sched.drain()
+        for rid in sched.running_ids():
+            sched.release(rid)
+        out[label] = _percentiles(times)
+    added = out["json_schema"]["p50_ms"] - out["plain_overlapped"]["p50_ms"]
+    out["added_per_step_ms"] = added
+    out["added_per_token_ms"] = added / batch
+    out["added_vs_sync_per_token_ms"] = (out["json_schema"]["p50_ms"] - out["plain_sync"]["p50_ms"]) / batch
+    return out
+
+
 def main() -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu")
@@ -207,6 +268,9 @@ def main() -> dict:
     p.add_argument("--engines", default="llguidance,xgrammar")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--out", default=str(DEFAULT_OUT))
+    p.add_argument("--model", default="gpt-oss-tiny", help="decode steps on this model (dummy weights); '' skips")
+    p.add_argument("--quant", default="bf16")
+    p.add_argument("--step-count", type=int, default=30)
     args = p.parse_args()
     results: dict = {"env": env_info(args.device, "kvrelay.bench.structured", None), "engines": {}}
     import importlib.metadata as md
@@ -233,6 +297,13 @@ def main() -> dict:
         print(f"apply on {args.device} {k}: p50 {v['p50_ms']:.3f} ms")
     for k, v in results["state_machine"].items():
         print(f"kvrelay state machine {k}: fill p50 {v['fill']['p50_ms']:.3f} ms, per token {v['per_token_ms']:.4f} ms")
+    if args.model:
+        results["decode_steps"] = {f"b{b}": bench_steps(args.model, args.device, args.quant, b, args.step_count)
+                                   for b in parse_ints(args.batches)}
+        for k, v in results["decode_steps"].items():
+            print(f"decode step {args.model} {k}: plain overlapped p50 {v['plain_overlapped']['p50_ms']:.2f} ms, "
+                  f"sync {v['plain_sync']['p50_ms']:.2f} ms, json_schema {v['json_schema']['p50_ms']:.2f} ms; "
+                  f"added {v['added_per_step_ms']:.2f} ms a step, {v['added_per_token_ms']:.3f} ms a token")
     save_result(args.out, f"structured-{args.device.split(':')[0]}-{stamp()}", results)
     return results
 
