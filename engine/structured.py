@@ -268,18 +268,22 @@ _SHIFTS: dict[torch.device, torch.Tensor] = {}
 def allowed_rows(mask: torch.Tensor, device: torch.device, vocab: int) -> torch.Tensor:
     """The bitmask [n, MASK_WORDS] as bool [n, vocab] on `device`: unpacked there on a GPU (1/32 of the
     bytes cross the bus), by numpy on the CPU (30x faster than torch's shifts there)."""
-    n = mask.shape[0]
     if device.type == "cpu":
         bits = torch.from_numpy(np.unpackbits(mask.numpy().view(np.uint8), axis=1, bitorder="little")).bool()
     else:
-        shifts = _SHIFTS.get(device)
-        if shifts is None:
-            shifts = _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
-        bm = mask.to(device)  # ~1.6 MB at batch 64: cheaper than pinning a fresh buffer every step
-        bits = ((bm.unsqueeze(-1) >> shifts) & 1).bool().view(n, -1)
+        bits = unpack_on(mask, device)
     if bits.shape[1] < vocab:  # a wider model: ids past the tokenizer are never allowed
         bits = torch.nn.functional.pad(bits, (0, vocab - bits.shape[1]), value=False)
     return bits[:, :vocab]
+
+
+def unpack_on(mask: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The bitmask unpacked by shifts on `device` (the GPU path of `allowed_rows`)."""
+    shifts = _SHIFTS.get(device)
+    if shifts is None:
+        shifts = _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
+    bm = mask.to(device)  # ~1.6 MB at batch 64: cheaper than pinning a fresh buffer every step
+    return ((bm.unsqueeze(-1) >> shifts) & 1).bool().view(mask.shape[0], -1)
 
 
 def apply_bitmask(logits: torch.Tensor, rows: Sequence[int], mask: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import jsonschema
+import numpy as np
 import openai
 import pytest
 import torch
@@ -39,7 +40,7 @@ RF = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA
 
 
 def _allowed(row: torch.Tensor) -> list[int]:
-    return (((row.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).view(-1)).nonzero().flatten().tolist()
+    return np.flatnonzero(np.unpackbits(row.numpy().view(np.uint8), bitorder="little")).tolist()
 
 
 class MaskedRandom(ScriptedEngineClient):

@@ -10,6 +10,7 @@ import random
 from pathlib import Path
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -42,8 +43,7 @@ def _chat(**kw) -> ChatRequest:
 
 
 def _allowed(mask_row: torch.Tensor) -> list[int]:
-    bits = ((mask_row.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).view(-1)
-    return bits.nonzero().flatten().tolist()
+    return np.flatnonzero(np.unpackbits(mask_row.numpy().view(np.uint8), bitorder="little")).tolist()
 
 
 def _drive(spec, rng: random.Random, limit: int = 400) -> list[int]:
@@ -149,6 +149,12 @@ def test_masked_sampling_keeps_the_models_logprobs_and_fits_a_narrow_vocab() -> 
     assert torch.isfinite(out).any() and out.shape == (1, 1024)
     allowed = set(_allowed(mask[0]))
     assert all((i in allowed) == bool(torch.isfinite(out[0, i])) for i in range(1024))
+    # The GPU's unpacking (shifts on the device) agrees with numpy's, here on the CPU.
+    from kvrelay.engine.structured import allowed_rows, unpack_on
+
+    rows, mask = compute_masks([c, open_constraint(spec, list(structured.final_header()) + [90]), None])
+    numpy_bits = allowed_rows(mask, torch.device("cpu"), grammar.N_VOCAB)
+    assert torch.equal(numpy_bits, unpack_on(mask, torch.device("cpu"))[:, :grammar.N_VOCAB])
 
 
 def test_bad_schemas_and_choices_name_the_field() -> None:
@@ -211,3 +217,18 @@ def test_decode_steps_mask_constrained_rows_and_keep_the_rest_on_the_fast_path()
         solo.append(tok)
         logits = runner.decode(["solo"], [tok])[0]
     assert out["plain"] == solo
+
+
+def test_bench_structured_runs_and_stores_its_json(tmp_path, monkeypatch) -> None:
+    import sys
+
+    from kvrelay.bench import structured as bench
+
+    monkeypatch.setattr(sys, "argv", ["structured", "--engines", "llguidance", "--steps", "5", "--batches", "1,3",
+                                      "--model", "", "--out", str(tmp_path)])
+    res = bench.main()
+    (path,) = tmp_path.glob("structured-cpu-*.json")
+    stored = json.loads(path.read_text())
+    assert stored["engines"]["llguidance"]["person-b3"]["fill"]["p50_ms"] > 0
+    assert stored["apply"]["b3"]["p50_ms"] > 0 and "decode_steps" not in stored  # (--model '' skips them)
+    assert res["state_machine"]["b1"]["per_token_ms"] > 0 and stored["env"]["git_commit"]
