@@ -163,8 +163,9 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None, rate_limit: Ra
             return bad
         n = body.n or 1
         rid = body.request_id or new_request_id("chatcmpl")  # the response's id, in every log line about it
-        preps = _copies(await core.off_loop(core.prepare_chat, dataclasses.replace(body.to_chat(), request_id=rid)),
-                        n)
+        # to_chat too off the loop: converting a long message list is Python work the loop need not wait on.
+        preps = _copies(await core.off_loop(lambda: core.prepare_chat(dataclasses.replace(body.to_chat(),
+                                                                                          request_id=rid))), n)
         core.check_admission()
         opts = body.stream_options
         include_usage = bool(opts and opts.include_usage)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 from typing import Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from kvrelay.router.types import ChatMessage, ChatRequest, ResponseFormat, SamplingOptions, ToolCall, ToolSpec
-from kvrelay.router.validation import ValidationError
+from kvrelay.router.validation import MAX_MESSAGES, ValidationError
 
 
 MAX_N = 16  # choices per request (n); each is its own engine request
@@ -116,7 +116,8 @@ class _Sampling(_Body):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[MessageIn]
+    # Bounded before anything else runs: parsing and converting a message list holds the event loop.
+    messages: list[MessageIn] = Field(max_length=MAX_MESSAGES)
     tools: Optional[list[ToolIn]] = None
     tool_choice: Union[str, dict, None] = None
     reasoning_effort: Optional[str] = None

@@ -23,7 +23,7 @@ from typing import AsyncIterator, Callable, TypeVar
 from openai_harmony import HarmonyError
 
 from kvrelay.engine.sampling import SamplingParams
-from kvrelay.router import harmony, structured, validation
+from kvrelay.router import harmony, render_pool, structured, validation
 from kvrelay.router.engine_client import EngineClient, flatten, token_batches
 from kvrelay.router.metrics import RequestTimer
 from kvrelay.router.parser import Detokenizer, HarmonyStreamParser, new_call_id
@@ -125,7 +125,8 @@ class RouterCore:
         validation.check_chat(req)
         structured.check_chat_structured(req)
         spec = structured.build(req)
-        prompt = harmony.render_chat(req, req.conversation_start_date or self._today())
+        # Big conversations render in a helper process: harmony holds the GIL while it renders.
+        prompt = render_pool.render_chat(req, req.conversation_start_date or self._today())
         if len(prompt) >= self.max_context:
             raise ValidationError(
                 "messages",

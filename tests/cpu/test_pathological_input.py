@@ -14,7 +14,7 @@ import pytest
 from kvrelay.router import harmony
 from kvrelay.router.scripted_engine import ScriptedEngineClient
 from kvrelay.router.server import BackgroundRouter
-from kvrelay.router.validation import MAX_TEXT_RUN, ValidationError, check_text
+from kvrelay.router.validation import MAX_MESSAGES, MAX_TEXT_RUN, ValidationError, check_text
 
 harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 MODEL = "m"
@@ -104,3 +104,54 @@ def test_long_text_encodes_in_pieces_to_the_same_ids() -> None:
             n += len(w) + 1
         text = " ".join(words)
         assert harmony.encode_text(text) == enc.encode(text, allowed_special=set()), trial
+
+
+@pytest.mark.parametrize("shape", ["many messages", "one huge message"])
+def test_health_answers_while_a_big_conversation_is_rendered(server, shape) -> None:
+    """openai-harmony holds the GIL while it renders (2048 messages: ~0.6 s here, 11k: 3 s): big
+    conversations render in a helper process (router/render_pool.py), to exactly the ids harmony gives
+    in-process."""
+    from kvrelay.router.service import utc_today
+    from kvrelay.router.types import ChatMessage, ChatRequest
+
+    if shape == "many messages":
+        messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}: hi there " * 8}
+                    for i in range(MAX_MESSAGES)]
+    else:
+        messages = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog. " * 25_000}]
+    want = len(harmony.render_chat(ChatRequest(tuple(ChatMessage(m["role"], m["content"]) for m in messages)),
+                                   utc_today()))  # the date the server renders with
+    done = threading.Event()
+    result: dict = {}
+
+    def post() -> None:
+        r = httpx.post(f"{server.http_url}/v1/chat/completions", timeout=120, json={
+            "model": MODEL, "messages": messages, "max_tokens": 1})
+        result["status"], result["body"] = r.status_code, r.json()
+        done.set()
+
+    gc.collect()
+    gc.freeze()
+    t = threading.Thread(target=post)
+    t.start()
+    gaps = []
+    try:
+        with httpx.Client(timeout=10) as c:
+            while not done.is_set():
+                t0 = time.perf_counter()
+                assert c.get(f"{server.http_url}/health").status_code == 200
+                gaps.append(time.perf_counter() - t0)
+                time.sleep(0.005)
+    finally:
+        t.join()
+        gc.unfreeze()
+    assert result["status"] == 200, result["body"]
+    assert result["body"]["usage"]["prompt_tokens"] == want
+    assert len(gaps) >= 3 and max(gaps) < 0.1, (len(gaps), max(gaps))
+
+
+def test_more_messages_than_the_limit_are_refused_by_name(server) -> None:
+    messages = [{"role": "user", "content": "hi"}] * (MAX_MESSAGES + 1)
+    r = httpx.post(f"{server.http_url}/v1/chat/completions", json={"model": MODEL, "messages": messages}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text[:300]
+    assert str(MAX_MESSAGES) in r.json()["error"]["message"]
