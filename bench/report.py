@@ -1,7 +1,8 @@
 """Collect benchmark JSONs into one Markdown report (and one decode plot with every model/length curve).
 
-    python -m kvrelay.bench.report                      # every *.json under bench/results
+    python -m kvrelay.bench.report                      # every *.json under bench/results, one section per run
     python -m kvrelay.bench.report DIR_OR_FILES... --out report.md
+    python -m kvrelay.bench.report --results-md         # bench/RESULTS.md: the tables (bench/results_md.py)
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ import sys
 from pathlib import Path
 
 from kvrelay.bench import common as C
+
+RESULTS_MD_REL = "bench/RESULTS.md"
+RESULTS_MD = C.REPO_ROOT / RESULTS_MD_REL
 
 
 def load(paths: list[str]) -> list[dict]:
@@ -93,7 +97,18 @@ def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(prog="python -m kvrelay.bench.report", description=__doc__.split("\n\n")[0])
     ap.add_argument("paths", nargs="*", help="result directories or JSON files (default bench/results)")
     ap.add_argument("--out", default=None, help="Markdown file to write (default: print only)")
+    ap.add_argument("--results-md", nargs="?", const=str(RESULTS_MD), default=None, metavar="PATH",
+                    help=f"write the tables of every qualifying result instead (default {RESULTS_MD_REL}) and "
+                         "its decode plot beside it")
     args = ap.parse_args(argv)
+    if args.results_md is not None:
+        from kvrelay.bench import provenance, results_md
+
+        col = provenance.collect([Path(p) for p in args.paths or [str(C.DEFAULT_OUT)]])
+        text, png = results_md.write(col, Path(args.results_md))
+        print(f"wrote {args.results_md}" + (f" and {png}" if png else "") +
+              f" ({sum(r.excluded is None for r in col.results)} qualifying results, {len(col.excluded)} excluded)")
+        return text
     runs = load(args.paths)
     text = "# kvrelay benchmark report\n\n" + "\n".join(
         prefill_section(d) if d["kind"] == "prefill" else decode_section(d) for d in runs)

@@ -203,3 +203,49 @@ def test_graph_and_attention_choice_follow_the_runner_signature(monkeypatch):
     monkeypatch.setattr(runner_mod.Runner, "__init__", with_sizes)
     assert C.graph_kwargs("auto", "cuda", [1, 8])[0] == {"cuda_graph_batch_sizes": (1, 8)}
     assert C.graph_kwargs("off", "cuda", [1, 8])[0] == {}
+
+
+def _keep_scratch_pages_like_a_gpu_runner(monkeypatch):
+    """A GPU Runner with decode graphs keeps one scratch page per group (the padding rows' page) out of
+    the pool it is given; on CPU it runs no graphs and keeps none. Make the CPU Runner keep them exactly
+    as the GPU one does (engine/runner.Runner._new_pool), so the bench's pool sizing is tested against it."""
+    from kvrelay.engine import runner as runner_mod
+    from kvrelay.engine.kv_cache import GROUPS
+
+    orig = runner_mod.Runner._new_pool
+
+    def new_pool(self, num_pages):
+        orig(self, num_pages)
+        if not self._scratch:
+            self._scratch = {g: self.kv.allocators[g].allocate(1)[0] for g in GROUPS}
+
+    monkeypatch.setattr(runner_mod.Runner, "_new_pool", new_pool)
+
+
+@pytest.mark.parametrize("short", [None, "full", "sliding"])
+def test_decode_pool_holds_the_largest_point(tmp_path, monkeypatch, short):
+    # Issue 11: the pool was sized one page short (the scratch page was not counted), so the largest
+    # batch was always skipped as "KV pool too small". The pool must hold it, with nothing to spare: one
+    # page less in either group (short=...) must skip it, which also proves this test can fail.
+    from kvrelay.bench import decode
+
+    _keep_scratch_pages_like_a_gpu_runner(monkeypatch)
+    if short is not None:
+        sized = decode._pool_pages
+
+        def one_short(*a):
+            pages, note = sized(*a)
+            return dict(pages, **{short: pages[short] - 1}), note
+
+        monkeypatch.setattr(decode, "_pool_pages", one_short)
+    # S=17 (+ 3 steps in the sizing): 2 pages of 16 per sequence in both groups (the sliding window of 8
+    # still reaches page 0), 3 sequences + the scratch page = 7 per group, every page used.
+    argv = SMALL + ["--lengths", "17", "--batches", "1,3", "--warmup", "0", "--iters", "2", "--out", str(tmp_path)]
+    data = decode.main(argv)
+    assert data["pool_pages"] == ({"full": 7, "sliding": 7} if short is None else
+                                  dict({"full": 7, "sliding": 7}, **{short: 6}))
+    if short is None:
+        assert [p["batch"] for p in data["points"]] == [1, 3] and data["skipped"] == []
+    else:
+        assert [p["batch"] for p in data["points"]] == [1]
+        assert [(s["batch"], "KV pool too small" in s["reason"]) for s in data["skipped"]] == [(3, True)]
