@@ -9,6 +9,7 @@ Small ones, nearly all, render in-process as before (a round trip to the helper 
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import multiprocessing
 import threading
@@ -42,6 +43,7 @@ def _executor() -> concurrent.futures.ProcessPoolExecutor:
             # mid-state. The child inherits TIKTOKEN_ENCODINGS_BASE and loads the vocabulary itself.
             _pool = concurrent.futures.ProcessPoolExecutor(max_workers=1,
                                                            mp_context=multiprocessing.get_context("spawn"))
+            atexit.register(_pool.shutdown, wait=False, cancel_futures=True)  # not left to teardown's GC
         return _pool
 
 
