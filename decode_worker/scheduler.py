@@ -30,6 +30,7 @@ from kvrelay.engine.kv_geometry import GROUPS, worst_case_pages
 from kvrelay.engine.runner import Runner
 from kvrelay.engine.sampling import SamplingParams, TokenOutput, context_full, finish_reason_at, top_logprobs
 from kvrelay.workers.messages import AdmissionRefused
+from kvrelay.engine import grammar
 from kvrelay.engine.structured import ConstraintBatch, open_constraint, sample_constrained
 
 
@@ -113,6 +114,9 @@ class Scheduler:
     _deferred: set[str] = field(default_factory=set)  # released while a launched step still uses them
     _budget_lock: threading.Lock = field(default_factory=threading.Lock)  # guards _budget (see module doc)
     _grammar: ConstraintBatch | None = None  # structured outputs' mask thread, made on first use
+
+    def __post_init__(self) -> None:
+        grammar.warm_up()  # structured outputs' vocabulary (~1 s), built off the step thread
 
     @property
     def capacity(self) -> dict[str, int]:
@@ -374,7 +378,7 @@ class Scheduler:
             if r.output is not None:
                 r.output.append(token)
             if r.constraint is not None:
-                r.constraint.advance(token)
+                r.constraint.feed(token)
             # `n` positions are in the cache; with this token the sequence holds n + 1.
             reason = finish_reason_at(token, r.generated, r.params, n + 1, self.runner.max_context)
             r.emit(TokenOutput(token, logprob, reason, tops[i] if tops is not None else None))

@@ -94,6 +94,25 @@ def tokenizer():
         eos_token=RETURN, n_vocab=N_VOCAB)
 
 
+def warm_up() -> None:
+    """Build `tokenizer()` on a daemon thread when the vocabulary is there, so the first structured
+    request a worker serves does not wait ~1 s for it on the step thread."""
+    import threading
+
+    base = os.environ.get("TIKTOKEN_ENCODINGS_BASE")
+    if base and (Path(base) / VOCAB_FILE).is_file() and tokenizer.cache_info().currsize == 0:
+        threading.Thread(target=_warm, name="kvrelay-grammar-warmup", daemon=True).start()
+
+
+def _warm() -> None:
+    try:
+        tokenizer()
+    except Exception as exc:  # noqa: BLE001 - a request that needs it reports the error itself
+        import logging
+
+        logging.getLogger(__name__).warning("structured outputs: building the vocabulary failed: %r", exc)
+
+
 def json_grammar(schema: str) -> str:
     """llguidance's grammar for a JSON Schema text ('{}' or '{"type": "object"}': any object)."""
     import llguidance

@@ -162,7 +162,7 @@ class LLM:
         for i, (req, (token, logprob), top) in enumerate(zip(reqs, picks, tops)):
             req.output.append(token)
             if req.constraint is not None:
-                req.constraint.advance(token)
+                req.constraint.feed(token)
             reason = finish_reason_at(token, len(req.output), req.params, len(req.prompt) + len(req.output),
                                       self.max_context)
             outs.append((req.req_id, TokenOutput(token, logprob, reason, top, plps[i] if plps else None)))

@@ -159,7 +159,16 @@ class Constraint:
             if self.broken or self.matcher.is_error():
                 return "allow", [self.body.end]
             return "grammar", self.matcher, self.body.end
-        return "allow", [self.body.end]
+        return "allow", [(self.body or self.spec.bodies[0]).end]
+
+    def feed(self, token: int) -> None:
+        """`advance` for a live request: a token the constraint cannot follow (never expected: the mask
+        allowed it) ends the constrained message instead of failing the whole decode step."""
+        try:
+            self.advance(token)
+        except ConstraintError as exc:
+            log.error("structured output: %s; ending the message", exc)
+            self.state = _DONE
 
     @property
     def done(self) -> bool:

@@ -132,6 +132,10 @@ def test_replay_continues_the_same_state() -> None:
         assert tokens[cut] in _allowed(mask[0])
     with pytest.raises(ConstraintError):
         open_constraint(spec, [harmony.START])  # not a header the spec allows
+    live = open_constraint(spec, list(structured.final_header()))
+    live.feed(harmony.START)  # a live request fed a token the mask never allowed: the message ends there
+    (_,), mask = compute_masks([live])
+    assert live.done and _allowed(mask[0]) == [harmony.RETURN]
 
 
 def test_masked_sampling_keeps_the_models_logprobs_and_fits_a_narrow_vocab() -> None:
