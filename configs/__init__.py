@@ -1,0 +1,2 @@
+"""Shipped topology files (`kvrelay serve cpu-tiny.yaml`, the H200 layouts); cluster/topology.py reads them.
+"""

@@ -1,6 +1,7 @@
 """Decode worker: a page pool, a continuous-batching step loop, and the token streams of its requests.
 
-Runs as an async Ray actor (cluster/serve.py wraps it with `ray.remote`). The event loop only
+Runs as an async Ray actor (cluster/serve.py wraps it with `ray.remote`), built from its `DecodeSpec`
+(workers/specs.py), which is all it knows of the topology. The event loop only
 coordinates: admission, the NIXL pull (in a thread, it blocks), and the token streams. A dedicated step
 thread owns the Runner and the Scheduler: every other engine call is queued and run by it between two
 steps, all pending ones at once. Tokens a step produced reach the event loop in one hand-off per step and

@@ -23,8 +23,8 @@ import torch
 from kvrelay.engine.config import ModelConfig
 from kvrelay.engine.kv_geometry import (GROUPS, SLIDING, first_live_page, group_layers, layer_groups, layout_hash,
                                         pages_spanned)
-from kvrelay.engine.layers.attention import head_range
 from kvrelay.engine.layers.linear import Shard
+from kvrelay.engine.partition import head_range
 from kvrelay.kernels.reference import PagedKV
 
 
@@ -122,7 +122,9 @@ class KVCache:
         self.window = cfg.sliding_window
         self.device = torch.device(device)
         self.dtype = dtype
-        self.kv_heads = head_range(cfg, shard).num_kv
+        # The attention layer's rule (it asks the same function): more ranks than KV heads replicate one.
+        heads = head_range(cfg.num_attention_heads, cfg.num_key_value_heads, shard.rank, shard.world_size)
+        self.kv_heads = heads.num_kv
         self.tp_rank, self.tp_size = shard.rank, shard.world_size
         counts = num_pages if isinstance(num_pages, dict) else {g: num_pages for g in GROUPS}
         groups = layer_groups(cfg.layer_types)

@@ -1,6 +1,7 @@
 """Prefill worker: one prompt at a time, then the KV stays pinned for the decode side to pull.
 
-Runs as a threaded Ray actor (cluster/serve.py wraps it with `ray.remote`): `prefill` calls queue on one
+Runs as a threaded Ray actor (cluster/serve.py wraps it with `ray.remote`), built from its `PrefillSpec`
+(workers/specs.py), which is all it knows of the topology: `prefill` calls queue on one
 lock, since prefill is compute-bound at batch 1 and overlapping two prompts only slows both, while
 `release`/`stats`/`health` answer at once from other threads even during a long prompt. A release
 therefore never touches the Runner itself (a prefill may be mid-forward); it queues the sequence, and

@@ -5,7 +5,8 @@ so every process that may start one must see the same answer before it does: the
 environment every worker process starts with (cluster/placement.py puts `env()` there), the worker
 itself before its first agent (`apply()`: a worker built outside that environment, as the tests do), and
 the follower ranks a TP leader starts (workers/rank_group.py forwards the `ENV_KEYS` of its own
-environment). The settings come from the topology's kv_transfer section, resolved by cluster/specs.py.
+environment). The settings come from the topology's kv_transfer section (cluster/placement.ucx_settings)
+and reach each worker in its spec (workers/specs.py).
 Here rather than in workers/: they are a property of the transport, not of a role.
 """
 

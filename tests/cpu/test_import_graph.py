@@ -127,3 +127,43 @@ def test_a_forbidden_import_is_seen_inside_a_function(tmp_path):
     path = tmp_path / "m.py"
     path.write_text("def f():\n    from ray.util import x\n    import nixl_cu13\n")
     assert {t.split(".")[0] for t, _ in _imports(path)} == {"ray", "nixl_cu13"}
+
+
+# Which packages each package may import (docs/map.md draws the same layers): the roles share workers/
+# and never import each other; the router knows only the engine's types and the wire contract; nothing
+# imports the benchmarks or the CLI's cluster/.
+LAYERS = {
+    "kernels": set(),
+    "engine": {"kernels"},
+    "transfer": {"engine"},
+    "workers": {"engine", "transfer"},
+    "prefill_worker": {"engine", "transfer", "workers"},
+    "decode_worker": {"engine", "transfer", "workers"},
+    "router": {"engine", "v1", "protos"},
+    "protos": {"v1"},
+    "v1": set(),
+    "configs": set(),
+}
+
+
+def test_packages_import_only_the_layers_below_them():
+    bad = []
+    for mod, deps in import_graph().items():
+        pkg = mod.split(".")[1]
+        for dep in deps:
+            target = dep.split(".")[1]
+            if target == pkg:
+                continue
+            if target in ("bench", "cluster") and pkg not in ("bench", "cluster"):
+                bad.append(f"{mod} imports {dep}")
+            elif pkg in LAYERS and target not in LAYERS[pkg]:
+                bad.append(f"{mod} imports {dep}")
+    assert bad == []
+
+
+def test_every_module_says_what_it_is_for():
+    """A newcomer reads the docstring first (docs/map.md points there); protoc's output has none."""
+    generated = ("kvrelay.v1", "kvrelay.protos.kvrelay")
+    missing = [mod for mod, path in modules().items()
+               if not mod.startswith(generated) and not ast.get_docstring(ast.parse(path.read_text()))]
+    assert missing == []
