@@ -88,6 +88,8 @@ def chat_from_proto(req: pb.ChatRequest) -> ChatRequest:
     tools = tuple(ToolSpec(t.name, t.description, t.parameters_json_schema) for t in req.tools)
     if req.tool_choice == "none":  # as HTTP: the model is not told about the tools
         tools = ()
+    if req.tool_choice_function and req.tool_choice_function not in {t.name for t in tools}:
+        raise ValidationError("tool_choice_function", f"{req.tool_choice_function!r} is not one of the request's tools")
     return ChatRequest(
         messages=messages,
         tools=tools,

@@ -214,3 +214,6 @@ def test_grpc_chat_takes_the_same_constraints(server) -> None:
         list(client.chat(msgs, response_format=bad))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith("response_format.schema_json: ")
+    with pytest.raises(grpc.RpcError) as err:
+        list(client.chat(msgs, tools=tools, tool_choice_function="nope"))
+    assert err.value.details().startswith("tool_choice_function: ")
