@@ -90,7 +90,8 @@ def _table(rows: list[dict]) -> str:
         for cause, n in r.get("reprefills", {}).items():
             reprefills[cause] = reprefills.get(cause, 0) + n
         tp = f"{r['tp_rank']}/{r['tp_size']}"
-        state = f"{r.get('state', 'ok' if r['healthy'] else 'BAD'):10} {r.get('restarts', 0):>8}"
+        label = r.get("state", "healthy" if r["healthy"] else "down")
+        state = f"{label if label == 'healthy' else label.upper():10} {r.get('restarts', 0):>8}"  # trouble stands out
         if "pid" in r:
             used = r["pages_in_use"]
             total = r["pages_total"]

@@ -74,6 +74,7 @@ class Supervisor:
                 st.restarts = prev.get(f"{role}/{rank}", {}).get("restarts", 0)
         self._lock = threading.Lock()  # guards states and _restarting
         self._restarting: dict[tuple[str, int], threading.Thread] = {}
+        self._starting: dict[tuple[str, int], object] = {}  # replacements still loading (killed on stop)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._suspects: set[tuple[str, int]] = set()
@@ -97,6 +98,9 @@ class Supervisor:
             self._thread.join(timeout_s)
         with self._lock:
             threads = list(self._restarting.values())
+            loading = list(self._starting.values())
+        for actor in loading:  # its health call then fails at once and the restart thread ends
+            _kill_quietly(actor)
         for t in threads:
             t.join(timeout_s)
 
@@ -111,7 +115,7 @@ class Supervisor:
         """What `kvrelay status` shows: per worker (\"role/rank\") its state, restarts, last error and
         the re-prefills counted against it by cause."""
         reprefills: dict[tuple[str, int], dict[str, int]] = {}
-        for (role, rank, cause), n in list(self.client.reprefills.items()):
+        for (role, rank, cause), n in dict(self.client.reprefills).items():  # a copy: the loop counts on
             key = (self._placement.COLOCATED, rank) if self._colocated else (role, rank)
             per = reprefills.setdefault(key, {})
             per[cause] = per.get(cause, 0) + n
@@ -210,6 +214,10 @@ class Supervisor:
                     _wait_name_free(name, namespace, timeout_s=60.0)
                     t0 = time.monotonic()
                     new = self.cluster.start_worker(slot)
+                    with self._lock:
+                        self._starting[key] = new
+                    if self._stop.is_set():
+                        raise RuntimeError("the supervisor is stopping")
                     if not ray.get(new.health.remote(), timeout=self.startup_timeout_s):
                         raise RuntimeError("the replacement answered unhealthy")
                 except Exception as e:
@@ -239,6 +247,7 @@ class Supervisor:
         finally:
             with self._lock:
                 self._restarting.pop(key, None)
+                self._starting.pop(key, None)
 
     # ---- publishing --------------------------------------------------------------------------
     def _publish(self) -> None:
