@@ -236,3 +236,18 @@ def test_bench_structured_runs_and_stores_its_json(tmp_path, monkeypatch) -> Non
     assert stored["engines"]["llguidance"]["person-b3"]["fill"]["p50_ms"] > 0
     assert stored["apply"]["b3"]["p50_ms"] > 0 and "decode_steps" not in stored  # (--model '' skips them)
     assert res["state_machine"]["b1"]["per_token_ms"] > 0 and stored["env"]["git_commit"]
+
+
+@pytest.mark.parametrize("with_tools", [False, True])
+def test_the_schema_reaches_the_model_as_harmonys_response_formats_section(with_tools) -> None:
+    """The developer message gains `# Response Formats` (harmony's docs); everything before it, the
+    system message's tool-channel line included, renders as without a response_format."""
+    tools = (ToolSpec("f", "d", json.dumps(WEATHER)),) if with_tools else ()
+    msgs = (ChatMessage("system", "Be brief."), ChatMessage("user", "hi"))
+    rf = ResponseFormat("json_schema", json.dumps(BOUNDED), "verdict", "The verdict.")
+    plain = harmony.decode_tokens(harmony.render_chat(ChatRequest(messages=msgs, tools=tools), "2026-12-01"))
+    shaped = harmony.decode_tokens(harmony.render_chat(ChatRequest(messages=msgs, tools=tools, response_format=rf),
+                                                       "2026-12-01"))
+    section = "# Response Formats\n\n## verdict\n\n// The verdict.\n" + json.dumps(BOUNDED, separators=(",", ":"))
+    assert section in shaped and shaped.replace("\n\n" + section, "") == plain
+    assert shaped.split("<|start|>developer")[0] == plain.split("<|start|>developer")[0]
