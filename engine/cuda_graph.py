@@ -11,16 +11,25 @@ Contract with the step function (the runner's decode forward):
   *outside* the graph, writing into those buffers; padding rows (n..bs-1) must describe harmless work
   (e.g. a 1-token sequence on a scratch page) and their outputs are ignored.
 Graphs of all sizes share one memory pool (captured largest first, so smaller ones fit inside it).
+
+Here: `DecodeGraphs` (capture and replay per padded batch size), `DecodeGraphBuffers` (the fixed buffers a
+decode step reads, their host-side refill, and the attention backend's replay hook), `PiecewiseGraphs`
+(ragged forwards as graphs of everything between the attention kernels).
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import time
 from bisect import bisect_left
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
+
+from kvrelay.engine.kv_geometry import GROUPS
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -94,6 +103,85 @@ class DecodeGraphs:
         self.prepare(bs, n)
         self.graphs[bs].replay()
         return self.outputs[bs], bs
+
+
+@dataclass
+class DecodeGraphBuffers:
+    """The fixed device buffers every captured decode step reads, for up to `max_batch` rows: two flat
+    tensors (int64: token ids, positions, logit rows, write pages/offsets per group; int32: qo_indptr,
+    per group kv indptr and last page lengths, then each group's page indices) at the offsets of
+    `graph_offsets`, one BatchLayout of views and one attention per graph size. `prepare` is the host
+    side of a step, outside the graph: the real rows' plan (`items`, set by the caller; None while
+    capturing) padded with scratch-page rows, one copy per buffer, then the attention backend's replay
+    hook (`plan_replay`: FlashInfer's plan into its own fixed buffers)."""
+
+    i64: torch.Tensor
+    i32: torch.Tensor
+    offsets64: dict
+    offsets32: dict
+    n32: int  # int32 entries before the page indices
+    cap: dict[str, int]  # page indices per group
+    max_batch: int
+    batches: dict[int, Any] = field(default_factory=dict)  # graph size -> BatchLayout of views
+    attention: dict[int, Any] = field(default_factory=dict)  # graph size -> its BatchAttention
+    items: dict | None = None  # the decode plan (KVCache.plan_decode + ids, fill) of the step to prepare
+    planned: Any = None  # event recorded after the last plan's copies were queued
+
+    @classmethod
+    def allocate(cls, sizes: Sequence[int], cap: dict[str, int], device, make_attention) -> "DecodeGraphBuffers":
+        from kvrelay.engine.kv_cache import BatchLayout
+        from kvrelay.kernels.reference import PagedKV
+
+        mx = max(sizes)
+        o, o32, n32 = graph_offsets(mx, cap)
+        b = cls(torch.zeros(7 * mx, dtype=torch.long, device=device),
+                torch.zeros(n32 + sum(cap.values()), dtype=torch.int32, device=device), o, o32, n32, dict(cap), mx)
+        # Static parts: qo_indptr = 0..bs, logit rows = 0..bs-1.
+        b.i32[: mx + 1].copy_(torch.arange(mx + 1, dtype=torch.int32))
+        b.i64[o["rows"]: o["rows"] + mx].copy_(torch.arange(mx))
+        for bs in sizes:
+            kv = {g: PagedKV(b.i32[o32[("ip", g)]: o32[("ip", g)] + bs + 1],
+                             b.i32[o32[("ix", g)]: o32[("ix", g)] + cap[g]],
+                             b.i32[o32[("ll", g)]: o32[("ll", g)] + bs]) for g in GROUPS}
+            b.batches[bs] = BatchLayout(
+                qo_indptr=b.i32[: bs + 1], positions=b.i64[o["pos"]: o["pos"] + bs],
+                logit_rows=b.i64[o["rows"]: o["rows"] + bs], kv=kv,
+                write_pages={g: b.i64[o[("wp", g)]: o[("wp", g)] + bs] for g in GROUPS},
+                write_offsets={g: b.i64[o[("wo", g)]: o[("wo", g)] + bs] for g in GROUPS},
+                num_tokens=bs, num_seqs=bs, host={"kv_indptr": {}, "kv_last_page_len": {}})
+            b.attention[bs] = make_attention(bs)
+        return b
+
+    def prepare(self, bs: int, scratch: dict[str, int]) -> None:
+        # FlashInfer's plan writes its schedule into one page-locked host buffer per wrapper and queues a
+        # copy from it (no sync). With overlapped steps the previous plan's copy may still be queued behind
+        # the running step: wait for that copy (not for the step) before writing the buffer again.
+        while self.planned is not None and not self.planned.query():  # polled: releases the GIL, no sync
+            time.sleep(20e-6)
+        lists, o32, n32 = self.items, self.offsets32, self.n32
+        a64, a32, idx_len = graph_host_arrays(lists, bs, self.max_batch, self.offsets64, o32, n32, scratch)
+        cuda = self.i64.is_cuda  # the CPU runs the same steps uncaptured (tests)
+        host64, host32 = torch.from_numpy(a64), torch.from_numpy(a32)
+        if cuda:
+            host64, host32 = host64.pin_memory(), host32.pin_memory()
+        self.i64.copy_(host64, non_blocking=True)
+        if lists is not None and lists.get("fill") is not None:
+            dst, src, tokens = lists["fill"]
+            self.i64[dst] = tokens[src]  # rows whose token is still on the device (the step before's)
+        self.i32[:n32].copy_(host32[:n32], non_blocking=True)
+        at = n32
+        for g in GROUPS:
+            k = idx_len[g]
+            self.i32[o32[("ix", g)]: o32[("ix", g)] + k].copy_(host32[at: at + k], non_blocking=True)
+            at += k
+        batch = self.batches[bs]
+        for g in GROUPS:
+            batch.host["kv_indptr"][g] = host32[o32[("ip", g)]: o32[("ip", g)] + bs + 1]
+            batch.host["kv_last_page_len"][g] = host32[o32[("ll", g)]: o32[("ll", g)] + bs]
+        self.attention[bs].plan_replay(batch, idx_len)
+        if cuda and not torch.cuda.is_current_stream_capturing():
+            self.planned = torch.cuda.Event()
+            self.planned.record()
 
 
 # Token counts a mixed (prompt chunks + decode rows) forward is padded to. Beyond the largest the
@@ -240,3 +328,56 @@ class _Writes:
 
     def __init__(self, write_pages: dict, write_offsets: dict):
         self.write_pages, self.write_offsets = write_pages, write_offsets
+
+
+def graph_offsets(mx: int, cap: dict[str, int]) -> tuple[dict, dict, int]:
+    """Where each array lives in the graph step's two fixed buffers (int64, int32) for up to mx rows and
+    `cap[g]` page indices per group: (int64 offsets, int32 offsets, int32 size before the indices)."""
+    o = {"ids": 0, "pos": mx, "rows": 2 * mx}
+    for i, g in enumerate(GROUPS):
+        o[("wp", g)], o[("wo", g)] = (3 + 2 * i) * mx, (4 + 2 * i) * mx
+    n32 = (mx + 1) + 2 * (2 * mx + 1)
+    o32, at = {"qo": 0}, mx + 1
+    for g in GROUPS:
+        o32[("ip", g)], o32[("ll", g)] = at, at + mx + 1
+        at += 2 * mx + 1
+    for g in GROUPS:
+        o32[("ix", g)] = at
+        at += cap[g]
+    return o, o32, n32
+
+
+def graph_host_arrays(lists: dict | None, bs: int, mx: int, o: dict, o32: dict, n32: int,
+                      scratch: dict[str, int]) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
+    """A graph step's host buffers: int64 [7 * mx] (ids, positions, logit rows, write pages/offsets per
+    group at the offsets `o`) and int32 [n32 + indices] (qo_indptr, per group kv indptr and last page
+    lengths at `o32`, then each group's page indices), the real rows of `lists` (a decode plan, None
+    while capturing) padded to bs rows that each hold one scratch page. numpy throughout: no Python loop
+    over rows or pages (a 256-row step's host time is what the GPU waits for between graphs)."""
+    n = 0 if lists is None else len(lists["positions"])
+    pad = bs - n
+    h64 = np.zeros(7 * mx, dtype=np.int64)
+    if n:
+        h64[:n] = lists["ids"]
+        h64[o["pos"]: o["pos"] + n] = lists["positions"]
+    for g in GROUPS:
+        at = o[("wp", g)]
+        if n:
+            h64[at: at + n] = lists["w_pages"][g]
+            h64[o[("wo", g)]: o[("wo", g)] + n] = lists["w_offsets"][g]
+        h64[at + n: at + bs] = scratch[g]  # padding rows write to the scratch page, offset 0
+    h64[o["rows"]: o["rows"] + mx] = np.arange(mx)
+    small = np.zeros(n32, dtype=np.int32)
+    small[: mx + 1] = np.arange(mx + 1)
+    idx = {}
+    for g in GROUPS:
+        ip = np.empty(bs + 1, dtype=np.int64)
+        ip[: n + 1] = lists["indptr"][g] if n else 0
+        ip[n + 1:] = ip[n] + np.arange(1, pad + 1)
+        small[o32[("ip", g)]: o32[("ip", g)] + bs + 1] = ip
+        if n:
+            small[o32[("ll", g)]: o32[("ll", g)] + n] = lists["last_len"][g]
+        small[o32[("ll", g)] + n: o32[("ll", g)] + bs] = 1
+        idx[g] = np.concatenate([np.asarray(lists["indices"][g] if n else [], dtype=np.int32),
+                                 np.full(pad, scratch[g], dtype=np.int32)])
+    return h64, np.concatenate([small, idx[GROUPS[0]], idx[GROUPS[1]]]), {g: len(idx[g]) for g in GROUPS}

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Collection, Hashable, Sequence
 
-import numpy as np
 import torch
 
 from kvrelay.engine.config import DEFAULT_GRAPH_BATCH_SIZES, ModelConfig, load_model_config
@@ -99,6 +98,7 @@ class Runner:
         # Graph replay (True) or the same padded step run eagerly (False; tests compare the two).
         self.graph_replay = True
         self._graphs = None
+        self._gbuf = None  # the decode graphs' fixed buffers (engine/cuda_graph.DecodeGraphBuffers)
         # Ragged forwards (prompt chunks + decode rows) of up to max(piecewise_token_sizes) tokens replay
         # piecewise graphs (engine/cuda_graph.PiecewiseGraphs) wherever decode graphs are used.
         from kvrelay.engine.cuda_graph import DEFAULT_TOKEN_BUCKETS
@@ -248,80 +248,27 @@ class Runner:
 
     # ---- CUDA-graph decode -----------------------------------------------------------------------
     def _graph_setup(self) -> None:
-        """Fixed device buffers for the largest graph batch, one BatchLayout of views and one attention
-        per graph size, then capture (largest first, one shared memory pool)."""
-        from kvrelay.engine.cuda_graph import DecodeGraphs
+        """The decode graphs' fixed buffers (engine/cuda_graph.DecodeGraphBuffers), one attention per graph
+        size, then capture (largest first, one shared memory pool)."""
+        from kvrelay.engine.cuda_graph import DecodeGraphBuffers, DecodeGraphs
 
-        dev, mx = self.device, max(self.cuda_graph_batch_sizes)
-        # Sequences of one batch use distinct pages, padding rows all use the scratch page.
-        cap = {g: self.kv.allocators[g].num_pages + mx for g in GROUPS}
-        i64 = torch.zeros(7 * mx, dtype=torch.long, device=dev)
-        o, o32, n32 = graph_offsets(mx, cap)
-        i32 = torch.zeros(n32 + sum(cap.values()), dtype=torch.int32, device=dev)
-        self._g = dict(i64=i64, i32=i32, o=o, o32=o32, n32=n32, cap=cap, mx=mx, batches={}, attn={}, items=None)
-        # Static parts: qo_indptr = 0..bs, logit rows = 0..bs-1.
-        i32[: mx + 1].copy_(torch.arange(mx + 1, dtype=torch.int32))
-        i64[o["rows"]: o["rows"] + mx].copy_(torch.arange(mx))
         kw = {"workspaces": self._workspaces} if self._workspaces else {}
-        for bs in self.cuda_graph_batch_sizes:
-            kv = {g: PagedKV(i32[o32[("ip", g)]: o32[("ip", g)] + bs + 1],
-                             i32[o32[("ix", g)]: o32[("ix", g)] + cap[g]],
-                             i32[o32[("ll", g)]: o32[("ll", g)] + bs]) for g in GROUPS}
-            self._g["batches"][bs] = BatchLayout(
-                qo_indptr=i32[: bs + 1], positions=i64[o["pos"]: o["pos"] + bs],
-                logit_rows=i64[o["rows"]: o["rows"] + bs], kv=kv,
-                write_pages={g: i64[o[("wp", g)]: o[("wp", g)] + bs] for g in GROUPS},
-                write_offsets={g: i64[o[("wo", g)]: o[("wo", g)] + bs] for g in GROUPS},
-                num_tokens=bs, num_seqs=bs, host={"kv_indptr": {}, "kv_last_page_len": {}})
-            self._g["attn"][bs] = self.model.make_attention(self.kv.page_size, graph_batch=bs,
-                                                            graph_max_pages=cap, **kw)
+        # Sequences of one batch use distinct pages, padding rows all use the scratch page.
+        mx = max(self.cuda_graph_batch_sizes)
+        cap = {g: self.kv.allocators[g].num_pages + mx for g in GROUPS}
+        self._gbuf = DecodeGraphBuffers.allocate(
+            self.cuda_graph_batch_sizes, cap, self.device,
+            lambda bs: self.model.make_attention(self.kv.page_size, graph_batch=bs, graph_max_pages=cap, **kw))
         self._graphs = DecodeGraphs(self._graph_step, self._graph_prepare, self.cuda_graph_batch_sizes)
         self._graphs.capture()
 
     def _graph_prepare(self, bs: int, n: int) -> None:
-        """Host side of a graph step, outside the graph: the real rows' metadata (from `_g["items"]`,
-        None while capturing) padded to bs rows, copied into the fixed buffers, attention planned."""
-        g_ = self._g
-        # FlashInfer's plan writes its schedule into one page-locked host buffer per wrapper and queues a
-        # copy from it (no sync). With overlapped steps the previous plan's copy may still be queued behind
-        # the running step: wait for that copy (not for the step) before writing the buffer again.
-        planned = g_.get("planned")
-        while planned is not None and not planned.query():  # polled: releases the GIL, no device sync
-            time.sleep(20e-6)
-        lists = g_["items"]
-        mx, o, o32 = g_["mx"], g_["o"], g_["o32"]
-        a64, a32, idx_len = graph_host_arrays(lists, bs, mx, o, o32, g_["n32"], self._scratch)
-        host64 = torch.from_numpy(a64).pin_memory()
-        host32 = torch.from_numpy(a32).pin_memory()
-        g_["i64"].copy_(host64, non_blocking=True)
-        if lists is not None and lists.get("fill") is not None:
-            _fill_ids(g_["i64"], lists["fill"])  # rows whose token is still on the device
-        n32 = g_["n32"]
-        g_["i32"][:n32].copy_(host32[:n32], non_blocking=True)
-        at = n32
-        for g in GROUPS:
-            k = idx_len[g]
-            g_["i32"][o32[("ix", g)]: o32[("ix", g)] + k].copy_(host32[at: at + k], non_blocking=True)
-            at += k
-        batch = g_["batches"][bs]
-        for g in GROUPS:
-            batch.host["kv_indptr"][g] = host32[o32[("ip", g)]: o32[("ip", g)] + bs + 1]
-            batch.host["kv_last_page_len"][g] = host32[o32[("ll", g)]: o32[("ll", g)] + bs]
-        # Indices for FlashInfer's plan: the device copy just made (its wrapper copies device-to-device).
-        attn = g_["attn"][bs]
-        attn.batch = batch
-        for g, fi in attn.fi.items():
-            used = idx_len[g]
-            fi.plan_decode(batch.host["kv_indptr"][g], batch.kv[g].kv_indices[:used],
-                           batch.host["kv_last_page_len"][g])
-        if not torch.cuda.is_current_stream_capturing():
-            g_["planned"] = torch.cuda.Event()
-            g_["planned"].record()
+        """Host side of a graph step, outside the graph (DecodeGraphBuffers.prepare)."""
+        self._gbuf.prepare(bs, self._scratch)
 
     def _graph_step(self, bs: int) -> torch.Tensor:
-        batch = self._g["batches"][bs]
-        ids = self._g["i64"][:bs]
-        return self.model.forward(ids, self.kv, batch, attn=self._g["attn"][bs], plan=False)
+        b = self._gbuf
+        return self.model.forward(b.i64[:bs], self.kv, b.batches[bs], attn=b.attention[bs], plan=False)
 
     def _decode_graph(self, items: list[tuple[Hashable, int]], fill=None, clone: bool = True) -> torch.Tensor:
         if self._graphs is None:
@@ -336,7 +283,7 @@ class Runner:
         lists = self.kv.plan_decode([sid for sid, _ in items])
         lists["ids"] = toks
         lists["fill"] = fill
-        self._g["items"] = lists
+        self._gbuf.items = lists
         try:
             if self.graph_replay:
                 out, bs = self._graphs.run(n)
@@ -347,7 +294,7 @@ class Runner:
             # stream right away (decode_launch) needs no copy.
             logits = out[:n].clone() if clone else out[:n]
         finally:
-            self._g["items"] = None
+            self._gbuf.items = None
         for sid, _ in items:
             self.kv.commit(sid, 1)
         return logits
@@ -504,56 +451,3 @@ def _fill_ids(ids: torch.Tensor, fill) -> None:
     """ids[dst] = tokens[src] on the device: token ids a previous step sampled and nobody read back."""
     dst, src, tokens = fill
     ids[dst] = tokens[src]
-
-
-def graph_offsets(mx: int, cap: dict[str, int]) -> tuple[dict, dict, int]:
-    """Where each array lives in the graph step's two fixed buffers (int64, int32) for up to mx rows and
-    `cap[g]` page indices per group: (int64 offsets, int32 offsets, int32 size before the indices)."""
-    o = {"ids": 0, "pos": mx, "rows": 2 * mx}
-    for i, g in enumerate(GROUPS):
-        o[("wp", g)], o[("wo", g)] = (3 + 2 * i) * mx, (4 + 2 * i) * mx
-    n32 = (mx + 1) + 2 * (2 * mx + 1)
-    o32, at = {"qo": 0}, mx + 1
-    for g in GROUPS:
-        o32[("ip", g)], o32[("ll", g)] = at, at + mx + 1
-        at += 2 * mx + 1
-    for g in GROUPS:
-        o32[("ix", g)] = at
-        at += cap[g]
-    return o, o32, n32
-
-
-def graph_host_arrays(lists: dict | None, bs: int, mx: int, o: dict, o32: dict, n32: int,
-                      scratch: dict[str, int]) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
-    """A graph step's host buffers: int64 [7 * mx] (ids, positions, logit rows, write pages/offsets per
-    group at the offsets `o`) and int32 [n32 + indices] (qo_indptr, per group kv indptr and last page
-    lengths at `o32`, then each group's page indices), the real rows of `lists` (a decode plan, None
-    while capturing) padded to bs rows that each hold one scratch page. numpy throughout: no Python loop
-    over rows or pages (a 256-row step's host time is what the GPU waits for between graphs)."""
-    n = 0 if lists is None else len(lists["positions"])
-    pad = bs - n
-    h64 = np.zeros(7 * mx, dtype=np.int64)
-    if n:
-        h64[:n] = lists["ids"]
-        h64[o["pos"]: o["pos"] + n] = lists["positions"]
-    for g in GROUPS:
-        at = o[("wp", g)]
-        if n:
-            h64[at: at + n] = lists["w_pages"][g]
-            h64[o[("wo", g)]: o[("wo", g)] + n] = lists["w_offsets"][g]
-        h64[at + n: at + bs] = scratch[g]  # padding rows write to the scratch page, offset 0
-    h64[o["rows"]: o["rows"] + mx] = np.arange(mx)
-    small = np.zeros(n32, dtype=np.int32)
-    small[: mx + 1] = np.arange(mx + 1)
-    idx = {}
-    for g in GROUPS:
-        ip = np.empty(bs + 1, dtype=np.int64)
-        ip[: n + 1] = lists["indptr"][g] if n else 0
-        ip[n + 1:] = ip[n] + np.arange(1, pad + 1)
-        small[o32[("ip", g)]: o32[("ip", g)] + bs + 1] = ip
-        if n:
-            small[o32[("ll", g)]: o32[("ll", g)] + n] = lists["last_len"][g]
-        small[o32[("ll", g)] + n: o32[("ll", g)] + bs] = 1
-        idx[g] = np.concatenate([np.asarray(lists["indices"][g] if n else [], dtype=np.int32),
-                                 np.full(pad, scratch[g], dtype=np.int32)])
-    return h64, np.concatenate([small, idx[GROUPS[0]], idx[GROUPS[1]]]), {g: len(idx[g]) for g in GROUPS}

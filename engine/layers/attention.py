@@ -111,6 +111,10 @@ class BatchAttention:
     def plan(self, batch) -> None:
         self.batch = batch
 
+    def plan_replay(self, batch, used: dict[str, int]) -> None:
+        """A graph-size batch refilled in place (engine/cuda_graph.DecodeGraphBuffers): nothing to plan."""
+        self.batch = batch
+
     def run(self, q, pool, group, sinks, sm_scale, window):
         return self.fn(q, pool, self.batch.qo_indptr, self.batch.kv[group], sinks, sm_scale, window)
 
@@ -174,6 +178,16 @@ class GpuAttention(BatchAttention):
             if batch.qo_indptr.is_cuda:
                 t = t.pin_memory().to(batch.qo_indptr.device, non_blocking=True)
             self.tiles = (t[0], t[1])
+
+    def plan_replay(self, batch, used: dict[str, int]) -> None:
+        """The replay hook of a CUDA-graph decode batch (engine/cuda_graph.DecodeGraphBuffers.prepare):
+        `batch` is the graph's BatchLayout of fixed buffers, just refilled, with `used[g]` page indices
+        per group. FlashInfer plans into its wrappers' fixed buffers from the device copy of the indices
+        (it copies device-to-device); the Triton kernels read the buffers as they are."""
+        self.batch = batch
+        for g, fi in self.fi.items():
+            fi.plan_decode(batch.host["kv_indptr"][g], batch.kv[g].kv_indices[: used[g]],
+                           batch.host["kv_last_page_len"][g])
 
     def run(self, q, pool, group, sinks, sm_scale, window):
         from kvrelay.kernels import triton_attention as ta

@@ -142,7 +142,7 @@ def test_plan_decode_equals_plan_lists():
 def test_graph_host_arrays_pad_a_decode_plan():
     """The CUDA-graph step's host buffers: real rows from the decode plan, padding rows on the scratch
     page (one page each, last length 1, offset 0), written where the graph's views read them."""
-    from kvrelay.engine.runner import graph_host_arrays, graph_offsets
+    from kvrelay.engine.cuda_graph import graph_host_arrays, graph_offsets
 
     kv = KVCache(CFG, num_pages=512, page_size=4, device="meta")
     ids = ["a", "b", "c"]

@@ -70,3 +70,34 @@ def test_pieces_take_decode_tokens_left_on_the_device():
     got = split._run([("a", [0]), ("b", [0])], fill=fill)
     want = eager.forward_mixed([("a", [12]), ("b", [11])])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_graph_buffers_step_equals_eager_decode():
+    """The CUDA-graph decode step's fixed buffers (engine/cuda_graph.DecodeGraphBuffers): refilled on the
+    host, padded with scratch-page rows and run uncaptured on the CPU, a step equals the eager decode of
+    the same rows, through padded sizes that shrink and grow."""
+    from kvrelay.engine.cuda_graph import DecodeGraphBuffers, DecodeGraphs
+
+    eager, r = _runner(False), _runner(False)
+    r.cuda_graph_batch_sizes = (1, 2, 4, 8)
+    r._scratch = {g: r.kv.allocators[g].allocate(1)[0] for g in GROUPS}
+    cap = {g: r.kv.allocators[g].num_pages + 8 for g in GROUPS}
+    r._gbuf = DecodeGraphBuffers.allocate(r.cuda_graph_batch_sizes, cap, r.device,
+                                          lambda bs: r.model.make_attention(r.kv.page_size))
+    # Nothing captured: DecodeGraphs.run prepares the buffers and runs the step eagerly.
+    r._graphs = DecodeGraphs(r._graph_step, r._graph_prepare, r.cuda_graph_batch_sizes)
+    prompts = {"a": [3, 1, 4, 1, 5, 9, 2, 6, 5], "b": [2, 7, 1, 8], "c": list(range(40, 63))}
+    toks = {}
+    for x in (eager, r):
+        lg = x.prefill_batch(list(prompts.items()))
+        toks = dict(zip(prompts, lg.argmax(-1).tolist()))
+    steps = [["a", "b", "c"], ["a", "b", "c"], ["c"], ["a", "c"], ["a", "b", "c"]]
+    for ids in steps:
+        want = eager.decode(ids, [toks[i] for i in ids])
+        got = r.decode(ids, [toks[i] for i in ids])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        toks.update(zip(ids, want.argmax(-1).tolist()))
+    assert r._gbuf.items is None  # cleared after every step
+    for i in prompts:
+        r.free(i)
+    assert r.kv.free_pages() == {g: r.kv.allocators[g].num_pages - 1 for g in GROUPS}
