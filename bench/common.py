@@ -237,7 +237,9 @@ def git_commit(repo: Path = REPO_ROOT) -> str:
 
 def git_dirty(repo: Path = REPO_ROOT) -> bool | None:
     if os.environ.get("KVRELAY_GIT_COMMIT"):
-        return None  # a copy of that commit's tree: nothing here to compare against
+        # A copy of that commit's tree, with nothing here to compare against: clean only when the launcher
+        # checked its own tree before copying it (KVRELAY_GIT_CLEAN=1), else unknown.
+        return False if os.environ.get("KVRELAY_GIT_CLEAN") == "1" else None
     try:
         out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
                              capture_output=True, text=True, timeout=10)

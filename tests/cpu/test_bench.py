@@ -78,6 +78,11 @@ def test_git_commit_outside_a_checkout(tmp_path, monkeypatch):
     assert C.git_commit(tmp_path) == "unknown"
     monkeypatch.setenv("KVRELAY_GIT_COMMIT", "abc123")
     assert C.git_commit(tmp_path) == "abc123"
+    # A copied tree: unknown unless the launcher vouches that it was clean
+    monkeypatch.delenv("KVRELAY_GIT_CLEAN", raising=False)
+    assert C.git_dirty(tmp_path) is None
+    monkeypatch.setenv("KVRELAY_GIT_CLEAN", "1")
+    assert C.git_dirty(tmp_path) is False
 
 
 def _load(payload: dict) -> dict:
