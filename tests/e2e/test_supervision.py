@@ -44,13 +44,13 @@ def many(reference, jobs: list[tuple[list[int], int]]) -> list[list[int]]:
 
 def undisturbed(url: str, reference, jobs: list[tuple[list[int], int]]) -> list[list[int]]:
     """The jobs' greedy outputs from the cluster with nothing killed, run together (seconds, where the
-    single-process reference takes ~2 s a request on a loaded CI box); the first is also checked against
-    the single-process reference, as test_cluster.py checks them all."""
+    single-process reference takes ~2 s a request on a loaded CI box); the first one's start is also
+    checked against the single-process reference (test_cluster.py checks every stream against it)."""
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         outs = list(pool.map(lambda j: completion(url, j[0], j[1], stream=False), jobs))
     assert all(o["status"] == 200 for o in outs), outs
-    if reference is not None:
-        assert outs[0]["tokens"] == many(reference, jobs[:1])[0]
+    if reference is not None:  # greedy: the first 16 tokens are the 16-token run's (5x cheaper here)
+        assert outs[0]["tokens"][:16] == many(reference, [(jobs[0][0], 16)])[0]
     return [o["tokens"] for o in outs]
 
 
