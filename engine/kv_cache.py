@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Hashable
 
 import numpy as np
@@ -25,6 +26,7 @@ from kvrelay.engine.kv_geometry import (GROUPS, SLIDING, first_live_page, group_
                                         pages_spanned)
 from kvrelay.engine.layers.linear import Shard
 from kvrelay.engine.partition import head_range
+from kvrelay.engine.prefix_cache import PrefixCache
 from kvrelay.kernels.reference import PagedKV
 
 
@@ -34,32 +36,73 @@ class OutOfPages(RuntimeError):
 
 
 class PageAllocator:
-    """Free-list of page ids [0, num_pages). Lowest ids go out first, which keeps tests readable."""
+    """Free-list of page ids [0, num_pages) with reference counts. Lowest ids go out first, which keeps
+    tests readable. A page is shared by taking another reference (`share`) and goes back to the free list
+    when its last reference is released. The prefix cache (engine/prefix_cache.py) holds one reference on
+    each page it keeps (`cache`/`uncache`); `evictable` counts the pages it holds alone."""
 
     def __init__(self, num_pages: int):
         if num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, -1, -1))
-        self._used: set[int] = set()
+        self._refs: dict[int, int] = {}
+        self._cached: set[int] = set()
+        self.evictable = 0
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
+    @property
+    def num_used(self) -> int:
+        return len(self._refs)
+
+    def refs(self, page: int) -> int:
+        return self._refs.get(page, 0)
+
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise OutOfPages(f"need {n} pages, {len(self._free)} free of {self.num_pages}")
         pages = [self._free.pop() for _ in range(n)]
-        self._used.update(pages)
+        for p in pages:
+            self._refs[p] = 1
         return pages
 
-    def release(self, pages: list[int]) -> None:
+    def share(self, pages) -> None:
         for p in pages:
-            if p not in self._used:
+            if p not in self._refs:
+                raise ValueError(f"page {p} shared but not allocated")
+            self._refs[p] += 1
+            if p in self._cached and self._refs[p] == 2:
+                self.evictable -= 1
+
+    def release(self, pages) -> None:
+        for p in pages:
+            r = self._refs.get(p)
+            if r is None:
                 raise ValueError(f"page {p} released but not allocated")
-            self._used.remove(p)
-            self._free.append(p)
+            if r == 1:
+                del self._refs[p]
+                self._free.append(p)
+            else:
+                self._refs[p] = r - 1
+                if p in self._cached and r == 2:
+                    self.evictable += 1
+
+    def cache(self, page: int) -> None:
+        """The prefix cache takes a reference on `page` (allocated, held by a sequence)."""
+        if page in self._cached:
+            raise ValueError(f"page {page} cached twice")
+        self.share([page])
+        self._cached.add(page)
+
+    def uncache(self, page: int) -> None:
+        """The prefix cache drops its reference: the page is freed if nobody else holds it."""
+        self._cached.remove(page)
+        if self._refs[page] == 1:
+            self.evictable -= 1
+        self.release([page])
 
 
 @dataclass
@@ -69,6 +112,11 @@ class SequencePages:
     length: int = 0
     pages: dict[str, list[int]] = field(default_factory=lambda: {g: [] for g in GROUPS})
     first_page: dict[str, int] = field(default_factory=lambda: {g: 0 for g in GROUPS})
+    # Prefix cache: the tokens this sequence is known to hold (its prompt), the blocks of them already
+    # offered to the cache, and the last of those (the parent of the next).
+    tokens: tuple[int, ...] | None = None
+    cached_blocks: int = 0
+    cached_tail: object = None
 
 
 @dataclass(frozen=True)
@@ -142,6 +190,14 @@ class KVCache:
             for g in GROUPS
         }
         self.seqs: dict[Hashable, SequencePages] = {}
+        self.prefix: PrefixCache | None = None  # enable_prefix_cache()
+
+    def enable_prefix_cache(self) -> PrefixCache:
+        """Keep the whole prompt blocks of finished prefills for later sequences (engine/prefix_cache.py):
+        cached pages nobody uses are evicted on demand, so they never take room a reservation counts on."""
+        if self.prefix is None:
+            self.prefix = PrefixCache(page_size=self.page_size, window=self.window, allocators=self.allocators)
+        return self.prefix
 
     # ---- layout --------------------------------------------------------------------------------
     def layer_pool(self, layer: int) -> torch.Tensor:
@@ -175,7 +231,14 @@ class KVCache:
         return {g: n for g in GROUPS}
 
     def free_pages(self) -> dict[str, int]:
-        return {g: a.num_free for g, a in self.allocators.items()}
+        """Pages an allocation can have now: free ones plus cached ones nobody else uses (evicted on demand)."""
+        return {g: a.num_free + a.evictable for g, a in self.allocators.items()}
+
+    def _take(self, group: str, n: int) -> list[int]:
+        alloc = self.allocators[group]
+        if n > alloc.num_free and self.prefix is not None:
+            self.prefix.evict(group, n - alloc.num_free)
+        return alloc.allocate(n)
 
     def can_allocate(self, n_tokens: int, *, length: int = 0) -> bool:
         free = self.free_pages()
@@ -192,17 +255,20 @@ class KVCache:
         """Make room for n_new more tokens (creating the sequence if new). All or nothing."""
         seq = self.seqs.get(seq_id) or SequencePages()
         need = {g: self._missing(seq, g, seq.length + n_new) for g in GROUPS}
+        free = self.free_pages()
         for g, n in need.items():
-            if n > self.allocators[g].num_free:
-                raise OutOfPages(f"{g} group: need {n} pages, {self.allocators[g].num_free} free")
+            if n > free[g]:
+                raise OutOfPages(f"{g} group: need {n} pages, {free[g]} free")
         for g, n in need.items():
-            seq.pages[g].extend(self.allocators[g].allocate(n))
+            seq.pages[g].extend(self._take(g, n))
         self.seqs[seq_id] = seq
 
     def commit(self, seq_id: Hashable, n_new: int) -> None:
         """Record that n_new tokens were written, then release sliding pages that fell out of the window."""
         seq = self.seqs[seq_id]
         seq.length += n_new
+        if seq.tokens is not None:
+            self._offer(seq)  # before the trim: the sliding pages leaving the window go to the cache
         self._trim(seq)
 
     def _trim(self, seq: SequencePages) -> None:
@@ -219,6 +285,42 @@ class KVCache:
             for g in GROUPS:
                 self.allocators[g].release(seq.pages[g])
 
+    # ---- prefix cache --------------------------------------------------------------------------
+    def begin_prefix(self, seq_id: Hashable, tokens: Sequence[int], *, lookup: bool = True) -> int:
+        """Start a sequence that will hold `tokens` (a prompt, known up front) under the prefix cache: it
+        shares the pages of the longest cached prefix that leaves at least one token to compute (with
+        `lookup`; a request that needs every prompt position's logits passes False), and each whole block
+        of `tokens` it computes is offered to the cache as its forwards commit (with its sliding page,
+        before that page leaves the window). Returns the positions already computed (0 without a hit);
+        the caller runs the rest. Allocates nothing, so it cannot run out of pages."""
+        if self.prefix is None:
+            raise RuntimeError("the prefix cache is not enabled")
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id!r} already exists")
+        seq = SequencePages(tokens=tuple(int(t) for t in tokens))
+        hit = self.prefix.lookup(seq.tokens, len(tokens) - 1) if lookup and len(tokens) > 1 else None
+        if hit is not None:
+            self.allocators[FULL].share(hit.full)
+            self.allocators[SLIDING].share(hit.sliding)
+            seq.length = hit.tokens
+            seq.pages = {FULL: list(hit.full), SLIDING: list(hit.sliding)}
+            seq.first_page = {FULL: 0, SLIDING: hit.sliding_first}
+            seq.cached_blocks, seq.cached_tail = len(hit.full), hit.tail
+        self.seqs[seq_id] = seq
+        return seq.length
+
+    def _offer(self, seq: SequencePages) -> None:
+        """Give the cache the whole blocks of `seq.tokens` written since the last offer."""
+        end = min(seq.length, len(seq.tokens)) // self.page_size
+        if end > seq.cached_blocks:
+            base = seq.first_page[SLIDING]
+            sliding = {base + i: p for i, p in enumerate(seq.pages[SLIDING])}
+            seq.cached_tail = self.prefix.insert(seq.tokens, seq.pages[FULL], sliding, start=seq.cached_blocks,
+                                                 end=end, parent=seq.cached_tail)
+            seq.cached_blocks = end
+        if seq.length >= len(seq.tokens):
+            seq.tokens, seq.cached_tail = None, None  # the prompt is in: nothing more to offer
+
     # ---- transfer ------------------------------------------------------------------------------
     def export_sequence(self, seq_id: Hashable) -> SequenceKV:
         seq = self.seqs[seq_id]
@@ -231,13 +333,14 @@ class KVCache:
             raise ValueError(f"sequence {seq_id!r} already exists")
         seq = SequencePages(length=length)
         need = {}
+        free = self.free_pages()
         for g in GROUPS:
             seq.first_page[g] = self._first_needed_page(g, length)
             need[g] = self._pages_spanned(length) - seq.first_page[g]
-            if need[g] > self.allocators[g].num_free:
-                raise OutOfPages(f"{g} group: need {need[g]} pages, {self.allocators[g].num_free} free")
+            if need[g] > free[g]:
+                raise OutOfPages(f"{g} group: need {need[g]} pages, {free[g]} free")
         for g in GROUPS:
-            seq.pages[g] = self.allocators[g].allocate(need[g])
+            seq.pages[g] = self._take(g, need[g])
         self.seqs[seq_id] = seq
         return self.export_sequence(seq_id)
 

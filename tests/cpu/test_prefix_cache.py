@@ -1,0 +1,166 @@
+"""The prefix cache (engine/prefix_cache.py through engine/kv_cache.KVCache): bookkeeping (reference
+counts, LRU eviction under pressure that never touches pages a sequence holds, every page back at the
+end) and token-for-token equality of greedy decoding on the tiny model with and without the cache, for a
+window smaller than a page (page 16, window 8) and larger (page 4), including prompts that diverge inside
+the last window before the cached boundary."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvrelay.engine.config import PRESETS
+from kvrelay.engine.kv_cache import FULL, SLIDING, KVCache, OutOfPages
+from kvrelay.engine.runner import Runner
+
+CFG = PRESETS["tiny"]  # sliding_window 8
+pytestmark = pytest.mark.usefixtures("model_single_thread")
+
+
+def fill(kv: KVCache, sid, tokens, chunk: int | None = None) -> int:
+    """begin_prefix + reserve/commit in chunks, as a forward would (no model): returns the hit."""
+    start = kv.begin_prefix(sid, tokens)
+    at = start
+    while at < len(tokens):
+        n = min(chunk or len(tokens), len(tokens) - at)
+        kv.reserve(sid, n)
+        kv.commit(sid, n)
+        at += n
+    return start
+
+
+def in_use(kv: KVCache) -> dict[str, int]:
+    return {g: a.num_used for g, a in kv.allocators.items()}
+
+
+def test_shared_pages_are_refcounted_and_all_come_back():
+    kv = KVCache(CFG, num_pages=32, page_size=4)
+    kv.enable_prefix_cache()
+    a = list(range(100, 130))  # 30 tokens: 7 whole blocks
+    assert fill(kv, "a", a, chunk=8) == 0
+    assert len(kv.prefix) == 7
+    # Same 30 tokens again: resume at 28 (the last whole block that leaves a token to compute).
+    assert fill(kv, "b", a) == 28
+    shared = kv.seqs["a"].pages[FULL][:7]
+    assert kv.seqs["b"].pages[FULL][:7] == shared
+    assert all(kv.allocators[FULL].refs(p) == 3 for p in shared)  # a, b, the cache
+    kv.free("a")
+    assert all(kv.allocators[FULL].refs(p) == 2 for p in shared)
+    assert kv.allocators[FULL].evictable == 0  # b still uses every cached full page
+    kv.free("b")
+    assert kv.allocators[FULL].evictable == 7
+    assert kv.free_pages() == {FULL: 32, SLIDING: 32}  # cached pages count as obtainable
+    kv.prefix.clear()
+    assert in_use(kv) == {FULL: 0, SLIDING: 0}
+
+
+def test_a_hit_resumes_only_where_the_sliding_window_is_cached():
+    kv = KVCache(CFG, num_pages=64, page_size=4)
+    kv.enable_prefix_cache()
+    a = list(range(40))
+    fill(kv, "a", a, chunk=40)  # one forward: every block's sliding page reached the cache as it left
+    kv.free("a")
+    b = a[:22] + [999] * 10  # diverges inside block 5 (positions 20..23)
+    assert kv.begin_prefix("b", b) == 20
+    # Resuming at 20, the next query (20) sees 13..20: sliding pages 3 and 4 are the shared ones.
+    assert kv.seqs["b"].first_page[SLIDING] == 3 and len(kv.seqs["b"].pages[SLIDING]) == 2
+    kv.free("b")
+    # Without the sliding pages of the window before 20, the best boundary is an earlier one.
+    blocks = {b.key[1]: b for b in kv.prefix._blocks.values()}
+    kv.prefix._drop_sliding(blocks[tuple(range(12, 16))])
+    assert fill(kv, "c", b) == 12  # 12 needs pages 1, 2 (positions 5..11): still cached
+    kv.free("c")
+    kv.prefix.clear()
+    assert in_use(kv) == {FULL: 0, SLIDING: 0}
+
+
+def test_lru_eviction_under_pressure_never_evicts_pages_in_use():
+    kv = KVCache(CFG, num_pages=12, page_size=4)
+    kv.enable_prefix_cache()
+    old, new = list(range(16)), list(range(50, 66))
+    fill(kv, "old", old)
+    kv.free("old")
+    fill(kv, "new", new)
+    kv.free("new")
+    assert len(kv.prefix) == 8 and kv.allocators[FULL].num_free == 4
+    assert fill(kv, "user", new) == 12  # pins 3 of new's blocks
+    pinned = set(kv.seqs["user"].pages[FULL])
+    assert kv.allocators[FULL].num_free == 3  # user computed block 3 into a page of its own
+    # 8 pages: the 3 free, then old's 4 (least recently used, tail first), then new's unpinned tail.
+    kv.reserve("big", 32)
+    assert not pinned & set(kv.seqs["big"].pages[FULL])
+    assert kv.prefix.stats.evicted_pages[FULL] == 5
+    assert {b.key[1] for b in kv.prefix._blocks.values()} == {tuple(new[i:i + 4]) for i in (0, 4, 8)}
+    with pytest.raises(OutOfPages):  # the pinned blocks are all that is left: never taken
+        kv.reserve("more", 4)
+    assert set(kv.seqs["user"].pages[FULL]) == pinned and len(kv.prefix) == 3
+    kv.free("big")
+    kv.free("user")
+    kv.prefix.clear()
+    assert in_use(kv) == {FULL: 0, SLIDING: 0}
+
+
+def test_eviction_takes_a_chain_tail_first():
+    kv = KVCache(CFG, num_pages=16, page_size=4)
+    kv.enable_prefix_cache()
+    fill(kv, "a", list(range(16)))
+    kv.free("a")
+    kv.prefix.evict(FULL, 1)
+    assert {b.key[1] for b in kv.prefix._blocks.values()} == {tuple(range(i, i + 4)) for i in (0, 4, 8)}
+    assert fill(kv, "b", list(range(16))) == 12
+
+
+# ---- the model: greedy tokens with and without the cache --------------------------------------------
+
+def greedy(r: Runner, sid, prompt: list[int], n: int, chunk: int) -> tuple[list[int], int]:
+    start = r.kv.begin_prefix(sid, prompt) if r.kv.prefix is not None else 0
+    at, logits = start, None
+    while at < len(prompt):
+        logits = r.extend(sid, prompt[at: at + chunk])
+        at += chunk
+    out = [int(logits.argmax())]
+    for _ in range(n - 1):
+        out.append(int(r.decode([sid], [out[-1]])[0].argmax()))
+    r.free(sid)
+    return out, start
+
+
+def runner(page_size: int) -> Runner:
+    return Runner.load("tiny", dummy=True, seed=0, page_size=page_size, num_pages=96)
+
+
+SYSTEM = [(i * 37 + 5) % 200 + 10 for i in range(45)]
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_greedy_tokens_equal_with_and_without_the_cache(page_size):
+    prompts = [SYSTEM + [7, 8, 9],  # fills the cache
+               SYSTEM + [11, 12],  # shares the system prompt
+               SYSTEM[:41] + [3, 4, 5, 6, 7],  # diverges at 41, inside the window before a boundary
+               SYSTEM + [7, 8, 9],  # the whole first prompt again
+               SYSTEM[:30] + [50] * 20]
+    plain = runner(page_size)
+    want = [greedy(plain, f"p{i}", p, 12, chunk=16)[0] for i, p in enumerate(prompts)]
+    cached = runner(page_size)
+    cached.kv.enable_prefix_cache()
+    got, hits = zip(*(greedy(cached, f"c{i}", p, 12, chunk=16) for i, p in enumerate(prompts)))
+    assert list(got) == want
+    ps = page_size
+    assert hits[0] == 0 and all(h > 0 and h % ps == 0 for h in hits[1:])
+    assert hits[2] == 40 // ps * ps and hits[3] == (len(prompts[3]) - 1) // ps * ps
+    assert cached.kv.prefix.stats.hit_tokens == sum(hits)
+    cached.kv.prefix.clear()
+    assert cached.free_pages() == plain.free_pages()
+
+
+def test_the_shared_sliding_pages_are_read():
+    """Control for the test above: a hit that attends over wrong sliding-window KV changes the tokens."""
+    prompt = SYSTEM + [7, 8, 9]
+    r = runner(16)
+    r.kv.enable_prefix_cache()
+    want, _ = greedy(r, "a", prompt, 12, chunk=16)
+    hit = r.kv.prefix.lookup(prompt, len(prompt) - 1)
+    assert hit is not None and hit.tokens == 32
+    r.kv.pools[SLIDING][:, list(hit.sliding)] = 0.0
+    got, start = greedy(r, "b", prompt, 12, chunk=16)
+    assert start == 32 and got != want
