@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from kvrelay.engine.config import ModelConfig
-from kvrelay.engine.kv_geometry import (GROUPS, SLIDING, first_live_page, group_layers, layer_groups, layout_hash,
+from kvrelay.engine.kv_geometry import (FULL, GROUPS, SLIDING, first_live_page, group_layers, layer_groups, layout_hash,
                                         pages_spanned)
 from kvrelay.engine.layers.linear import Shard
 from kvrelay.engine.partition import head_range

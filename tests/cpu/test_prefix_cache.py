@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kvrelay.engine.config import PRESETS
-from kvrelay.engine.kv_cache import FULL, SLIDING, KVCache, OutOfPages
+from kvrelay.engine.kv_cache import KVCache, OutOfPages
+from kvrelay.engine.kv_geometry import FULL, SLIDING
 from kvrelay.engine.runner import Runner
 
 CFG = PRESETS["tiny"]  # sliding_window 8
