@@ -53,6 +53,9 @@ PREFILL_S = Histogram("kvrelay_request_prefill_time_seconds", "Prefill forward +
 KV_TRANSFER_S = Histogram("kvrelay_kv_transfer_seconds", "NIXL READ of a request's KV", buckets=_BUCKETS)
 KV_BYTES = Counter("kvrelay_kv_transfer_bytes", "KV bytes moved prefill -> decode")
 REQUESTS = Counter("kvrelay_requests", "Finished requests", ["outcome"])
+# vLLM's prefix_cache_hits, in tokens (kvrelay_prefix_cache_hit_tokens_total), and the prefills that hit.
+PREFIX_HIT_TOKENS = Counter("kvrelay_prefix_cache_hit_tokens", "Prompt tokens a prefix cache supplied instead of a prefill")
+PREFIX_HITS = Counter("kvrelay_prefix_cache_hit_requests", "Prefills that reused a cached prompt prefix")
 RETRIES = Counter("kvrelay_request_retries", "Requests re-prefilled on another worker pair, by cause", ["cause"])
 
 
@@ -109,6 +112,7 @@ class RequestMetrics:
     retries: int
     prefill_worker: int
     decode_worker: int
+    cached_tokens: int = 0  # prompt tokens the prefill worker's prefix cache supplied (first attempt)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -149,6 +153,7 @@ class _Acc:
     retries: int = 0
     prefill_worker: int = -1
     decode_worker: int = -1
+    cached_tokens: int = 0
     times: list[float] = field(default_factory=list)  # perf_counter of each streamed token
 
 
@@ -309,6 +314,11 @@ class DisaggregatedEngineClient:
             acc.queue_s += res.queue_s
             acc.prefill_s += res.prefill_s
             PREFILL_S.observe(res.prefill_s)
+            if res.cached_tokens:
+                PREFIX_HITS.inc()
+                PREFIX_HIT_TOKENS.inc(res.cached_tokens)
+            if done == 0:  # usage counts the prompt's own tokens; a resumed attempt re-prefills more
+                acc.cached_tokens = res.cached_tokens
             handle = res.handle
             finished = res.first.finish_reason is not None
             yield [res.first]
@@ -581,7 +591,7 @@ class DisaggregatedEngineClient:
             request_id=request_id, prompt_tokens=prompt_tokens, output_tokens=n, queue_s=acc.queue_s,
             prefill_s=acc.prefill_s, kv_bytes=acc.kv_bytes, kv_transfer_s=acc.kv_transfer_s, ttft_s=ttft,
             tpot_s=tpot, decode_tokens_per_s=(n - 1) / span if span > 0 else 0.0, retries=acc.retries,
-            prefill_worker=acc.prefill_worker, decode_worker=acc.decode_worker)
+            prefill_worker=acc.prefill_worker, decode_worker=acc.decode_worker, cached_tokens=acc.cached_tokens)
         QUEUE_S.observe(m.queue_s)
         log.info("request %s metrics %s", request_id, m.to_json(), extra=request_extra(request_id))
         return m

@@ -18,7 +18,8 @@ def prefill_spec(t: Topology) -> PrefillSpec:
     p = t.prefill
     return PrefillSpec(model=model_spec(t), device=t.device, tp=p.tp, page_size=t.decode.page_size,
                        max_prompt_tokens=p.max_prompt_tokens, chunk_tokens=p.chunk_tokens,
-                       lease_seconds=t.kv_transfer.lease_seconds, ucx=ucx_settings(t))
+                       lease_seconds=t.kv_transfer.lease_seconds, ucx=ucx_settings(t),
+                       prefix_cache=p.prefix_cache)
 
 
 def decode_spec(t: Topology) -> DecodeSpec:
@@ -31,7 +32,7 @@ def decode_spec(t: Topology) -> DecodeSpec:
 
 def colocated_spec(t: Topology) -> ColocatedSpec:
     return ColocatedSpec(decode=decode_spec(t), max_prompt_tokens=t.prefill.max_prompt_tokens,
-                         chunk_tokens=t.prefill.chunk_tokens)
+                         chunk_tokens=t.prefill.chunk_tokens, prefix_cache=t.prefill.prefix_cache)
 
 
 def worker_spec(t: Topology, role: str) -> PrefillSpec | DecodeSpec | ColocatedSpec:

@@ -102,6 +102,10 @@ def _table(rows: list[dict]) -> str:
                 extra = f"leases {r['leases']}, queued tokens {r['queued_tokens']}"
             else:
                 extra = f"running {r['running']}, admitted {r['admitted']}"
+            if r["tp_rank"] == 0 and r.get("prefix_cache"):
+                pc = r["prefix_cache"]
+                extra += (f", prefix cache {pc['hits']}/{pc['queries']} hits, {pc['hit_tokens']} tokens saved, "
+                          f"{pc['cached_pages']['full']}/{pc['cached_pages']['sliding']} pages")
             lines.append(f"{r['role']:9} {r['rank']:>4} {tp:>5} {r['pid']:>8} {state} {pages:38} {r['node']}  ({extra})")
         else:
             lines.append(f"{r['role']:9} {r['rank']:>4} {tp:>5} {'-':>8} {state} {'-':38} {r.get('error', '')}")

@@ -50,6 +50,10 @@ class PrefillSection:
     tp: int = 1
     max_prompt_tokens: int = 8192
     chunk_tokens: int = 8192  # prompt tokens per prefill forward: queued prompts batched, long ones chunked
+    # Keep the KV of whole prompt pages (and the sliding window before each page boundary) for later
+    # prompts that start with the same tokens, which then skip that part of the prefill (engine/
+    # prefix_cache.py); evicted, least recently used first, whenever the pages are wanted. tp 1 only.
+    prefix_cache: bool = False
 
 
 @dataclass(frozen=True)
@@ -297,6 +301,9 @@ def _check(t: Topology, base_dir: Path) -> Topology:
     if t.decode.ep not in (1, t.decode.tp):
         raise TopologyError(f"decode.ep: {t.decode.ep} must be 1 or equal decode.tp ({t.decode.tp}): "
                             "EPn TPn partitions experts over the same n ranks as the attention heads")
+    if t.prefill.prefix_cache and t.prefill.tp != 1:
+        raise TopologyError(f"prefill.prefix_cache: needs prefill.tp 1 (got {t.prefill.tp}); the cache is not "
+                            f"kept in lockstep over a TP group yet")
     if t.colocate:
         # One worker per GPU holds both roles over one copy of the weights and one KV pool.
         if t.prefill.workers != t.decode.workers:

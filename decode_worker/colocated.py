@@ -51,6 +51,8 @@ class _Prompt:
     t_arrive: float
     t_start: float | None = None
     done: int = 0  # prompt tokens already in the cache
+    begun: bool = False  # its sequence exists (begun under the prefix cache, which may have hit)
+    cached: int = 0  # prompt tokens the prefix cache supplied
     cancelled: bool = False
     plp: list[PromptLogprobs] = field(default_factory=list)  # prompt logprobs of the chunks so far
 
@@ -65,6 +67,8 @@ class _Counters:
     prompt_tokens: int = 0  # computed by prefill chunks
     prompts: int = 0
     chunks: int = field(default=0)  # forwards that carried prompt tokens
+    cached_tokens: int = 0  # prompt tokens the prefix cache supplied instead
+    cache_hits: int = 0  # prompts that reused a cached prefix
 
 
 class ColocatedWorker(DecodeWorker):
@@ -80,6 +84,7 @@ class ColocatedWorker(DecodeWorker):
         self._lease = 0
         self.prefill_counters = _Counters()
         super().__init__(spec.decode, rank)
+        self.prefix = self.runner.kv.enable_prefix_cache() if spec.prefix_cache else None
 
     def _load_single(self, spec: DecodeSpec, chunk_tokens: int | None = None):
         # The pool is sized around a forward of a whole prompt chunk, not just a decode step.
@@ -163,13 +168,26 @@ class ColocatedWorker(DecodeWorker):
     def _take_chunk(self) -> list[tuple[_Prompt, int, int]]:
         """Queued prompt tokens for this forward, oldest first, within the token budget and the pages
         that are free now: (prompt, start, end) slices."""
-        free = dict(self.runner.free_pages())
         budget = self.chunk_tokens
         chunk = []
         with self._plock:
             for p in [p for p in self._prompts if p.cancelled]:
                 self._prompts.remove(p)
                 self._drop(p)
+            if self.prefix is not None:
+                # Before counting free pages: a hit takes references on cached pages, which are then no
+                # longer evictable. A prompt whose logprobs are asked for computes every position.
+                for p in self._prompts:
+                    if not p.begun:
+                        p.begun = True
+                        if self.runner.has_sequence(p.request_id):
+                            continue  # not a fresh sequence (cannot happen today): computed in full
+                        p.done = p.cached = self.runner.kv.begin_prefix(p.request_id, p.ids, lookup=not p.every)
+                        if p.cached:
+                            self.prefill_counters.cache_hits += 1
+                            self.prefill_counters.cached_tokens += p.cached
+        free = dict(self.runner.free_pages())
+        with self._plock:
             for p in self._prompts:
                 if budget <= 0:
                     break
@@ -247,7 +265,8 @@ class ColocatedWorker(DecodeWorker):
                 handle = InPlaceKV(p.request_id, self._lease, len(p.ids))
             plp = PromptLogprobs.join(p.plp) if p.every else None
             self._resolve(p, result=PrefillResult(p.request_id, TokenOutput(token, logprob, reason, top, plp), handle,
-                                                  len(p.ids), p.t_start - p.t_arrive, t_end - p.t_start))
+                                                  len(p.ids), p.t_start - p.t_arrive, t_end - p.t_start,
+                                                  cached_tokens=p.cached))
 
     @staticmethod
     def _resolve(p: _Prompt, *, result=None, exc: BaseException | None = None) -> None:
@@ -264,11 +283,15 @@ class ColocatedWorker(DecodeWorker):
     # ---- introspection -----------------------------------------------------------------------
     async def status(self) -> WorkerStatus:
         st = await super().status()
-        return dataclasses.replace(st, prompt_tokens=self.prefill_counters.prompt_tokens)
+        cache = None
+        if self.prefix is not None:
+            cache = await self._locked(self.prefix.summary) if self._thread.is_alive() else self.prefix.summary()
+        return dataclasses.replace(st, prompt_tokens=self.prefill_counters.prompt_tokens, prefix_cache=cache)
 
     async def counters(self) -> dict[str, int]:
         """Tokens each role computed: a prompt is prefilled once and never recomputed by decode."""
         c = self.prefill_counters
         return {"prompt_tokens": c.prompt_tokens, "prompts": c.prompts, "prefill_forwards": c.chunks,
+                "cached_tokens": c.cached_tokens, "cache_hits": c.cache_hits,
                 "decode_tokens": self.decode_tokens, "steps": self.steps,
                 "overlapped_steps": self.scheduler.times.overlapped}

@@ -85,6 +85,11 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
+    def summary(self) -> dict:
+        """The counters plus the pages held now (what `kvrelay status` shows)."""
+        return {**self.stats.as_dict(), "cached_pages": self.cached_pages(),
+                "evictable_pages": {g: a.evictable for g, a in self.allocators.items()}}
+
     def cached_pages(self) -> dict[str, int]:
         """Pages the cache holds a reference on, per group (in use by sequences or not)."""
         return {FULL: len(self._blocks), SLIDING: sum(b.sliding is not None for b in self._blocks.values())}

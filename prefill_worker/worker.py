@@ -37,6 +37,10 @@ from kvrelay.workers.specs import PrefillSpec, check_prompt_limits
 req_log = logging.getLogger(REQUEST_LOG)  # per-request lines, with --log-requests (workers/logs.py)
 
 
+class _NoRoom(Exception):
+    """A batch of prompts does not fit the free pages (run one by one instead)."""
+
+
 @dataclass(eq=False)
 class _Job:
     """One caller's prompt while it waits for (or rides along in) a prefill forward."""
@@ -49,6 +53,7 @@ class _Job:
     error: BaseException | None = None
     t_start: float = 0.0
     t_end: float = 0.0
+    cached: int = 0  # prompt tokens the prefix cache supplied
 
 
 class PrefillWorker:
@@ -77,6 +82,8 @@ class PrefillWorker:
                 load=lambda ctx: load_rank_runner(spec, ctx))
         for line in self.plan_log:
             print(f"kvrelay: prefill worker {rank}: {line}", flush=True)
+        # The topology allows the cache at tp 1 only (a TP group's ranks would have to agree on hits).
+        self.prefix = self.runner.kv.enable_prefix_cache() if spec.prefix_cache and self.group is None else None
         layout, pools = layout_of(self.runner.kv)
         lease = spec.lease_seconds if lease_seconds is None else lease_seconds
         self.exporter = KVExporter(layout, pools, lease_seconds=lease, grace_seconds=min(5.0, lease),
@@ -124,7 +131,8 @@ class PrefillWorker:
         req_log.info("prefilled %d prompt tokens (queued %.1f ms, forward %.1f ms)", n,
                      1000 * (job.t_start - t_arrive), 1000 * (job.t_end - job.t_start),
                      extra=request_extra(request_id, f"prefill-{self.rank}"))
-        return PrefillResult(request_id, first, handle, n, job.t_start - t_arrive, job.t_end - job.t_start)
+        return PrefillResult(request_id, first, handle, n, job.t_start - t_arrive, job.t_end - job.t_start,
+                             cached_tokens=job.cached)
 
     def _take_jobs(self) -> list[_Job]:
         """The oldest queued prompt, plus the next ones while they fit one forward of chunk_tokens (TP1
@@ -155,7 +163,7 @@ class PrefillWorker:
                                                          logprob, peers, top))
                 return
         for j in jobs:
-            self._settle(j, lambda: self._prefill(j.request_id, j.ids, j.params, j.generated))
+            self._settle(j, lambda: self._prefill(j.request_id, j.ids, j.params, j.generated, j))
 
     @staticmethod
     def _settle(job: _Job, fn) -> None:
@@ -171,29 +179,64 @@ class PrefillWorker:
             self._drain_frees()
             if any(self.runner.has_sequence(j.request_id) for j in jobs):
                 return None
-            if not self.runner.can_admit(sum(len(j.ids) + self.runner.page_size for j in jobs)):
-                return None
-            logits = self.runner.prefill_batch([(j.request_id, j.ids) for j in jobs])
+            if self.prefix is not None:
+                logits = self._prefill_batch_cached(jobs)
+                if logits is None:
+                    return None
+            else:
+                if not self.runner.can_admit(sum(len(j.ids) + self.runner.page_size for j in jobs)):
+                    return None
+                logits = self.runner.prefill_batch([(j.request_id, j.ids) for j in jobs])
             params, done = [j.params for j in jobs], [j.ids[len(j.ids) - j.generated:] for j in jobs]
             sampled = sample_constrained(self.runner.sample, logits, params, [j.generated for j in jobs], done,
                                          [j.ids for j in jobs], masks=masks_for(params, done))
             tops = top_logprobs(logits, [j.params for j in jobs])
         return [(t, lp, (), top) for (t, lp), top in zip(sampled, tops)]
 
-    def _prefill(self, rid: str, prompt_ids: list[int], params: SamplingParams, generated: int):
+    def _prefill_batch_cached(self, jobs: list[_Job]):
+        """`_prefill_batch` under the prefix cache: each prompt resumes after its cached prefix; None (and
+        nothing left behind) if the rest does not fit."""
+        starts = [self.runner.kv.begin_prefix(j.request_id, j.ids) for j in jobs]
+        try:
+            if not self.runner.can_admit(sum(len(j.ids) - s + self.runner.page_size for j, s in zip(jobs, starts))):
+                raise _NoRoom
+            logits = self.runner.forward_mixed([(j.request_id, j.ids[s:]) for j, s in zip(jobs, starts)])
+        except Exception:  # no room, or a failed forward: one by one, as without the cache
+            for j in jobs:
+                if self.runner.has_sequence(j.request_id):
+                    self.runner.free(j.request_id)
+            self.prefix.stats.hits -= sum(1 for s in starts if s)  # not reused after all
+            self.prefix.stats.hit_tokens -= sum(starts)
+            return None
+        for j, s in zip(jobs, starts):
+            j.cached = s
+        return logits
+
+    def _prefill(self, rid: str, prompt_ids: list[int], params: SamplingParams, generated: int,
+                 job: _Job | None = None):
         deadline = time.monotonic() + self.exporter.lease_seconds + self.exporter.grace_seconds + 1
         while True:
             with self._engine_lock:
                 self._drain_frees()
                 if self.runner.has_sequence(rid):
                     raise ValueError(f"request {rid}: already being prefilled on this worker")
-                if self.runner.can_admit(len(prompt_ids)):  # every rank's allocator is in the same state
-                    logits, peers, plp = self._run_prefill(rid, prompt_ids, params.prompt_logprobs)
+                start = 0
+                if self.prefix is not None:  # a prompt that wants its own logprobs computes every position
+                    start = self.runner.kv.begin_prefix(rid, prompt_ids, lookup=params.prompt_logprobs is None)
+                if self.runner.can_admit(len(prompt_ids) - start, length=start):  # all ranks' allocators agree
+                    logits, peers, plp = self._run_prefill(rid, prompt_ids, params.prompt_logprobs, start)
+                    if job is not None:
+                        job.cached = start
                     done = [prompt_ids[len(prompt_ids) - generated:]]
                     (token, logprob), = sample_constrained(self.runner.sample, logits, [params], [generated], done,
                                                            [prompt_ids], masks=masks_for([params], done))
                     top, = top_logprobs(logits, [params])
                     break
+                if self.prefix is not None:  # try again from scratch once pages come back
+                    self.runner.free(rid)
+                    if start:
+                        self.prefix.stats.hits -= 1
+                        self.prefix.stats.hit_tokens -= start
             # Pages are held by leases that decode has not pulled yet; they come back on release or
             # expiry, both bounded by the lease, so this wait is bounded too.
             if time.monotonic() > deadline:
@@ -217,8 +260,9 @@ class PrefillWorker:
         return first, handle
 
     # ---- engine ops (under the engine lock; on every rank of a TP group) ---------------------
-    def _run_prefill(self, rid: str, prompt_ids: list[int], k: int | None = None) -> tuple:
-        """(last position's logits, follower pages, prompt logprobs with k alternatives or None)."""
+    def _run_prefill(self, rid: str, prompt_ids: list[int], k: int | None = None, start: int = 0) -> tuple:
+        """(last position's logits, follower pages, prompt logprobs with k alternatives or None). Under the
+        prefix cache the sequence exists already (begin_prefix) holding `start` cached positions."""
         every = k is not None  # every position's logits: the prompt's own logprobs
         if self.group is None:
             # In chunks: activations stay within what the pool was sized around (engine/memory.py); with
@@ -226,9 +270,9 @@ class PrefillWorker:
             c = min(self.chunk_tokens, PROMPT_LOGPROB_CHUNK) if every else self.chunk_tokens
             parts = []
             try:
-                for s in range(0, len(prompt_ids), c):
+                for s in range(start, len(prompt_ids), c):
                     piece = prompt_ids[s:s + c]
-                    out = (self.runner.prefill(rid, piece, all_logits=every) if s == 0
+                    out = (self.runner.prefill(rid, piece, all_logits=every) if s == 0 and self.prefix is None
                            else self.runner.extend(rid, piece, all_logits=every))
                     if every:
                         parts.append(prompt_logprobs(out, prompt_ids, s, k))
@@ -305,13 +349,14 @@ class PrefillWorker:
             self._drain_frees()
             free = self.runner.free_pages()
             total = {g: a.num_pages for g, a in self.runner.kv.allocators.items()}
+            cache = self.prefix.summary() if self.prefix is not None else None
         return WorkerStatus(
             role="prefill", rank=self.rank, tp_rank=0, tp_size=self.tp_size, pid=os.getpid(), node=node_name(),
             healthy=self.health(),
             pages_in_use={g: total[g] - free[g] for g in total}, pages_total=total,
             queued_tokens=self._queued_tokens, leases=self.exporter.active_leases(),
             completed=self.completed, expired_leases=self.exporter.expired_count,
-            agent=self.exporter.agent_name)
+            agent=self.exporter.agent_name, prefix_cache=cache)
 
     def shutdown(self) -> None:
         self._stop.set()

@@ -54,9 +54,9 @@ def error_body(message: str, *, type_: str = "invalid_request_error", param: str
 def _usage(u: Usage | None) -> dict[str, Any] | None:
     if u is None:
         return None
-    # No prefix cache yet: every prompt token is computed (cached_tokens says so, as OpenAI's field does).
+    # cached_tokens: prompt tokens the prefix cache supplied (prefill.prefix_cache), as OpenAI's field says.
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens,
-            "prompt_tokens_details": {"cached_tokens": 0}}
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
 
 def _sse(payload: dict[str, Any] | str) -> bytes:
@@ -462,7 +462,7 @@ class CompletionStream(_Stream):
     def rewrite(self, step: TokenStep) -> TokenStep:
         if not self.echo_only:
             return step
-        usage = Usage(step.usage.prompt_tokens, 0) if step.usage is not None else None
+        usage = Usage(step.usage.prompt_tokens, 0, step.usage.cached_tokens) if step.usage is not None else None
         return TokenStep(None, None, (), step.finish_reason, usage, prompt_logprobs=step.prompt_logprobs,
                          timings=step.timings)
 
@@ -556,7 +556,8 @@ class ChoiceBatch:
     def _usage(self) -> Usage:
         done = [s.usage for s in self.streams if s.usage is not None]
         prompts = [s.usage for s in self.streams[:: self.n] if s.usage is not None]
-        return Usage(sum(u.prompt_tokens for u in prompts), sum(u.completion_tokens for u in done))
+        return Usage(sum(u.prompt_tokens for u in prompts), sum(u.completion_tokens for u in done),
+                     sum(u.cached_tokens for u in prompts))
 
     async def complete(self) -> dict[str, Any]:
         tasks = [asyncio.ensure_future(s.complete()) for s in self.streams]

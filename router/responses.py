@@ -187,9 +187,9 @@ class ResponseRun:
         }
 
     def _usage(self, u: Usage) -> dict[str, Any]:
-        # No prefix cache yet: every input token is computed (cached_tokens: 0, as OpenAI's field says).
+        # cached_tokens: input tokens the prefix cache supplied (prefill.prefix_cache).
         return {"input_tokens": u.prompt_tokens,
-                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
                 "output_tokens": u.completion_tokens,
                 "output_tokens_details": {"reasoning_tokens": self.builder.reasoning_tokens},
                 "total_tokens": u.total_tokens}

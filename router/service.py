@@ -202,8 +202,9 @@ class RouterCore:
                     if not engine_done:
                         await release()  # the router stopped it: free the KV now, not after the client write
                     metrics = getattr(out, "metrics", None)
+                    cached = getattr(metrics, "cached_tokens", 0) if metrics is not None else 0
                     steps.append(TokenStep(out.token_id, out.logprob, tuple(deltas), reason,
-                                           Usage(len(prep.prompt_ids), produced), text_offset=offset,
+                                           Usage(len(prep.prompt_ids), produced, cached), text_offset=offset,
                                            top_logprobs=out.top_logprobs, prompt_logprobs=plp,
                                            timings=metrics.timings() if metrics is not None else None))
                     yield steps

@@ -131,6 +131,7 @@ Delta = Union[ReasoningDelta, ContentDelta, ToolCallStart, ToolCallArgumentsDelt
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens the engine's prefix cache supplied (not computed)
 
     @property
     def total_tokens(self) -> int:

@@ -35,6 +35,7 @@ class PrefillResult:
     prompt_tokens: int
     queue_s: float  # waiting for the worker (other prompts ahead)
     prefill_s: float  # forward(s) + sampling + pinning
+    cached_tokens: int = 0  # prompt positions reused from the prefix cache (not computed)
 
 
 @dataclass(frozen=True)
@@ -97,3 +98,5 @@ class WorkerStatus:
     # Step loop seconds per phase, summed: launch (host planning), wait (blocked on the device), emit
     # (token bookkeeping), ops (admission and other queued calls between steps), plus step counts.
     step_phases: dict[str, float] | None = None
+    # prefill / colocated leader with prefill.prefix_cache: engine.prefix_cache.PrefixCache.summary()
+    prefix_cache: dict | None = None

@@ -34,6 +34,7 @@ class PrefillSpec:
     chunk_tokens: int  # prompt tokens per forward (queued prompts batched, long ones chunked)
     lease_seconds: float  # how long pinned KV waits for its pull
     ucx: UcxSettings
+    prefix_cache: bool = False  # reuse cached prompt prefixes (engine/prefix_cache.py)
 
     @property
     def pool_tokens(self) -> int:
@@ -69,6 +70,7 @@ class ColocatedSpec:
     decode: DecodeSpec
     max_prompt_tokens: int
     chunk_tokens: int  # prompt tokens a step takes into its forward
+    prefix_cache: bool = False  # reuse cached prompt prefixes (engine/prefix_cache.py)
 
 
 def check_prompt_limits(request_id: str, n: int, generated: int, max_prompt_tokens: int, max_context: int) -> None:

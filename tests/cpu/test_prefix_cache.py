@@ -165,3 +165,18 @@ def test_the_shared_sliding_pages_are_read():
     r.kv.pools[SLIDING][:, list(hit.sliding)] = 0.0
     got, start = greedy(r, "b", prompt, 12, chunk=16)
     assert start == 32 and got != want
+
+
+def test_topology_switch():
+    from kvrelay.cluster.specs import colocated_spec, prefill_spec
+    from kvrelay.cluster.topology import TopologyError, parse_topology
+
+    base = "model: {name: tiny, dummy: true}\ndevice: cpu\n"
+    t = parse_topology(base, source="t.yaml")
+    assert t.prefill.prefix_cache is False and prefill_spec(t).prefix_cache is False
+    t = parse_topology(base + "prefill: {prefix_cache: true}\ncolocate: true\n", source="t.yaml")
+    assert colocated_spec(t).prefix_cache is True
+    with pytest.raises(TopologyError, match="prefill.prefix_cache: expected a boolean"):
+        parse_topology(base + "prefill: {prefix_cache: 1}\n", source="t.yaml")
+    with pytest.raises(TopologyError, match="prefill.prefix_cache: needs prefill.tp 1"):
+        parse_topology(base + "prefill: {prefix_cache: true, tp: 2}\n", source="t.yaml")

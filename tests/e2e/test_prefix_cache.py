@@ -1,0 +1,94 @@
+"""The prefix cache on the CPU tiny cluster (prefill.prefix_cache: true), colocated and split: prompts
+that share a system prompt, diverge after it or inside the sliding window before a cached page boundary,
+or repeat, stream exactly the tokens single-process `LLM.generate` (no cache) does; the hits skip the
+cached tokens' prefill (the worker's counters), show in the response's
+usage.prompt_tokens_details.cached_tokens, in /metrics and in `kvrelay status`; no page is left held by
+a request afterwards (only cache-held, evictable pages remain)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from test_cluster import assert_no_pages_left, grpc_tokens, prompt_of, solo
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+
+MODEL = "model: {name: tiny, dummy: true, seed: 0, max_context: 2048}\n"
+COLOCATED = MODEL + """
+prefill: {workers: 1, max_prompt_tokens: 1024, chunk_tokens: 64, prefix_cache: true}
+decode: {workers: 1, max_batch: 32, page_size: 16}
+router: {host: 127.0.0.1, grpc_port: 0, http_port: 0}
+device: cpu
+colocate: true
+"""
+SPLIT = MODEL + """
+prefill: {workers: 1, max_prompt_tokens: 1024, chunk_tokens: 64, prefix_cache: true}
+decode: {workers: 1, max_batch: 32, page_size: 16}
+router: {host: 127.0.0.1, grpc_port: 0, http_port: 0}
+kv_transfer: {lease_seconds: 30}
+device: cpu
+"""
+
+SYSTEM = prompt_of(100, 7)  # blocks 0..5 whole (96 tokens) with page_size 16; tiny's window is 8
+PROMPTS = [
+    (SYSTEM + prompt_of(20, 1), 0),  # cold: its 7 whole blocks (112 tokens) are cached as it runs
+    (SYSTEM + prompt_of(15, 2), 96),  # shares the system prompt's whole blocks
+    (SYSTEM[:85] + prompt_of(30, 3), 80),  # diverges at 85: 5 tokens past the boundary, inside the window
+    (SYSTEM + prompt_of(20, 1), 112),  # the first prompt again: all but its last partial block
+]
+
+
+def http_usage(server, model: str, prompt: list[int]) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    r = httpx.post(f"{server.http_url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]
+
+
+def check_cluster(run, server, reference, role: str) -> None:
+    from kvrelay.cluster.status import _table
+
+    def hit_tokens() -> int:
+        return next(r for r in run.cluster.statuses() if r["role"] == role)["prefix_cache"]["hit_tokens"]
+
+    for i, (prompt, cached) in enumerate(PROMPTS):
+        before = hit_tokens()
+        tokens, _ = grpc_tokens(run.grpc_target, prompt, 16)
+        assert tokens == solo(reference, prompt, 16), f"prompt {i}"
+        assert hit_tokens() - before == cached, f"prompt {i}"
+    usage = http_usage(server, run.client.model_name, PROMPTS[1][0])
+    assert usage["prompt_tokens"] == len(PROMPTS[1][0])
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 112  # its own 7 whole blocks, cached as it ran
+    metrics = httpx.get(f"{server.http_url}/metrics", timeout=10).text
+    hit_tokens = [line for line in metrics.splitlines() if line.startswith("kvrelay_prefix_cache_hit_tokens_total")]
+    assert hit_tokens and float(hit_tokens[0].split()[-1]) >= 96 + 80 + 112 + 112
+    assert_no_pages_left(run)
+    rows = run.cluster.statuses()
+    row = next(r for r in rows if r["role"] == role)
+    pc = row["prefix_cache"]
+    assert pc["hits"] >= 4 and pc["cached_pages"]["full"] > 0
+    assert pc["evictable_pages"] == pc["cached_pages"]  # nothing holds a cached page but the cache
+    assert "prefix cache" in _table(rows) and "tokens saved" in _table(rows)
+
+
+def test_colocated_prefix_cache_equals_llm_generate(reference):
+    from conftest import serving
+
+    with serving(COLOCATED) as (run, server):
+        import ray
+
+        before = ray.get(run.cluster.decode[0].counters.remote(), timeout=30)
+        check_cluster(run, server, reference, "colocated")
+        after = ray.get(run.cluster.decode[0].counters.remote(), timeout=30)
+        # Cached tokens were not computed: the prompts' tokens minus the hits (the HTTP call hit 112).
+        want = sum(len(p) - c for p, c in PROMPTS) + len(PROMPTS[1][0]) - 112
+        assert after["prompt_tokens"] - before["prompt_tokens"] == want
+        assert after["cached_tokens"] - before["cached_tokens"] == sum(c for _, c in PROMPTS) + 112
+
+
+def test_split_prefix_cache_equals_llm_generate(reference):
+    from conftest import serving
+
+    with serving(SPLIT) as (run, server):
+        check_cluster(run, server, reference, "prefill")
