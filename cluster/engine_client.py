@@ -53,9 +53,9 @@ PREFILL_S = Histogram("kvrelay_request_prefill_time_seconds", "Prefill forward +
 KV_TRANSFER_S = Histogram("kvrelay_kv_transfer_seconds", "NIXL READ of a request's KV", buckets=_BUCKETS)
 KV_BYTES = Counter("kvrelay_kv_transfer_bytes", "KV bytes moved prefill -> decode")
 REQUESTS = Counter("kvrelay_requests", "Finished requests", ["outcome"])
-# vLLM's prefix_cache_hits, in tokens (kvrelay_prefix_cache_hit_tokens_total), and the prefills that hit.
-PREFIX_HIT_TOKENS = Counter("kvrelay_prefix_cache_hit_tokens", "Prompt tokens a prefix cache supplied instead of a prefill")
-PREFIX_HITS = Counter("kvrelay_prefix_cache_hit_requests", "Prefills that reused a cached prompt prefix")
+# vLLM's prefix_cache_queries / prefix_cache_hits, both in tokens: hits / queries is the hit rate.
+PREFIX_QUERIES = Counter("kvrelay_prefix_cache_queries", "Prompt tokens looked up in a prefill worker's prefix cache")
+PREFIX_HITS = Counter("kvrelay_prefix_cache_hits", "Prompt tokens a prefix cache supplied instead of a prefill")
 RETRIES = Counter("kvrelay_request_retries", "Requests re-prefilled on another worker pair, by cause", ["cause"])
 
 
@@ -314,9 +314,8 @@ class DisaggregatedEngineClient:
             acc.queue_s += res.queue_s
             acc.prefill_s += res.prefill_s
             PREFILL_S.observe(res.prefill_s)
-            if res.cached_tokens:
-                PREFIX_HITS.inc()
-                PREFIX_HIT_TOKENS.inc(res.cached_tokens)
+            PREFIX_QUERIES.inc(res.cache_queried)
+            PREFIX_HITS.inc(res.cached_tokens)
             if done == 0:  # usage counts the prompt's own tokens; a resumed attempt re-prefills more
                 acc.cached_tokens = res.cached_tokens
             handle = res.handle

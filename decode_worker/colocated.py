@@ -266,7 +266,8 @@ class ColocatedWorker(DecodeWorker):
             plp = PromptLogprobs.join(p.plp) if p.every else None
             self._resolve(p, result=PrefillResult(p.request_id, TokenOutput(token, logprob, reason, top, plp), handle,
                                                   len(p.ids), p.t_start - p.t_arrive, t_end - p.t_start,
-                                                  cached_tokens=p.cached))
+                                                  cached_tokens=p.cached,
+                                                  cache_queried=len(p.ids) if p.begun and not p.every else 0))
 
     @staticmethod
     def _resolve(p: _Prompt, *, result=None, exc: BaseException | None = None) -> None:

@@ -132,7 +132,8 @@ class PrefillWorker:
                      1000 * (job.t_start - t_arrive), 1000 * (job.t_end - job.t_start),
                      extra=request_extra(request_id, f"prefill-{self.rank}"))
         return PrefillResult(request_id, first, handle, n, job.t_start - t_arrive, job.t_end - job.t_start,
-                             cached_tokens=job.cached)
+                             cached_tokens=job.cached,
+                             cache_queried=n if self.prefix is not None and params.prompt_logprobs is None else 0)
 
     def _take_jobs(self) -> list[_Job]:
         """The oldest queued prompt, plus the next ones while they fit one forward of chunk_tokens (TP1

@@ -36,6 +36,7 @@ class PrefillResult:
     queue_s: float  # waiting for the worker (other prompts ahead)
     prefill_s: float  # forward(s) + sampling + pinning
     cached_tokens: int = 0  # prompt positions reused from the prefix cache (not computed)
+    cache_queried: int = 0  # prompt positions looked up in the prefix cache (0: no cache, or no lookup)
 
 
 @dataclass(frozen=True)

@@ -61,8 +61,11 @@ def check_cluster(run, server, reference, role: str) -> None:
     assert usage["prompt_tokens"] == len(PROMPTS[1][0])
     assert usage["prompt_tokens_details"]["cached_tokens"] == 112  # its own 7 whole blocks, cached as it ran
     metrics = httpx.get(f"{server.http_url}/metrics", timeout=10).text
-    hit_tokens = [line for line in metrics.splitlines() if line.startswith("kvrelay_prefix_cache_hit_tokens_total")]
-    assert hit_tokens and float(hit_tokens[0].split()[-1]) >= 96 + 80 + 112 + 112
+    def counter(name: str) -> float:
+        return sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(name + " "))
+
+    assert counter("kvrelay_prefix_cache_hits_total") >= 96 + 80 + 112 + 112
+    assert counter("kvrelay_prefix_cache_queries_total") >= sum(len(p) for p, _ in PROMPTS) + len(PROMPTS[1][0])
     assert_no_pages_left(run)
     rows = run.cluster.statuses()
     row = next(r for r in rows if r["role"] == role)
