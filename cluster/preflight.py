@@ -95,11 +95,14 @@ def _worker_needs(topo, cfg) -> list[tuple[str, int, int]]:
     pools = [("decode", topo.decode)] if topo.colocate else [("prefill", topo.prefill), ("decode", topo.decode)]
     for name, pool in pools:
         tp = pool.tp
-        if topo.device == "cpu":
+        if topo.device == "cpu":  # the pool holds this many positions in every layer group
             tokens = 4 * topo.prefill.max_prompt_tokens if name == "prefill" else topo.decode.max_batch * ctx
-        else:
-            tokens = ctx
-        out.append((name, pool.workers * tp, weights // tp + tokens * per_token(tp)))
+            kv = tokens * per_token(tp)
+        else:  # one full-context sequence: full layers hold all of it, sliding ones their window
+            layers = cfg.num_hidden_layers
+            held = len(cfg.full_layers) * ctx + len(cfg.sliding_layers) * min(ctx, cfg.sliding_window + 1)
+            kv = per_token(tp) * held // layers
+        out.append((name, pool.workers * tp, weights // tp + kv))
     return out
 
 

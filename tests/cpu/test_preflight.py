@@ -125,3 +125,11 @@ def test_a_joined_cluster_is_not_measured_here():
     topo = parse_topology(CONFIG.replace("MODEL", "gpt-oss-tiny").replace("DUMMY", "true").replace(
         "BATCH", "1000000").replace("PORT", "0") + "ray: {address: 10.0.0.1:6379}\n", source="joined.yaml")
     assert run_checks(topo)[2] == "memory     not checked here: the workers run on the Ray cluster at ray.address"
+
+
+@pytest.mark.parametrize("name", ["h200-1gpu-20b.yaml", "h200-1gpu-120b.yaml", "h200-2gpu-20b.yaml"])
+def test_the_shipped_h200_topologies_fit_an_h200(name):
+    """The rule must not refuse what runs: each shipped one-machine topology fits 141 GB per GPU."""
+    topo = with_dummy(load_topology(name), True)
+    line = run_checks(topo, gpu_bytes=lambda: [143_771 << 20] * 8)[2]  # nvidia-smi: 143771 MiB
+    assert line.startswith("memory     ") and "per GPU at most" in line, line
