@@ -166,7 +166,9 @@ def gpu_memory() -> list[int] | None:
     except (OSError, subprocess.SubprocessError):
         return None
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    sizes = [int(v) * (1 << 20) for v in out.split()]
+    sizes = [int(v) * (1 << 20) for v in out.split() if v.isdigit()]  # "[N/A]" (MIG, some drivers): skipped
+    if not sizes:
+        return None
     if visible:
         keep = [int(i) for i in visible.split(",") if i.strip().isdigit()]
         sizes = [sizes[i] for i in keep if i < len(sizes)] or sizes
