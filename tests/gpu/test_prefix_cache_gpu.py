@@ -1,0 +1,78 @@
+"""The prefix cache on the GPU kernels (engine/prefix_cache.py through Runner on device="cuda", CUDA
+graphs and piecewise graphs on): prompts that share a prefix, diverge inside the sliding window before
+a cached page boundary, or repeat, decode the same greedy tokens as a runner without the cache, except
+where the uncached run's top-2 margin is a near-tie (a hit computes the suffix in a forward of another
+shape, so bits may differ); the logits stay close, the hits are where the cache says, and every page
+comes back. Two shapes: the MXFP4 fixture (Triton attention, window 8 < page 16) and gpt-oss's
+attention shape (FlashInfer, window 128 > page 16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_model_gpu import GRAPH_SIZES, _cuda, _model, rel_err
+
+pytestmark = pytest.mark.gpu
+
+N_DECODE = 16
+CHUNK = 64
+TIE = 0.25  # top-2 logit margin under which two runs may pick differently
+
+
+def greedy(r, sid, prompt: list[int]):
+    """Chunked prefill (after a cache hit, if any), then greedy decode: tokens, logits, positions hit."""
+    start = r.kv.begin_prefix(sid, prompt) if r.kv.prefix is not None else 0
+    at, out = start, None
+    while at < len(prompt):
+        out = r.extend(sid, prompt[at: at + CHUNK])
+        at += CHUNK
+    logits = [out.float()]
+    toks = [int(out.argmax())]
+    for _ in range(N_DECODE - 1):
+        logits.append(r.decode([sid], [toks[-1]])[0].float())
+        toks.append(int(logits[-1].argmax()))
+    r.free(sid)
+    return toks, logits, start
+
+
+def prompts_for(cfg) -> tuple[list[list[int]], list[int]]:
+    g = torch.Generator().manual_seed(5)
+    rnd = lambda n: torch.randint(0, min(cfg.vocab_size, 200000), (n,), generator=g).tolist()  # noqa: E731
+    base = rnd(300)  # 18 whole pages of 16, and a window (128) spans 8 of them
+    a, b = base + rnd(20), base[:290] + rnd(30)  # b diverges 2 tokens past the boundary at 288
+    prompts = [a, b, a, base[:200] + rnd(5)]
+    return prompts, [0, 288, (len(a) - 1) // 16 * 16, 192]
+
+
+def check(kind: str, device, graphs: bool = True) -> None:
+    from kvrelay.engine.runner import Runner
+
+    cfg, w = _model(kind)
+    prompts, hits = prompts_for(cfg)
+    kw = dict(cuda_graph_batch_sizes=GRAPH_SIZES) if graphs else {}
+    plain, cached = (Runner(cfg, w, device=device, page_size=16, kv_tokens=8192, **kw) for _ in range(2))
+    for r in (plain, cached):
+        if graphs:
+            r.warmup()
+    cached.kv.enable_prefix_cache()
+    for i, p in enumerate(prompts):
+        want, want_logits, _ = greedy(plain, f"p{i}", p)
+        got, got_logits, start = greedy(cached, f"c{i}", p)
+        assert start == hits[i], (kind, i)
+        for step, (x, y, lx, ly) in enumerate(zip(got, want, got_logits, want_logits)):
+            assert rel_err(lx, ly) < 2e-2, (kind, i, step)
+            if x != y:
+                top = torch.topk(ly, 2).values
+                assert float(top[0] - top[1]) < TIE, (kind, i, step, x, y)
+                break
+    assert cached.kv.prefix.stats.hit_tokens == sum(hits)
+    cached.kv.prefix.clear()
+    for r in (plain, cached):
+        free = r.kv.free_pages()
+        assert all(free[g] == r.kv.allocators[g].num_pages - r.internal_pages()[g] for g in free)
+
+
+@pytest.mark.parametrize("kind", ["fixture", "attn64"])
+def test_prefix_cache_on_the_gpu_kernels(kind):
+    check(kind, _cuda())
