@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from prometheus_client import Counter, Histogram
 
 from kvrelay.cluster.admission import AdmissionQueue, AdmissionTimeout
+from kvrelay.cluster.routing import KV_AWARE, POLICIES, PrefixIndex, block_hashes, rank
 from kvrelay.transfer.handle import KVLayoutMismatch, KVTransferError
 from kvrelay.engine.sampling import SamplingParams, TokenOutput, token_set
 from kvrelay.router.engine_client import EngineUnavailable, flatten
@@ -162,7 +163,7 @@ class DisaggregatedEngineClient:
                  model_name: str, max_context: int, vocab_size: int | None = None, max_retries: int = 2,
                  admission_timeout_s: float = 60.0, stall_check_s: float = 10.0, colocated: bool = False,
                  policy: str = "least-loaded", max_waiting: int = 1024, resume_timeout_s: float = 120.0,
-                 on_worker_dead: Callable[[str, int], None] | None = None):
+                 on_worker_dead: Callable[[str, int], None] | None = None, page_size: int = 16):
         self.prefill = [_Worker("prefill", i, a) for i, a in enumerate(prefill_actors)]
         self.decode = [_Worker("decode", i, a) for i, a in enumerate(decode_actors)]
         self._model_name = model_name
@@ -180,9 +181,11 @@ class DisaggregatedEngineClient:
         # Colocated: prefill[i] and decode[i] are one actor, so a request's pair is always (i, i) and its
         # KV never leaves the GPU (decode_worker/colocated.py).
         self.colocated = colocated
-        if policy not in ("least-loaded", "round-robin"):
-            raise ValueError(f"router.policy: {policy!r} is not 'least-loaded' or 'round-robin'")
+        if policy not in POLICIES:
+            raise ValueError(f"router.policy: {policy!r} is not one of {', '.join(POLICIES)}")
         self.policy = policy
+        # kv-aware: what this router sent where, per prefill role (cluster/routing.py)
+        self.prefix_index = PrefixIndex(page_size) if policy == KV_AWARE else None
         self._turn = itertools.count()
         self._channels: dict[int, _Channel] = {}  # decode worker rank -> its token channel
         self._active: dict[str, tuple[_Worker, str]] = {}  # request -> (decode worker, attempt id)
@@ -290,7 +293,8 @@ class DisaggregatedEngineClient:
         done = len(streamed)  # `streamed` grows as we yield; the attempt starts from this count
         remaining = params.max_tokens - done
         t_q = time.perf_counter()
-        decode = await self._reserve(attempt_id, len(full), remaining)
+        hashes = block_hashes(full, self.prefix_index.page_size) if self.prefix_index is not None else ()
+        decode = await self._reserve(attempt_id, len(full), remaining, hashes)
         acc.queue_s += time.perf_counter() - t_q
         acc.decode_worker = decode.rank
         handle = None
@@ -298,7 +302,7 @@ class DisaggregatedEngineClient:
         finished = False
         self._active[request_id] = (decode, attempt_id)
         try:
-            prefill = self.prefill[decode.rank] if self.colocated else self._pick_prefill()
+            prefill = self.prefill[decode.rank] if self.colocated else self._pick_prefill(hashes, len(full))
             acc.prefill_worker = prefill.rank
             prefill.queued_tokens += len(full)
             # The prompt's own logprobs went out with the first token: a retry after it skips them.
@@ -461,6 +465,8 @@ class DisaggregatedEngineClient:
         newly = [x for x in pair if not x.dead]
         for x in pair:
             x.dead = True
+        if self.prefix_index is not None and (w.role == "prefill" or self.colocated):
+            self.prefix_index.forget(w.rank)  # the index is per prefill role; a replacement starts empty
         if newly and self.on_worker_dead is not None:
             try:
                 self.on_worker_dead(w.role, w.rank)
@@ -505,12 +511,15 @@ class DisaggregatedEngineClient:
             await asyncio.sleep(0.05)
 
     # ---- placement ---------------------------------------------------------------------------
-    def _pick_prefill(self) -> _Worker:
+    def _pick_prefill(self, hashes: Sequence[int] = (), prompt_tokens: int = 0) -> _Worker:
         live = [w for w in self.prefill if not w.dead]
         if not live:
             raise _NoLiveWorker("no live prefill worker")
         if self.policy == "round-robin":
             w = live[next(self._turn) % len(live)]
+        elif self.prefix_index is not None:  # kv-aware: least queued + uncached prompt work
+            w = self._rank_by_prefix(live, live, hashes, prompt_tokens)[0]
+            self.prefix_index.record(w.rank, hashes)
         else:  # least-loaded: fewest prompt tokens in flight, then the longest unused
             w = min(live, key=lambda w: (w.queued_tokens, w.last_pick))
         w.last_pick = time.monotonic()
@@ -520,17 +529,24 @@ class DisaggregatedEngineClient:
         """EngineOverloaded now if the admission line is full (the router asks before it answers)."""
         self.admission.check()
 
-    async def _reserve(self, attempt_id: str, prompt_tokens: int, max_tokens: int) -> _Worker:
+    def _rank_by_prefix(self, candidates: list, prefills: list, hashes: Sequence[int], prompt_tokens: int) -> list:
+        """`candidates` by cluster/routing.rank; `prefills[i]` is the prefill role of candidates[i]."""
+        idx = self.prefix_index
+        return rank(candidates, prompt_tokens, [idx.matched_tokens(p.rank, hashes) for p in prefills],
+                    [p.queued_tokens for p in prefills], [p.last_pick for p in prefills])
+
+    async def _reserve(self, attempt_id: str, prompt_tokens: int, max_tokens: int,
+                       hashes: Sequence[int] = ()) -> _Worker:
         """Reserve pages on the decode worker with the most free budget; when none has room, wait in
         line (cluster/admission.py)."""
         reasons: list[str] = []
 
         async def try_once() -> _Worker | None:
             live = sum(not w.dead for w in self.decode)
-            if live > 1 and self.policy == "least-loaded":
+            if live > 1 and self.policy != "round-robin":
                 async with self._admit_lock:  # each ranking sees the reservations made before it
-                    return await self._try_reserve(attempt_id, prompt_tokens, max_tokens, reasons)
-            return await self._try_reserve(attempt_id, prompt_tokens, max_tokens, reasons)
+                    return await self._try_reserve(attempt_id, prompt_tokens, max_tokens, reasons, hashes)
+            return await self._try_reserve(attempt_id, prompt_tokens, max_tokens, reasons, hashes)
 
         try:
             return await self.admission.admit(try_once, self.admission_timeout_s)
@@ -539,7 +555,7 @@ class DisaggregatedEngineClient:
                                     f"{self.admission_timeout_s:g} s ({'; '.join(reasons)})") from None
 
     async def _try_reserve(self, attempt_id: str, prompt_tokens: int, max_tokens: int,
-                           reasons: list[str]) -> _Worker | None:
+                           reasons: list[str], hashes: Sequence[int] = ()) -> _Worker | None:
         import ray
 
         from kvrelay.workers.messages import AdmissionRefused
@@ -547,7 +563,12 @@ class DisaggregatedEngineClient:
         live = [w for w in self.decode if not w.dead]
         if not live:
             raise _NoLiveWorker("no live decode worker")
-        if len(live) == 1 or self.policy == "round-robin":
+        if self.colocated and self.prefix_index is not None and len(live) > 1:
+            # kv-aware, colocated: the decode worker is the prefill worker, so rank by the prompt's
+            # cached prefix there against its queued prompt tokens; a full one refuses and the next is tried.
+            ranked = [(0, 0, w) for w in self._rank_by_prefix(live, [self.prefill[w.rank] for w in live],
+                                                              hashes, prompt_tokens)]
+        elif len(live) == 1 or self.policy == "round-robin":
             # Nothing to rank (or no ranking wanted): skip the load round trips, try in turn.
             k = next(self._turn) % len(live)
             ranked = [(0, 0, w) for w in live[k:] + live[:k]]
@@ -558,6 +579,9 @@ class DisaggregatedEngineClient:
         for _, _, w in ranked:
             try:
                 await w.actor.reserve.remote(attempt_id, prompt_tokens, max_tokens)
+                if self.colocated and self.prefix_index is not None:
+                    self.prefix_index.record(w.rank, hashes)
+                    self.prefill[w.rank].last_pick = time.monotonic()
                 return w
             except ray.exceptions.RayActorError:
                 self._mark_dead(w)

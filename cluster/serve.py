@@ -122,7 +122,7 @@ class Cluster:
             self.prefill, self.decode, model_name=cfg.name,
             max_context=min(self.topology.model.max_context, cfg.max_context),
             vocab_size=cfg.vocab_size, colocated=self.topology.colocate, policy=self.topology.router.policy,
-            max_waiting=self.topology.router.max_waiting_requests,
+            max_waiting=self.topology.router.max_waiting_requests, page_size=self.topology.decode.page_size,
             **{"resume_timeout_s": self.topology.router.resume_timeout_s, **kwargs})
 
     def statuses(self, timeout_s: float = 10.0) -> list[dict]:

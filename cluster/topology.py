@@ -25,7 +25,7 @@ from kvrelay.engine.partition import ParallelConfigError, check_partition, valid
 
 Quant = Literal["fp8-block128", "bf16"]
 Device = Literal["cpu", "cuda"]
-Policy = Literal["least-loaded", "round-robin"]
+Policy = Literal["least-loaded", "round-robin", "kv-aware"]  # cluster/routing.py: kv-aware
 LogFormat = Literal["text", "json"]
 
 DEFAULT_CONFIG = "cpu-tiny.yaml"

@@ -95,3 +95,39 @@ def test_split_prefix_cache_equals_llm_generate(reference):
 
     with serving(SPLIT) as (run, server):
         check_cluster(run, server, reference, "prefill")
+
+
+KV_AWARE = MODEL + """
+prefill: {workers: 2, max_prompt_tokens: 1024, chunk_tokens: 64, prefix_cache: true}
+decode: {workers: 2, max_batch: 32, page_size: 16}
+router: {host: 127.0.0.1, grpc_port: 0, http_port: 0, policy: kv-aware}
+device: cpu
+colocate: true
+"""
+
+
+def test_kv_aware_routing_sends_a_shared_prefix_where_it_is_cached(reference):
+    """Two colocated workers, router.policy kv-aware: prompts that share the system prompt all go to the
+    worker that computed it first and hit its cache there; unrelated prompts spread over both."""
+    import asyncio
+
+    from conftest import serving
+
+    from kvrelay.engine.sampling import SamplingParams
+
+    async def one(run, rid: str, prompt: list[int]):
+        outs = [o async for o in run.client.generate(rid, prompt, SamplingParams(max_tokens=8, temperature=0))]
+        return [o.token_id for o in outs], outs[-1].metrics
+
+    with serving(KV_AWARE) as (run, _):
+        placed = []
+        for i, (prompt, _) in enumerate(PROMPTS):
+            tokens, m = asyncio.run(one(run, f"kv{i}", prompt))
+            assert tokens == solo(reference, prompt, 8), f"prompt {i}"
+            placed.append((m.prefill_worker, m.cached_tokens))
+        home = placed[0][0]
+        assert placed == [(home, 0), (home, 96), (home, 80), (home, 112)]
+        # Unrelated prompts: no cached prefix anywhere, so the idle worker (used longest ago) gets one.
+        _, m = asyncio.run(one(run, "other", prompt_of(50, 9)))
+        assert m.prefill_worker != home and m.cached_tokens == 0
+        assert_no_pages_left(run)
