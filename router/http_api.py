@@ -351,6 +351,7 @@ class _Stream(abc.ABC):
             yield _sse(_unavailable_body(exc))
         except Exception as exc:  # headers are already sent: report in-band, then end the stream
             log.exception("stream %s failed", self.prep.request_id)
+            router_metrics.ERRORS.labels("http", "stream").inc()  # a 200 that failed: counted all the same
             yield _sse(error_body(f"internal error: {exc}", type_="server_error"))
         yield _sse("[DONE]")
 
@@ -585,6 +586,7 @@ class ChoiceBatch:
                 await queue.put(("error", exc))
             except Exception as exc:  # noqa: BLE001 - reported in-band below
                 log.exception("stream %s failed", s.prep.request_id)
+                router_metrics.ERRORS.labels("http", "stream").inc()
                 await queue.put(("error", exc))
 
         tasks = [asyncio.create_task(pump(s)) for s in self.streams]

@@ -152,3 +152,17 @@ def test_worker_gauges_are_read_at_scrape_time(served):
     t0 = time.monotonic()
     got = _scrape(srv.http_url)
     assert time.monotonic() - t0 < 5 and got[("kvrelay_num_requests_waiting", ())] == 7
+
+
+def test_a_stream_that_fails_after_its_headers_is_counted():
+    """An engine failure mid-stream goes out in-band (the status was already 200): counted as code "stream"."""
+    def script(prompt):
+        yield 1000
+        raise RuntimeError("engine fell over")
+
+    with BackgroundRouter(ScriptedEngineClient([script], model_name="gpt-oss-test")) as srv:
+        before = _value("kvrelay_request_errors_total", {"api": "http", "code": "stream"})
+        r = httpx.post(f"{srv.http_url}/v1/completions", json={"prompt": [5], "max_tokens": 4, "stream": True},
+                       timeout=30)
+        assert r.status_code == 200 and '"server_error"' in r.text
+        assert _value("kvrelay_request_errors_total", {"api": "http", "code": "stream"}) - before == 1
