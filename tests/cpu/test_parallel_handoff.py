@@ -1,5 +1,5 @@
 """KV handoff between differently sharded groups, at the engine level: a TPp prefill group exports each
-rank's KV pages, kv_sharding maps heads to the TPd decode group, each decode rank imports exactly its
+rank's KV pages, transfer/sharding.py maps heads to the TPd decode group, each decode rank imports exactly its
 heads and keeps decoding. The greedy tokens must equal one process running the whole request.
 
 The config has 4 KV heads so TP2 -> TP4 makes each decode rank take half of one prefill rank's heads

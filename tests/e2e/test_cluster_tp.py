@@ -148,37 +148,6 @@ def test_no_kv_page_left_and_status_lists_every_rank(cluster):
     assert f"{topo.decode.tp - 1}/{topo.decode.tp}" in table and "DOWN" not in table
 
 
-def test_killed_rank_takes_its_worker_down_without_hanging_the_stream(cluster):
-    """Runs last (it breaks the module's cluster): a TP group cannot step without one of its ranks, so
-    the worker goes down as a whole and the client ends the request instead of waiting forever."""
-    import ray
-
-    from kvrelay.cluster.engine_client import EngineUnavailable
-
-    topo = cluster.topology
-    role = "decode" if topo.decode.tp > 1 else "prefill"
-    victim = ray.get_actor(f"kvrelay-{role}-0-tp{getattr(topo, role).tp - 1}", namespace=topo.ray.namespace)
-    client = cluster.engine_client(stall_check_s=5.0)
-    got: list[int] = []
-
-    async def go():
-        params = SamplingParams(max_tokens=400, temperature=0)
-        if role == "prefill":
-            ray.kill(victim, no_restart=True)
-        async for out in client.generate("victim", prompt_of(20), params):
-            got.append(out.token_id)
-            if role == "decode" and len(got) == 5:
-                ray.kill(victim, no_restart=True)
-
-    t0 = time.monotonic()
-    with pytest.raises(EngineUnavailable, match=f"no live {role} worker"):
-        asyncio.run(go())
-    assert time.monotonic() - t0 < 60 and len(got) < 400
-    assert client.dead_workers() == [(role, 0)]
-    rows = {(r["role"], r["tp_rank"]): r for r in cluster.statuses(timeout_s=5)}
-    assert "error" in rows[(role, 0)] and "error" in rows[(role, getattr(topo, role).tp - 1)]
-
-
 def test_prompt_logprobs_and_repetition_penalty_on_tp_groups(cluster):
     """The TP prefill group computes every position's logits on all its ranks alike (the vocabulary gather
     is a collective): the prompt logprobs equal a float64 single-process reference up to sharded bf16
@@ -214,3 +183,34 @@ def test_prompt_logprobs_and_repetition_penalty_on_tp_groups(cluster):
         tops.append(abs(float(top2[0])))
     assert_same_greedy([o.token_id for o in outs], Reference(ref, margins, tops), "repetition_penalty")
     wait_no_pages(cluster)
+
+
+def test_killed_rank_takes_its_worker_down_without_hanging_the_stream(cluster):
+    """Runs last (it breaks the module's cluster): a TP group cannot step without one of its ranks, so
+    the worker goes down as a whole and the client ends the request instead of waiting forever."""
+    import ray
+
+    from kvrelay.cluster.engine_client import EngineUnavailable
+
+    topo = cluster.topology
+    role = "decode" if topo.decode.tp > 1 else "prefill"
+    victim = ray.get_actor(f"kvrelay-{role}-0-tp{getattr(topo, role).tp - 1}", namespace=topo.ray.namespace)
+    client = cluster.engine_client(stall_check_s=5.0)
+    got: list[int] = []
+
+    async def go():
+        params = SamplingParams(max_tokens=400, temperature=0)
+        if role == "prefill":
+            ray.kill(victim, no_restart=True)
+        async for out in client.generate("victim", prompt_of(20), params):
+            got.append(out.token_id)
+            if role == "decode" and len(got) == 5:
+                ray.kill(victim, no_restart=True)
+
+    t0 = time.monotonic()
+    with pytest.raises(EngineUnavailable, match=f"no live {role} worker"):
+        asyncio.run(go())
+    assert time.monotonic() - t0 < 60 and len(got) < 400
+    assert client.dead_workers() == [(role, 0)]
+    rows = {(r["role"], r["tp_rank"]): r for r in cluster.statuses(timeout_s=5)}
+    assert "error" in rows[(role, 0)] and "error" in rows[(role, getattr(topo, role).tp - 1)]
