@@ -210,10 +210,12 @@ ROWS = {"type": "object", "properties": {"rows": {"type": "array", "minItems": 5
 
 
 def bench_steps(model: str, device: str, quant: str, batch: int, steps: int) -> dict:
-    """Decode steps of the real Scheduler on `model` (dummy weights): B greedy requests unconstrained
-    (overlapped steps, the hot path; and synchronous ones) against B inside a long JSON body (masks
-    submitted before each forward, applied after). The difference per step is what structured outputs
-    cost a decode step; divided by B, per token."""
+    """Decode steps of the real Scheduler on `model` (dummy weights): B greedy requests inside a long JSON
+    body (masks submitted before each forward, applied after; synchronous steps) against B unconstrained
+    ones on synchronous steps, the two interleaved step by step on one Runner so that load on the machine
+    hits both alike; and, for reference, B unconstrained on overlapped steps (the hot path), run alone (a
+    launched step must not share the Runner). The difference per step is what structured outputs cost a
+    decode step; divided by B, per token."""
     import torch
 
     from kvrelay.decode_worker.scheduler import Scheduler
@@ -226,39 +228,56 @@ def bench_steps(model: str, device: str, quant: str, batch: int, steps: int) -> 
                       response_format=ResponseFormat("json_schema", json.dumps(ROWS), "rows"))
     spec = structured.build(req)
     prompt = harmony.render_chat(req, "2026-12-01")
-    pages = batch * ((len(prompt) + steps + 40) // 16 + 2) + 16
+    head = list(spec.bodies[0].header)
+    pages = 3 * batch * ((len(prompt) + steps + 40) // 16 + 2) + 16
     runner = Runner.load(model, dummy=True, device=device, quant=quant, page_size=16,
                          num_pages={"full": pages, "sliding": pages})
-    out = {}
-    for label, overlap, constrained in (("plain_overlapped", True, False), ("plain_sync", False, False),
-                                        ("json_schema", True, True)):
+    sync = (lambda: torch.cuda.synchronize()) if device.startswith("cuda") else (lambda: None)
+
+    def start(label: str, overlap: bool, constrained: bool) -> Scheduler:
         sched = Scheduler(runner, max_batch=batch, overlap=overlap)
         params = SamplingParams(max_tokens=steps + 20, temperature=0.0, stop_token_ids=harmony.CHAT_STOP_TOKEN_IDS,
                                 structured=spec if constrained else None)
-        first = list(spec.bodies[0].header) if constrained else [1]
         for i in range(batch):
             rid = f"{label}-{i}"
-            sched.reserve(rid, len(prompt) + len(first), params.max_tokens)
-            runner.prefill(rid, prompt + first[:-1])
-            sched.join(rid, params, first[-1], len(first), lambda o: None, first[:-1])
+            sched.reserve(rid, len(prompt) + len(head), params.max_tokens)
+            runner.prefill(rid, prompt + head[:-1])
+            sched.join(rid, params, head[-1], len(head), lambda o: None, head[:-1])
         for _ in range(3):  # warm-up
             sched.step()
-        sync = (lambda: torch.cuda.synchronize()) if device.startswith("cuda") else (lambda: None)
+        return sched
+
+    def timed(sched: Scheduler) -> float:
         sync()
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            sched.step()
-            sync()
-            times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        sched.step()
+        sync()
+        return time.perf_counter() - t0
+
+    def finish(sched: Scheduler, label: str) -> int:
         sched.drain()
-        for rid in sched.running_ids():
+        running = sched.running_ids()
+        for rid in running:
             sched.release(rid)
-        out[label] = _percentiles(times)
-    added = out["json_schema"]["p50_ms"] - out["plain_overlapped"]["p50_ms"]
+        if len(running) != batch:  # a request ended during the run: the comparison is void
+            raise RuntimeError(f"{label}: {batch - len(running)} of {batch} requests ended during the run")
+        return len(running)
+
+    out = {}
+    overlapped = start("plain_overlapped", True, False)
+    out["plain_overlapped"] = _percentiles([timed(overlapped) for _ in range(steps)])
+    finish(overlapped, "plain_overlapped")
+    pair = {"plain_sync": start("plain_sync", False, False), "json_schema": start("json_schema", False, True)}
+    times: dict[str, list[float]] = {k: [] for k in pair}
+    for n in range(steps):
+        for label in (("plain_sync", "json_schema") if n % 2 else ("json_schema", "plain_sync")):
+            times[label].append(timed(pair[label]))
+    for label, sched in pair.items():
+        finish(sched, label)
+        out[label] = _percentiles(times[label])
+    added = out["json_schema"]["p50_ms"] - out["plain_sync"]["p50_ms"]
     out["added_per_step_ms"] = added
     out["added_per_token_ms"] = added / batch
-    out["added_vs_sync_per_token_ms"] = (out["json_schema"]["p50_ms"] - out["plain_sync"]["p50_ms"]) / batch
     return out
 
 
@@ -303,9 +322,10 @@ def main() -> dict:
         results["decode_steps"] = {f"b{b}": bench_steps(args.model, args.device, args.quant, b, args.step_count)
                                    for b in parse_ints(args.batches)}
         for k, v in results["decode_steps"].items():
-            print(f"decode step {args.model} {k}: plain overlapped p50 {v['plain_overlapped']['p50_ms']:.2f} ms, "
-                  f"sync {v['plain_sync']['p50_ms']:.2f} ms, json_schema {v['json_schema']['p50_ms']:.2f} ms; "
-                  f"added {v['added_per_step_ms']:.2f} ms a step, {v['added_per_token_ms']:.3f} ms a token")
+            print(f"decode step {args.model} {k}: plain overlapped p50 {v['plain_overlapped']['p50_ms']:.2f} ms; "
+                  f"interleaved: plain sync {v['plain_sync']['p50_ms']:.2f} ms, json_schema "
+                  f"{v['json_schema']['p50_ms']:.2f} ms: added {v['added_per_step_ms']:.2f} ms a step, "
+                  f"{v['added_per_token_ms']:.3f} ms a token")
     save_result(args.out, f"structured-{args.device.split(':')[0]}-{stamp()}", results)
     return results
 
