@@ -23,7 +23,7 @@ device: cpu
 colocate: true
 """
 SPLIT = MODEL + """
-prefill: {workers: 1, max_prompt_tokens: 1024, chunk_tokens: 64, prefix_cache: true}
+prefill: {workers: 1, max_prompt_tokens: 1024, chunk_tokens: 512, prefix_cache: true}
 decode: {workers: 1, max_batch: 32, page_size: 16}
 router: {host: 127.0.0.1, grpc_port: 0, http_port: 0}
 kv_transfer: {lease_seconds: 30}
@@ -95,6 +95,15 @@ def test_split_prefix_cache_equals_llm_generate(reference):
 
     with serving(SPLIT) as (run, server):
         check_cluster(run, server, reference, "prefill")
+        # Concurrent prompts behind a warm system prompt: queued ones share a prefill forward (the batch
+        # path), each resuming after its own cached prefix.
+        import concurrent.futures
+
+        prompts = [SYSTEM + prompt_of(10 + 7 * i, 30 + i) for i in range(4)]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda p: grpc_tokens(run.grpc_target, p, 12)[0], prompts))
+        assert got == [solo(reference, p, 12) for p in prompts]
+        assert_no_pages_left(run)
 
 
 KV_AWARE = MODEL + """
@@ -131,3 +140,41 @@ def test_kv_aware_routing_sends_a_shared_prefix_where_it_is_cached(reference):
         _, m = asyncio.run(one(run, "other", prompt_of(50, 9)))
         assert m.prefill_worker != home and m.cached_tokens == 0
         assert_no_pages_left(run)
+
+
+PRESSURE = """
+model: {name: tiny, dummy: true, seed: 0, max_context: 256}
+prefill: {workers: 1, max_prompt_tokens: 200, chunk_tokens: 64, prefix_cache: true}
+decode: {workers: 1, max_batch: 1, page_size: 16}
+router: {host: 127.0.0.1, grpc_port: 0, http_port: 0}
+device: cpu
+colocate: true
+"""
+
+
+def test_a_full_cache_never_costs_an_admission(reference):
+    """A 16-page pool (256 positions) that the cache fills after two prompts: every later request is still
+    admitted and served (cached pages nobody uses are evicted, least recently used first), a recent prompt
+    still hits, an evicted one computes in full, and the streams equal LLM.generate throughout."""
+    with serving_pressure() as run:
+        prompts = [prompt_of(100, 20 + i) for i in range(5)]
+        for i, p in enumerate(prompts + [prompts[-1], prompts[0]]):
+            tokens, _ = grpc_tokens(run.grpc_target, p, 8)
+            assert tokens == solo(reference, p, 8), f"request {i}"
+        pc = run.cluster.statuses()[0]["prefix_cache"]
+        assert pc["evicted_pages"]["full"] > 0
+        assert pc["hits"] == 1 and pc["hit_tokens"] == 96  # the repeat of the last prompt; the first was evicted
+        assert_no_pages_left(run)
+
+
+def serving_pressure():
+    import contextlib
+
+    from conftest import serving
+
+    @contextlib.contextmanager
+    def go():
+        with serving(PRESSURE) as (run, _):
+            yield run
+
+    return go()
