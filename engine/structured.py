@@ -183,11 +183,6 @@ def open_constraint(spec: StructuredOutput, generated: Sequence[int] = ()) -> Co
     return c
 
 
-def final_json(spec: StructuredOutput) -> Body:
-    """The body a response_format spec constrains (its only one)."""
-    return spec.bodies[0]
-
-
 def _bits(ids) -> tuple[np.ndarray, np.ndarray]:
     ids = np.asarray(list(ids), dtype=np.int64)
     return ids // 32, (np.uint32(1) << (ids % 32).astype(np.uint32))
