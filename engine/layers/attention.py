@@ -15,7 +15,7 @@ from kvrelay.kernels.reference import apply_rotary, write_kv
 
 def head_range(cfg, shard: Shard) -> HeadRange:
     """The query/KV heads this rank holds. One rule for the layer, the KV cache and the KV handoff plan
-    (engine/kv_sharding.py), which must all agree on which rank holds which KV head. It also rejects
+    (transfer/sharding.py), which must all agree on which rank holds which KV head. It also rejects
     splits whose ranks would straddle GQA groups unevenly (e.g. 48 query / 6 KV heads on 8 ranks)."""
     return partition.head_range(cfg.num_attention_heads, cfg.num_key_value_heads, shard.rank, shard.world_size)
 
@@ -133,7 +133,7 @@ class GpuAttention(BatchAttention):
                  workspaces: dict | None = None, graph_batch: int | None = None,
                  graph_max_pages: dict | None = None):
         super().__init__(None)
-        FULL, SLIDING = "full", "sliding"  # the page groups of engine/kv_cache.py (which imports this module)
+        from kvrelay.engine.kv_geometry import FULL, SLIDING  # the page groups (one spelling)
         from kvrelay.kernels import select
 
         self.backend = backend
