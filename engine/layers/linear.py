@@ -7,11 +7,12 @@ rewriting the model. With the default `Shard()` (rank 0 of 1) the collectives ar
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from kvrelay.engine.parallel import ParallelContext
 
 QUANTS = ("bf16", "fp8-block128")
 
@@ -43,42 +44,12 @@ class TensorDictWeights:
         return t.to(device=device, dtype=dtype or t.dtype, copy=False).contiguous()
 
 
-@dataclass(frozen=True)
-class Shard:
-    """This process's place in a tensor-parallel group (torch.distributed's default group).
-
-    The layers use only `rank`, `world_size`, `expert_parallel`, `span`, `all_reduce` and
-    `all_gather_last`, so `engine.parallel.ParallelContext` (which adds process-group handling) can be
-    passed wherever a Shard is. `expert_parallel` True gives each rank whole experts ("EPn TPn"); False
-    gives each rank a slice of every expert's intermediate dimension ("EP1 TPn")."""
-
-    rank: int = 0
-    world_size: int = 1
-    expert_parallel: bool = True
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} outside a group of {self.world_size}")
-
-    def span(self, n: int, what: str = "items") -> tuple[int, int]:
-        """The contiguous [start, stop) of n items this rank owns; n must split evenly."""
-        if n % self.world_size:
-            raise ValueError(f"{what}={n} does not split over {self.world_size} ranks")
-        per = n // self.world_size
-        return self.rank * per, (self.rank + 1) * per
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.world_size > 1:
-            torch.distributed.all_reduce(x)
-        return x
-
-    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
-        """Concatenate each rank's x along the last dim, in rank order."""
-        if self.world_size == 1:
-            return x
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        torch.distributed.all_gather(parts, x.contiguous())
-        return torch.cat(parts, dim=-1)
+# This process's place in a tensor-parallel group. The layers use only `rank`, `world_size`,
+# `expert_parallel`, `span`, `all_reduce` and `all_gather_last`; one type serves the layers and the
+# process-group code (engine/parallel.py), so a worker's context is passed to the model as it is.
+# `expert_parallel` True gives each rank whole experts ("EPn TPn"); False a slice of every expert's
+# intermediate dimension ("EP1 TPn"). The default (rank 0 of 1) makes the collectives no-ops.
+Shard = ParallelContext
 
 
 def _check_quant(quant: str) -> None:
