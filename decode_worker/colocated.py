@@ -263,6 +263,8 @@ class ColocatedWorker(DecodeWorker):
             else:
                 self._lease += 1
                 handle = InPlaceKV(p.request_id, self._lease, len(p.ids))
+                if self.prefix is not None:  # its first decode step writes this token's KV
+                    self.runner.kv.extend_tokens(p.request_id, (token,))
             plp = PromptLogprobs.join(p.plp) if p.every else None
             self._resolve(p, result=PrefillResult(p.request_id, TokenOutput(token, logprob, reason, top, plp), handle,
                                                   len(p.ids), p.t_start - p.t_arrive, t_end - p.t_start,

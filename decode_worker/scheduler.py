@@ -372,9 +372,13 @@ class Scheduler:
     def _emit(self, batch: list[_Running], sampled, lengths: list[int], tops=None) -> None:
         """Each request's new token; `lengths`: its cache length after the step that made it; `tops`:
         each one's top logprobs (None: nobody asked)."""
+        kv = self.runner.kv
+        follow = getattr(kv, "prefix", None) is not None  # the prefix cache also keeps what requests generate
         for i, (r, (token, logprob), n) in enumerate(zip(batch, sampled, lengths)):
             r.generated += 1
             r.last_token = token
+            if follow:
+                kv.extend_tokens(r.request_id, (token,))
             if r.output is not None:
                 r.output.append(token)
             if r.constraint is not None:

@@ -112,9 +112,10 @@ class SequencePages:
     length: int = 0
     pages: dict[str, list[int]] = field(default_factory=lambda: {g: [] for g in GROUPS})
     first_page: dict[str, int] = field(default_factory=lambda: {g: 0 for g in GROUPS})
-    # Prefix cache: the tokens this sequence is known to hold (its prompt), the blocks of them already
-    # offered to the cache, and the last of those (the parent of the next).
-    tokens: tuple[int, ...] | None = None
+    # Prefix cache: the tokens this sequence holds or is about to (its prompt, then each token it
+    # generates, see `extend_tokens`), the blocks of them already offered to the cache, and the last of
+    # those (the parent of the next).
+    tokens: list[int] | None = None
     cached_blocks: int = 0
     cached_tail: object = None
 
@@ -297,7 +298,7 @@ class KVCache:
             raise RuntimeError("the prefix cache is not enabled")
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
-        seq = SequencePages(tokens=tuple(int(t) for t in tokens))
+        seq = SequencePages(tokens=[int(t) for t in tokens])
         hit = self.prefix.lookup(seq.tokens, len(tokens) - 1) if lookup and len(tokens) > 1 else None
         if hit is not None:
             self.allocators[FULL].share(hit.full)
@@ -318,8 +319,14 @@ class KVCache:
             seq.cached_tail = self.prefix.insert(seq.tokens, seq.pages[FULL], sliding, start=seq.cached_blocks,
                                                  end=end, parent=seq.cached_tail)
             seq.cached_blocks = end
-        if seq.length >= len(seq.tokens):
-            seq.tokens, seq.cached_tail = None, None  # the prompt is in: nothing more to offer
+
+    def extend_tokens(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
+        """A sequence begun under the prefix cache will hold `tokens` next (its sampled tokens, fed back):
+        their whole blocks are offered to the cache too once written (a later prompt that repeats the
+        conversation so far reuses them). No-op for other sequences."""
+        seq = self.seqs.get(seq_id)
+        if seq is not None and seq.tokens is not None:
+            seq.tokens.extend(tokens)
 
     # ---- transfer ------------------------------------------------------------------------------
     def export_sequence(self, seq_id: Hashable) -> SequenceKV:

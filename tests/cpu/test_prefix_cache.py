@@ -180,3 +180,28 @@ def test_topology_switch():
         parse_topology(base + "prefill: {prefix_cache: 1}\n", source="t.yaml")
     with pytest.raises(TopologyError, match="prefill.prefix_cache: needs prefill.tp 1"):
         parse_topology(base + "prefill: {prefix_cache: true, tp: 2}\n", source="t.yaml")
+
+
+def test_generated_tokens_are_cached_too():
+    """What a sequence generates (extend_tokens, fed back by decode steps) is offered like its prompt: the
+    next turn, which repeats the conversation so far, resumes inside the previous answer."""
+    prompt = SYSTEM + [7, 8, 9]  # 48 tokens
+    plain, cached = runner(16), runner(16)
+    cached.kv.enable_prefix_cache()
+
+    def run(r, sid, p, n):
+        start = r.kv.begin_prefix(sid, p) if r.kv.prefix is not None else 0
+        logits = r.extend(sid, p[start:])
+        out = [int(logits.argmax())]
+        for _ in range(n - 1):
+            r.kv.extend_tokens(sid, out[-1:])
+            out.append(int(r.decode([sid], [out[-1]])[0].argmax()))
+        r.free(sid)
+        return out, start
+
+    first, _ = run(cached, "a", prompt, 30)  # positions 0..76 written: 4 whole blocks
+    assert run(plain, "a", prompt, 30)[0] == first
+    turn = prompt + first + [5, 6, 7]
+    got, start = run(cached, "b", turn, 10)
+    assert start == 64 > len(prompt)
+    assert got == run(plain, "b", turn, 10)[0]

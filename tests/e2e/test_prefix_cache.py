@@ -2,8 +2,9 @@
 that share a system prompt, diverge after it or inside the sliding window before a cached page boundary,
 or repeat, stream exactly the tokens single-process `LLM.generate` (no cache) does; the hits skip the
 cached tokens' prefill (the worker's counters), show in the response's
-usage.prompt_tokens_details.cached_tokens, in /metrics and in `kvrelay status`; no page is left held by
-a request afterwards (only cache-held, evictable pages remain)."""
+usage.prompt_tokens_details.cached_tokens, in /metrics and in `kvrelay status`; a colocated worker also
+keeps what it generated (the next turn of a conversation resumes inside the previous answer); no page is
+left held by a request afterwards (only cache-held, evictable pages remain)."""
 
 from __future__ import annotations
 
@@ -88,6 +89,16 @@ def test_colocated_prefix_cache_equals_llm_generate(reference):
         want = sum(len(p) - c for p, c in PROMPTS) + len(PROMPTS[1][0]) - 112
         assert after["prompt_tokens"] - before["prompt_tokens"] == want
         assert after["cached_tokens"] - before["cached_tokens"] == sum(c for _, c in PROMPTS) + 112
+        # The next turn repeats the conversation so far: it resumes inside the previous answer, whose
+        # tokens the decode steps wrote into pages the cache kept.
+        prompt = prompt_of(60, 11)
+        answer, _ = grpc_tokens(run.grpc_target, prompt, 40)
+        turn = prompt + answer + prompt_of(10, 12)
+        tokens, _ = grpc_tokens(run.grpc_target, turn, 8)
+        assert tokens == solo(reference, turn, 8)
+        again = ray.get(run.cluster.decode[0].counters.remote(), timeout=30)
+        written = len(prompt) + len(answer) - 1  # the last answer token was never fed back
+        assert again["cached_tokens"] - after["cached_tokens"] == min(written, len(turn) - 1) // 16 * 16 > 60
 
 
 def test_split_prefix_cache_equals_llm_generate(reference):
