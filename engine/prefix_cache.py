@@ -12,8 +12,11 @@ cached *and* the sliding pages covering the last window before B ([B - window + 
 `first_live_page(SLIDING, B)` .. B/page_size - 1) are cached too: sliding layers of the next token attend
 to them. A prompt's blocks are offered to the cache as its forwards commit, each with its sliding page
 before that page leaves the sequence's window (KVCache.begin_prefix), so any block boundary of a cached
-prompt can be resumed (prompts that share a system prompt and diverge after it). The sliding pool is small
-(about one window per running sequence), so under load those pages are the first to be evicted.
+prompt can be resumed (prompts that share a system prompt and diverge after it); on a colocated worker the
+tokens a request generates follow (KVCache.extend_tokens), so a conversation's next turn resumes inside
+the previous answer. Each group evicts on its own demand: the sliding pool is small (about one window
+per running sequence), so under load sliding pages go much sooner than full ones, and a lookup then
+falls back to the longest boundary whose window is still cached.
 
 Pages are reference-counted in the group's PageAllocator: the cache holds one reference on each page it
 keeps, each sequence one on each page in its table. A page held by the cache alone is evictable, in
