@@ -52,6 +52,7 @@ class ChatResult:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, what the prefix cache supplied
 
     def as_assistant_message(self) -> ChatMessage:
         """The turn as history for the next request (the reasoning is kept; harmony drops it when due)."""
@@ -74,6 +75,7 @@ def collect_chat(stream: Iterable[pb.ChatResponse]) -> ChatResult:
             result.finish_reason = _FINISH[resp.finish_reason]
             result.prompt_tokens = resp.usage.prompt_tokens
             result.completion_tokens = resp.usage.completion_tokens
+            result.cached_tokens = resp.usage.cached_tokens
     result.tool_calls = [ToolCall(*calls[i]) for i in sorted(calls)]
     return result
 

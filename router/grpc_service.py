@@ -124,7 +124,8 @@ def _response_format(req: pb.ChatRequest) -> ResponseFormat | None:
 def usage_to_proto(u: Usage | None) -> pb.Usage | None:
     if u is None:
         return None
-    return pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, total_tokens=u.total_tokens)
+    return pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, total_tokens=u.total_tokens,
+                    cached_tokens=u.cached_tokens)
 
 
 def chat_step_to_proto(request_id: str, step: TokenStep) -> pb.ChatResponse:

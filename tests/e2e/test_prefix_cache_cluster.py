@@ -47,6 +47,16 @@ def http_usage(server, model: str, prompt: list[int]) -> dict:
     return r.json()["usage"]
 
 
+def grpc_usage(target: str, prompt: list[int]):
+    from kvrelay.router.client import RouterClient
+    from kvrelay.router.types import SamplingOptions
+
+    with RouterClient(target, timeout_s=120) as c:
+        last = list(c.generate(prompt, SamplingOptions(temperature=0.0, max_tokens=4)))[-1]
+    assert last.usage.prompt_tokens == len(prompt)
+    return last.usage
+
+
 def check_cluster(run, server, reference, role: str) -> None:
     from kvrelay.cluster.status import _table
 
@@ -61,6 +71,7 @@ def check_cluster(run, server, reference, role: str) -> None:
     usage = http_usage(server, run.client.model_name, PROMPTS[1][0])
     assert usage["prompt_tokens"] == len(PROMPTS[1][0])
     assert usage["prompt_tokens_details"]["cached_tokens"] == 112  # its own 7 whole blocks, cached as it ran
+    assert grpc_usage(run.grpc_target, PROMPTS[1][0]).cached_tokens == 112  # gRPC's Usage says the same
     metrics = httpx.get(f"{server.http_url}/metrics", timeout=10).text
     def counter(name: str) -> float:
         return sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(name + " "))
@@ -85,10 +96,10 @@ def test_colocated_prefix_cache_equals_llm_generate(reference):
         before = ray.get(run.cluster.decode[0].counters.remote(), timeout=30)
         check_cluster(run, server, reference, "colocated")
         after = ray.get(run.cluster.decode[0].counters.remote(), timeout=30)
-        # Cached tokens were not computed: the prompts' tokens minus the hits (the HTTP call hit 112).
-        want = sum(len(p) - c for p, c in PROMPTS) + len(PROMPTS[1][0]) - 112
+        # Cached tokens were not computed: the prompts' tokens minus the hits (the HTTP and gRPC calls hit 112).
+        want = sum(len(p) - c for p, c in PROMPTS) + 2 * (len(PROMPTS[1][0]) - 112)
         assert after["prompt_tokens"] - before["prompt_tokens"] == want
-        assert after["cached_tokens"] - before["cached_tokens"] == sum(c for _, c in PROMPTS) + 112
+        assert after["cached_tokens"] - before["cached_tokens"] == sum(c for _, c in PROMPTS) + 2 * 112
         # The next turn repeats the conversation so far: it resumes inside the previous answer, whose
         # tokens the decode steps wrote into pages the cache kept.
         prompt = prompt_of(60, 11)
