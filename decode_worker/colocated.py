@@ -83,8 +83,10 @@ class ColocatedWorker(DecodeWorker):
         self._plock = threading.Lock()  # guards _prompts only: the event loop never waits for a forward
         self._lease = 0
         self.prefill_counters = _Counters()
+        self.prefix = None  # the step thread starts in super().__init__, before the pool is final
         super().__init__(spec.decode, rank)
-        self.prefix = self.runner.kv.enable_prefix_cache() if spec.prefix_cache else None
+        if spec.prefix_cache:  # nothing is queued yet: the step loop has not looked
+            self.prefix = self.runner.kv.enable_prefix_cache()
 
     def _load_single(self, spec: DecodeSpec, chunk_tokens: int | None = None):
         # The pool is sized around a forward of a whole prompt chunk, not just a decode step.
