@@ -235,11 +235,21 @@ class KVCache:
         """Pages an allocation can have now: free ones plus cached ones nobody else uses (evicted on demand)."""
         return {g: a.num_free + a.evictable for g, a in self.allocators.items()}
 
-    def _take(self, group: str, n: int) -> list[int]:
-        alloc = self.allocators[group]
-        if n > alloc.num_free and self.prefix is not None:
-            self.prefix.evict(group, n - alloc.num_free)
-        return alloc.allocate(n)
+    def _take_all(self, need: dict[str, int]) -> dict[str, list[int]]:
+        """`need[group]` pages of each group, evicting cache-only pages where the free list is short; all
+        or nothing."""
+        taken: dict[str, list[int]] = {}
+        try:
+            for g, n in need.items():
+                alloc = self.allocators[g]
+                if n > alloc.num_free and self.prefix is not None:
+                    self.prefix.evict(g, n - alloc.num_free)
+                taken[g] = alloc.allocate(n)
+        except OutOfPages:
+            for g, pages in taken.items():
+                self.allocators[g].release(pages)
+            raise
+        return taken
 
     def can_allocate(self, n_tokens: int, *, length: int = 0) -> bool:
         free = self.free_pages()
@@ -260,8 +270,8 @@ class KVCache:
         for g, n in need.items():
             if n > free[g]:
                 raise OutOfPages(f"{g} group: need {n} pages, {free[g]} free")
-        for g, n in need.items():
-            seq.pages[g].extend(self._take(g, n))
+        for g, pages in self._take_all(need).items():
+            seq.pages[g].extend(pages)
         self.seqs[seq_id] = seq
 
     def commit(self, seq_id: Hashable, n_new: int) -> None:
@@ -319,6 +329,8 @@ class KVCache:
             seq.cached_tail = self.prefix.insert(seq.tokens, seq.pages[FULL], sliding, start=seq.cached_blocks,
                                                  end=end, parent=seq.cached_tail)
             seq.cached_blocks = end
+            if seq.cached_tail is None:  # its blocks are another sequence's copy (see PrefixCache.insert)
+                seq.tokens = None
 
     def extend_tokens(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
         """A sequence begun under the prefix cache will hold `tokens` next (its sampled tokens, fed back):
@@ -346,8 +358,7 @@ class KVCache:
             need[g] = self._pages_spanned(length) - seq.first_page[g]
             if need[g] > free[g]:
                 raise OutOfPages(f"{g} group: need {need[g]} pages, {free[g]} free")
-        for g in GROUPS:
-            seq.pages[g] = self._take(g, need[g])
+        seq.pages = self._take_all(need)
         self.seqs[seq_id] = seq
         return self.export_sequence(seq_id)
 

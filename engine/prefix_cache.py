@@ -140,18 +140,26 @@ class PrefixCache:
                end: int | None = None, parent: "_Block | None" = None) -> "_Block | None":
         """Cache blocks [start, end) of a sequence holding `tokens`: `full[j]` is block j's full page,
         `sliding` maps logical page -> sliding page for the sliding pages the sequence holds; `parent` is
-        block start - 1 as an earlier insert returned it. A block already cached keeps its pages (the
-        sequence keeps its own copy); a missing sliding page is added. Returns the last block."""
+        block start - 1 as an earlier insert returned it. A block already cached on the sequence's own
+        page gains the sliding page it lacks. Returns the last block, or None where the sequence holds a
+        copy of its own of a cached block (it computed the block beside another sequence): its later
+        blocks are not hung below pages it does not hold, so that every sequence holds the cached pages
+        of its blocks' ancestors, a cached page only the cache holds has no descendant a sequence holds,
+        and each such page can be evicted (what `evictable` promises)."""
         ps = self.page_size
         end = min(len(tokens) // ps, len(full)) if end is None else end
         if start and (parent is None or self._blocks.get(parent.key) is not parent):
-            # The chain's tail went meanwhile (a block another sequence computed first, since evicted):
-            # walk from the head again.
+            # A guard: the tail is on a page the sequence holds, so it cannot have been evicted; if it
+            # was replaced anyway, walk from the head again.
             start, parent = 0, None
         new = 0
         for j in range(start, end):
             key = (parent.id if parent else 0, tuple(tokens[j * ps: (j + 1) * ps]))
             b = self._blocks.get(key)
+            if b is not None and b.full != full[j]:
+                self._touch(parent)
+                self.stats.inserted_blocks += new
+                return None
             if b is None:
                 b = _Block(key, next(self._ids), parent, full[j])
                 self.allocators[FULL].cache(full[j])

@@ -205,3 +205,94 @@ def test_generated_tokens_are_cached_too():
     got, start = run(cached, "b", turn, 10)
     assert start == 64 > len(prompt)
     assert got == run(plain, "b", turn, 10)[0]
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_random_workload_keeps_every_reference_accounted(page_size):
+    """Random prompts from a few shared prefixes, chunked, some decoding (extend_tokens), freed in random
+    order, on a pool small enough that eviction runs all the time: after every operation each page's
+    reference count is exactly its holders (sequences' tables + the cache), free + used is the pool, the
+    evictable count is the cache-only pages, and at the end every page comes back."""
+    import random
+
+    rng = random.Random(page_size)
+    kv = KVCache(CFG, num_pages=48, page_size=page_size)
+    kv.enable_prefix_cache()
+    heads = [[rng.randrange(50) for _ in range(rng.randrange(8, 60))] for _ in range(4)]
+
+    def check():
+        for g, alloc in kv.allocators.items():
+            holders: dict[int, int] = {}
+            for s in kv.seqs.values():
+                for p in s.pages[g]:
+                    holders[p] = holders.get(p, 0) + 1
+            cached = {b.full if g == FULL else b.sliding for b in kv.prefix._blocks.values()} - {None}
+            for p in cached:
+                holders[p] = holders.get(p, 0) + 1
+            assert {p: alloc.refs(p) for p in holders} == holders
+            assert alloc.num_used == len(holders) and alloc.num_free + alloc.num_used == alloc.num_pages
+            assert alloc.evictable == sum(1 for p in cached if holders[p] == 1)
+        # A block some sequence holds has a parent some sequence holds: cache-only pages have no held
+        # descendants, so eviction (leaves first) can take every one `evictable` counts.
+        refs = kv.allocators[FULL].refs
+        for blk in kv.prefix._blocks.values():
+            if blk.parent is not None and refs(blk.full) > 1:
+                assert refs(blk.parent.full) > 1
+
+    live: dict[str, list] = {}  # sequence -> [tokens, positions written, decode steps left]
+    for step in range(600):
+        r = rng.random()
+        if live and (r < 0.2 or len(live) > 4):
+            sid = rng.choice(sorted(live))
+            del live[sid]
+            kv.free(sid)
+        elif r < 0.45 or not live:  # begin another one, maybe beside others that share its head
+            sid = f"s{step}"
+            tokens = rng.choice(heads) + [rng.randrange(50) for _ in range(rng.randrange(1, 30))]
+            live[sid] = [tokens, kv.begin_prefix(sid, tokens), rng.randrange(0, 20)]
+        else:  # advance one of them: a prompt chunk, or a decode step once its prompt is in
+            sid = rng.choice(sorted(live))
+            tokens, at, steps = live[sid]
+            n = min(rng.randrange(1, 24), len(tokens) - at) if at < len(tokens) else int(steps > 0)
+            if n:
+                free = kv.free_pages()
+                need = {g: kv._missing(kv.seqs[sid], g, kv.seqs[sid].length + n) for g in (FULL, SLIDING)}
+                if any(need[g] > free[g] for g in need):  # not promised: give this one up
+                    del live[sid]
+                    kv.free(sid)
+                else:  # promised by free_pages(): must succeed, evicting what it takes
+                    if at >= len(tokens):
+                        kv.extend_tokens(sid, [rng.randrange(50)])
+                        live[sid][2] = steps - 1
+                    else:
+                        live[sid][1] = at + n
+                    kv.reserve(sid, n)
+                    kv.commit(sid, n)
+        check()
+    for sid in live:
+        kv.free(sid)
+    check()
+    assert kv.prefix.stats.hits > 0 and sum(kv.prefix.stats.evicted_pages.values()) > 0
+    kv.prefix.clear()
+    assert in_use(kv) == {FULL: 0, SLIDING: 0}
+
+
+def test_two_sequences_computing_one_prefix_keep_the_count_of_evictable_pages_true():
+    """Two prompts with one prefix computed side by side (both began before either committed): the second
+    one's blocks are not hung under the first one's pages, so a cached page nobody uses is always one
+    that eviction can take, and a reservation that free_pages() allows always succeeds."""
+    kv = KVCache(CFG, num_pages=16, page_size=4)
+    kv.enable_prefix_cache()
+    head = list(range(8))
+    assert kv.begin_prefix("a", head + [50] * 4) == 0 and kv.begin_prefix("b", head + [60] * 8) == 0
+    for sid, n in (("a", 12), ("b", 16)):
+        kv.reserve(sid, n)
+        kv.commit(sid, n)
+    kv.free("a")  # a's blocks are cache-only now; b holds its own copy of the head
+    want = kv.free_pages()[FULL]
+    kv.reserve("c", want * 4)  # every page free_pages() promised
+    assert kv.allocators[FULL].num_free == 0
+    kv.free("c")
+    kv.free("b")
+    kv.prefix.clear()
+    assert in_use(kv) == {FULL: 0, SLIDING: 0}
