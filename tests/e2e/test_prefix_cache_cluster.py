@@ -137,9 +137,20 @@ colocate: true
 """
 
 
-def test_kv_aware_routing_sends_a_shared_prefix_where_it_is_cached(reference):
-    """Two colocated workers, router.policy kv-aware: prompts that share the system prompt all go to the
-    worker that computed it first and hit its cache there; unrelated prompts spread over both."""
+KV_AWARE_SPLIT = MODEL + """
+prefill: {workers: 2, max_prompt_tokens: 1024, chunk_tokens: 512, prefix_cache: true}
+decode: {workers: 1, max_batch: 32, page_size: 16}
+router: {host: 127.0.0.1, grpc_port: 0, http_port: 0, policy: kv-aware}
+kv_transfer: {lease_seconds: 30}
+device: cpu
+"""
+
+
+@pytest.mark.parametrize("topology", [KV_AWARE, KV_AWARE_SPLIT], ids=["colocated", "split"])
+def test_kv_aware_routing_sends_a_shared_prefix_where_it_is_cached(reference, topology):
+    """Two colocated workers (or two prefill workers before one decode worker), router.policy kv-aware:
+    prompts that share the system prompt all go to the worker that computed it first and hit its cache
+    there; an unrelated prompt goes to the other one."""
     import asyncio
 
     from conftest import serving
@@ -150,7 +161,7 @@ def test_kv_aware_routing_sends_a_shared_prefix_where_it_is_cached(reference):
         outs = [o async for o in run.client.generate(rid, prompt, SamplingParams(max_tokens=8, temperature=0))]
         return [o.token_id for o in outs], outs[-1].metrics
 
-    with serving(KV_AWARE) as (run, _):
+    with serving(topology) as (run, _):
         placed = []
         for i, (prompt, _) in enumerate(PROMPTS):
             tokens, m = asyncio.run(one(run, f"kv{i}", prompt))
