@@ -309,7 +309,7 @@ class KVCache:
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
         seq = SequencePages(tokens=[int(t) for t in tokens])
-        hit = self.prefix.lookup(seq.tokens, len(tokens) - 1) if lookup and len(tokens) > 1 else None
+        hit = self.prefix.lookup(seq.tokens, len(tokens) - 1) if lookup else None
         if hit is not None:
             self.allocators[FULL].share(hit.full)
             self.allocators[SLIDING].share(hit.sliding)

@@ -128,6 +128,14 @@ class PrefixCache:
                                  tuple(chain[j].sliding for j in range(first, k)), first, chain[k - 1])
         return None
 
+    def retract(self, query_tokens: int, hit_tokens: int) -> None:
+        """Uncount a lookup whose sequence was dropped before it ran (it looks up again when it does)."""
+        self.stats.queries -= 1
+        self.stats.query_tokens -= query_tokens
+        if hit_tokens:
+            self.stats.hits -= 1
+            self.stats.hit_tokens -= hit_tokens
+
     def _touch(self, b: "_Block | None") -> None:
         while b is not None:  # leaf first: the head of the chain ends up most recent
             self._lru.move_to_end(b.id)

@@ -206,8 +206,8 @@ class PrefillWorker:
             for j in jobs:
                 if self.runner.has_sequence(j.request_id):
                     self.runner.free(j.request_id)
-            self.prefix.stats.hits -= sum(1 for s in starts if s)  # not reused after all
-            self.prefix.stats.hit_tokens -= sum(starts)
+            for j, s in zip(jobs, starts):  # each runs (and looks up) again on its own
+                self.prefix.retract(len(j.ids), s)
             return None
         for j, s in zip(jobs, starts):
             j.cached = s
@@ -235,9 +235,8 @@ class PrefillWorker:
                     break
                 if self.prefix is not None:  # try again from scratch once pages come back
                     self.runner.free(rid)
-                    if start:
-                        self.prefix.stats.hits -= 1
-                        self.prefix.stats.hit_tokens -= start
+                    if params.prompt_logprobs is None:
+                        self.prefix.retract(len(prompt_ids), start)
             # Pages are held by leases that decode has not pulled yet; they come back on release or
             # expiry, both bounded by the lease, so this wait is bounded too.
             if time.monotonic() > deadline:
