@@ -178,8 +178,8 @@ def test_killed_prefill_worker_is_replaced_and_its_requests_resume(running, monk
     real_pick = client._pick_prefill
     timers = []
 
-    def pick_and_kill_soon():
-        w = real_pick()
+    def pick_and_kill_soon(*args, **kwargs):  # whatever the routing policy passes (prompt block hashes)
+        w = real_pick(*args, **kwargs)
         if not timers:  # the first prompt is on its way to the worker: kill it mid-prefill
             timers.append(threading.Timer(0.02, os.kill, (pid, signal.SIGKILL)))
             timers[0].start()
