@@ -103,7 +103,11 @@ def test_restarted_router_reattaches_to_the_surviving_workers(tmp_path):
             first.wait(timeout=30)
         left = {r["role"]: r for r in _status(cfg, address, env)}
         assert {k: r["pid"] for k, r in left.items()} == pids, left  # the workers survived the router
-        assert left["decode"]["admitted"] == 1 and any(left["decode"]["pages_in_use"].values()), left
+        # Usually the stream's request is still held (a reservation and its pages) when status looks; once
+        # in a clean-clone CI run (2026-12-01) it was already gone. Either way the new router must find the
+        # workers with nothing in use after it re-attaches, which is what is checked below.
+        held = left["decode"]["admitted"]
+        assert held in (0, 1) and (held == 0 or any(left["decode"]["pages_in_use"].values())), left
 
         second, lines2, ready2 = _serve(cfg, address, env)
         serves.append(second)
