@@ -31,7 +31,7 @@ from kvrelay.router.health import readiness
 from kvrelay.router.limits import RateLimiter
 from kvrelay.router.engine_client import EngineOverloaded, EngineUnavailable
 from kvrelay.router.http_models import ChatCompletionRequest, CompletionRequest
-from kvrelay.router.service import Prepared, RouterCore, encode_prompt_text, new_request_id
+from kvrelay.router.service import Prepared, RouterCore, encode_prompt_text, first_batch, new_request_id
 from kvrelay.router.types import (
     ContentDelta,
     GenerateRequest,
@@ -278,15 +278,7 @@ class _Stream(abc.ABC):
         """Wait for the engine's first tokens before the response starts: a request that no worker takes
         (EngineUnavailable, EngineOverloaded) is then answered with its status code and Retry-After, not
         with a 200 and an error event. Nothing could be sent before the first token anyway."""
-        source = self.core.stream_batches(self.prep)
-        try:
-            self._first = await source.__anext__()
-        except StopAsyncIteration:
-            self._first = None
-        except BaseException:
-            await source.aclose()  # type: ignore[attr-defined]
-            raise
-        self._source = source
+        self._first, self._source = await first_batch(self.core.stream_batches(self.prep))
 
     async def _primed(self) -> AsyncIterator[list[TokenStep]]:
         if self._first is not None:

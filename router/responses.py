@@ -34,7 +34,7 @@ from kvrelay.router.responses_models import (
 )
 from kvrelay.router.responses_output import OutputBuilder
 from kvrelay.router.responses_store import ResponseStore
-from kvrelay.router.service import Prepared, RouterCore
+from kvrelay.router.service import Prepared, RouterCore, first_batch
 from kvrelay.router.types import ChatMessage, ChatRequest, TokenStep, Usage
 from kvrelay.router.validation import ValidationError
 
@@ -206,15 +206,7 @@ class ResponseRun:
         """Wait for the engine's first tokens before a streamed response starts (as the chat route does), so
         that EngineUnavailable / EngineOverloaded are answered with their status code, not an event."""
         assert self.prep is not None
-        source = self.core.stream_batches(self.prep)
-        try:
-            self._first = await source.__anext__()
-        except StopAsyncIteration:
-            self._first = None
-        except BaseException:
-            await source.aclose()  # type: ignore[attr-defined]
-            raise
-        self._source = source
+        self._first, self._source = await first_batch(self.core.stream_batches(self.prep))
 
     async def _batches(self) -> AsyncIterator[list[TokenStep]]:
         if self._first is not None:

@@ -317,3 +317,16 @@ def encode_prompt_text(text: str, field: str = "prompt") -> list[int]:
         raise ValidationError(
             field, f"text contains the special token {found!r}; send token ids to use special tokens"
         ) from None
+
+
+async def first_batch(source):
+    """(the stream's first batch or None when it is empty, the stream): what a route awaits before its
+    response starts, so that a request no worker takes (EngineUnavailable, EngineOverloaded) is answered
+    with its status code instead of a 200 and an error event. A failure closes the stream."""
+    try:
+        return await source.__anext__(), source
+    except StopAsyncIteration:
+        return None, source
+    except BaseException:
+        await source.aclose()
+        raise
