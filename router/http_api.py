@@ -409,9 +409,11 @@ class CompletionStream(_Stream):
 
     def _choice(self, text: str, token_ids: list[int], logprobs: list, offsets: list[int],
                 finish: str | None, tops: list | None = None, echoed: list[int] | None = None,
-                plp=None) -> dict[str, Any]:
+                plp=None, first: bool = True) -> dict[str, Any]:
         """`echoed`: that many of the leading tokens are the prompt's (their `tops` entries already list
-        the token itself); `token_ids` (return_token_ids) are the generated ones."""
+        the token itself); `token_ids` (return_token_ids) are the generated ones. Streamed, only the
+        `first` chunk carries `prompt_token_ids` (vLLM's documented behaviour: a 32k-token prompt is not
+        resent with every chunk)."""
         n_echo = len(echoed or ())
         choice: dict[str, Any] = {"index": self.index, "text": text, "finish_reason": finish, "logprobs": None}
         if self.prep.params.logprobs:
@@ -428,7 +430,7 @@ class CompletionStream(_Stream):
             choice["prompt_logprobs"] = vllm_prompt_logprobs(self.prep.prompt_ids, plp)
         if self.return_token_ids:
             choice["token_ids"] = token_ids
-            choice["prompt_token_ids"] = list(self.prep.prompt_ids)
+            choice["prompt_token_ids"] = list(self.prep.prompt_ids) if first else None
         return choice
 
     def _generated(self, steps: list[TokenStep]) -> tuple[list[int], list, list[int], list]:
@@ -446,7 +448,7 @@ class CompletionStream(_Stream):
             p_text, p_lps, p_offsets, p_tops = echoed_prompt(self.prep.prompt_ids, plp)
             echoed = list(self.prep.prompt_ids)
             text, lps, offsets, tops = p_text + text, p_lps + lps, p_offsets + offsets, p_tops + tops
-        return self._choice(text, ids, lps, offsets, steps[-1].finish_reason, tops, echoed, plp)
+        return self._choice(text, ids, lps, offsets, steps[-1].finish_reason, tops, echoed, plp, first)
 
     async def complete(self) -> dict[str, Any]:
         steps = [s async for s in self.steps()]

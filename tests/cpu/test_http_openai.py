@@ -220,6 +220,9 @@ def test_completions_token_prompt_streamed(client, engine) -> None:
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks) == "one two three"
     assert [tid for c in chunks for tid in _extra(c.choices[0], "token_ids")] == _ids("one two three")
+    # vLLM's return_token_ids: streamed, the prompt's ids come once, in the first chunk.
+    assert [_extra(c.choices[0], "prompt_token_ids") for c in chunks] == [[1, 2, 3]] + [None] * (len(chunks) - 1)
+    assert len(chunks) > 1
     assert chunks[-1].choices[0].finish_reason == "length"
     assert [lp for c in chunks for lp in c.choices[0].logprobs.token_logprobs] == [-0.5] * 3
     assert engine.prompts[-1] == [1, 2, 3]
