@@ -26,6 +26,7 @@ from kvrelay.engine.kv_geometry import (FULL, GROUPS, SLIDING, first_live_page, 
                                         pages_spanned)
 from kvrelay.engine.layers.linear import Shard
 from kvrelay.engine.partition import head_range
+from kvrelay.engine.host_tier import HostKVStore
 from kvrelay.engine.prefix_cache import PrefixCache
 from kvrelay.kernels.reference import PagedKV
 
@@ -118,6 +119,7 @@ class SequencePages:
     tokens: list[int] | None = None
     cached_blocks: int = 0
     cached_tail: object = None
+    host_hit: int = 0  # positions of its hit that only the host tier held (PrefixHit.host_tokens)
 
 
 @dataclass(frozen=True)
@@ -193,11 +195,15 @@ class KVCache:
         self.seqs: dict[Hashable, SequencePages] = {}
         self.prefix: PrefixCache | None = None  # enable_prefix_cache()
 
-    def enable_prefix_cache(self) -> PrefixCache:
+    def enable_prefix_cache(self, host_bytes: int = 0) -> PrefixCache:
         """Keep the whole prompt blocks of finished prefills for later sequences (engine/prefix_cache.py):
-        cached pages nobody uses are evicted on demand, so they never take room a reservation counts on."""
+        cached pages nobody uses are evicted on demand, so they never take room a reservation counts on;
+        with `host_bytes`, evicted pages move to a host-memory tier of that size (engine/host_tier.py,
+        pinned on CUDA) and come back on a hit."""
         if self.prefix is None:
-            self.prefix = PrefixCache(page_size=self.page_size, window=self.window, allocators=self.allocators)
+            host = HostKVStore(self.pools, host_bytes) if host_bytes > 0 else None
+            self.prefix = PrefixCache(page_size=self.page_size, window=self.window, allocators=self.allocators,
+                                      host=host)
         return self.prefix
 
     # ---- layout --------------------------------------------------------------------------------
@@ -303,7 +309,9 @@ class KVCache:
         `lookup`; a request that needs every prompt position's logits passes False), and each whole block
         of `tokens` it computes is offered to the cache as its forwards commit (with its sliding page,
         before that page leaves the window). Returns the positions already computed (0 without a hit);
-        the caller runs the rest. Allocates nothing, so it cannot run out of pages."""
+        the caller runs the rest (`host_hit` says how many of them came back from the host tier). Without
+        a host tier it allocates nothing; a hit in the host tier allocates the device pages it copies
+        back only where free or evictable pages allow (they are pages the prompt would take anyway)."""
         if self.prefix is None:
             raise RuntimeError("the prefix cache is not enabled")
         if seq_id in self.seqs:
@@ -316,9 +324,14 @@ class KVCache:
             seq.length = hit.tokens
             seq.pages = {FULL: list(hit.full), SLIDING: list(hit.sliding)}
             seq.first_page = {FULL: 0, SLIDING: hit.sliding_first}
-            seq.cached_blocks, seq.cached_tail = len(hit.full), hit.tail
+            seq.cached_blocks, seq.cached_tail, seq.host_hit = len(hit.full), hit.tail, hit.host_tokens
         self.seqs[seq_id] = seq
         return seq.length
+
+    def host_hit(self, seq_id: Hashable) -> int:
+        """Positions of the sequence's prefix hit that came back from the host tier (0 if none)."""
+        seq = self.seqs.get(seq_id)
+        return seq.host_hit if seq is not None else 0
 
     def _offer(self, seq: SequencePages) -> None:
         """Give the cache the whole blocks of `seq.tokens` written since the last offer."""

@@ -23,6 +23,17 @@ keeps, each sequence one on each page in its table. A page held by the cache alo
 least-recently-used order (touched leaf to root on every hit and insert, so the deepest block of the
 oldest chain goes first and a chain never loses its head before its tail); a page a sequence (or a lease,
 or a pull, which pin the sequence) holds is never evicted.
+
+With a host tier (engine/host_tier.py, `prefill.prefix_cache_host_gib`), an evicted page is not dropped
+but moved to a host slot: the block stays in the tree with its page in host memory (each page of a block
+lives in one tier at a time: `full` or `host_full`, `sliding` or `host_sliding`). Device blocks are
+closed under parents (a sequence holds its blocks' ancestors, and a device page is moved only from a
+block without device children), so a chain is device blocks from its head, then host blocks. A lookup
+walks both; a hit that needs host pages allocates device pages for them (evicting other cache-only pages
+to host as usual), copies them back and turns those blocks into device blocks again, so the caller sees
+a device hit. The host tier evicts least recently used too, a full slot only from a block without
+children; blocks whose pages a lookup is restoring are never taken. Host slots are given back when their
+block returns to the device (a lookup, or a sequence that computed the same block again).
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvrelay.engine.kv_geometry import FULL, SLIDING, first_live_page
+from kvrelay.engine.kv_geometry import FULL, GROUPS, SLIDING, first_live_page
 
 
 @dataclass(eq=False)
@@ -40,9 +51,12 @@ class _Block:
     key: tuple  # (parent block id, 0 for the first block; this block's tokens)
     id: int
     parent: "_Block | None"
-    full: int  # page id in the full-attention group
-    sliding: int | None = None  # page id in the sliding group, if kept
-    children: int = 0
+    full: int | None  # page id in the full-attention group (None while the block is in the host tier)
+    sliding: int | None = None  # page id in the sliding group, if kept on the device
+    children: int = 0  # cached children, in either tier
+    device_children: int = 0  # ... whose full page is on the device
+    host_full: int | None = None  # host slots (engine/host_tier.py) holding the pages the device evicted
+    host_sliding: int | None = None
 
 
 @dataclass
@@ -54,12 +68,26 @@ class PrefixStats:
     query_tokens: int = 0  # tokens those sequences asked about
     hit_tokens: int = 0  # tokens whose prefill a hit skipped
     inserted_blocks: int = 0
-    evicted_pages: dict[str, int] = field(default_factory=lambda: {FULL: 0, SLIDING: 0})
+    evicted_pages: dict[str, int] = field(default_factory=lambda: {FULL: 0, SLIDING: 0})  # from the device
+    # The host tier: hits that restored pages from it, the tokens those hits reach beyond what the
+    # device alone held (of hit_tokens), pages and bytes moved each way, slots it dropped.
+    host_hits: int = 0
+    host_hit_tokens: int = 0
+    to_host_pages: int = 0
+    to_device_pages: int = 0
+    to_host_bytes: int = 0
+    to_device_bytes: int = 0
+    host_evicted_pages: dict[str, int] = field(default_factory=lambda: {FULL: 0, SLIDING: 0})
 
     def as_dict(self) -> dict:
         return {"queries": self.queries, "hits": self.hits, "query_tokens": self.query_tokens,
                 "hit_tokens": self.hit_tokens, "inserted_blocks": self.inserted_blocks,
                 "evicted_pages": dict(self.evicted_pages)}
+
+    def host_dict(self) -> dict:
+        return {"hits": self.host_hits, "hit_tokens": self.host_hit_tokens, "to_host_pages": self.to_host_pages,
+                "to_device_pages": self.to_device_pages, "to_host_bytes": self.to_host_bytes,
+                "to_device_bytes": self.to_device_bytes, "evicted_pages": dict(self.host_evicted_pages)}
 
 
 @dataclass(frozen=True)
@@ -72,16 +100,23 @@ class PrefixHit:
     sliding: tuple[int, ...]
     sliding_first: int
     tail: object = None  # the last block (where an insert of the sequence's later blocks continues)
+    host_tokens: int = 0  # of `tokens`, those past the longest prefix the device tier alone could resume
 
 
 class PrefixCache:
-    def __init__(self, *, page_size: int, window: int, allocators: dict):
+    def __init__(self, *, page_size: int, window: int, allocators: dict, host=None):
+        """`host`: an engine.host_tier.HostKVStore (or None: evicted pages are dropped)."""
         self.page_size = page_size
         self.window = window
         self.allocators = allocators  # group -> PageAllocator (shared with KVCache)
+        self.host = host
         self._blocks: dict[tuple, _Block] = {}
         self._lru: collections.OrderedDict[int, _Block] = collections.OrderedDict()  # oldest first
         self._slru: collections.OrderedDict[int, _Block] = collections.OrderedDict()  # those with a sliding page
+        # The host tier, per group: blocks with a page there, least recently used first.
+        self._hlru: dict[str, collections.OrderedDict[int, _Block]] = {g: collections.OrderedDict() for g in GROUPS}
+        self._restoring: set[int] = set()  # blocks a lookup is copying back: their slots stay
+        self._saves: dict[str, dict[int, int]] = {g: {} for g in GROUPS}  # slot -> device page, not yet copied
         self._ids = itertools.count(1)
         self.stats = PrefixStats()
 
@@ -90,12 +125,21 @@ class PrefixCache:
 
     def summary(self) -> dict:
         """The counters plus the pages held now (what `kvrelay status` shows)."""
-        return {**self.stats.as_dict(), "cached_pages": self.cached_pages(),
-                "evictable_pages": {g: a.evictable for g, a in self.allocators.items()}}
+        out = {**self.stats.as_dict(), "cached_pages": self.cached_pages(),
+               "evictable_pages": {g: a.evictable for g, a in self.allocators.items()}}
+        if self.host is not None:
+            out["host"] = {**self.stats.host_dict(), "pages": self.host_pages(), "capacity_pages": self.host.capacity,
+                           "bytes_used": self.host.used_bytes(), "bytes_total": self.host.bytes_total,
+                           "pinned": self.host.pinned}
+        return out
 
     def cached_pages(self) -> dict[str, int]:
-        """Pages the cache holds a reference on, per group (in use by sequences or not)."""
-        return {FULL: len(self._blocks), SLIDING: sum(b.sliding is not None for b in self._blocks.values())}
+        """Device pages the cache holds a reference on, per group (in use by sequences or not)."""
+        return {FULL: len(self._lru), SLIDING: len(self._slru)}
+
+    def host_pages(self) -> dict[str, int]:
+        """Host slots in use, per group."""
+        return {g: len(self._hlru[g]) for g in GROUPS}
 
     # ---- lookup --------------------------------------------------------------------------------
     def _chain(self, tokens: Sequence[int], max_blocks: int) -> list[_Block]:
@@ -112,29 +156,109 @@ class PrefixCache:
 
     def lookup(self, tokens: Sequence[int], limit: int) -> PrefixHit | None:
         """The longest cached prefix of `tokens` of at most `limit` positions at which a sequence can
-        resume (full pages and the sliding window before the boundary all cached), touched as used; None
-        if there is none. Counts the query."""
+        resume (full pages and the sliding window before the boundary all cached, in either tier, and
+        device pages free for what is in the host tier), touched as used; None if there is none. Pages
+        of the hit in the host tier are copied back first. Counts the query."""
         self.stats.queries += 1
         self.stats.query_tokens += len(tokens)
         ps = self.page_size
         chain = self._chain(tokens, max(0, limit) // ps)
-        for k in range(len(chain), 0, -1):
+        on_device = next((j for j, b in enumerate(chain) if b.full is None), len(chain))
+        device_best = 0  # the longest boundary the device alone resumes
+        for k in range(on_device, 0, -1):
             first = first_live_page(SLIDING, k * ps, ps, self.window)
             if all(chain[j].sliding is not None for j in range(first, k)):
-                self._touch(chain[k - 1])
-                self.stats.hits += 1
-                self.stats.hit_tokens += k * ps
-                return PrefixHit(k * ps, tuple(b.full for b in chain[:k]),
-                                 tuple(chain[j].sliding for j in range(first, k)), first, chain[k - 1])
+                device_best = k
+                break
+        for k in range(len(chain), device_best, -1):
+            first = first_live_page(SLIDING, k * ps, ps, self.window)
+            if all(chain[j].sliding is not None or chain[j].host_sliding is not None for j in range(first, k)) \
+                    and self._restore(chain[:k], first):
+                return self._hit(chain, k, first, (k - device_best) * ps)
+        if device_best:
+            return self._hit(chain, device_best, first_live_page(SLIDING, device_best * ps, ps, self.window), 0)
         return None
 
-    def retract(self, query_tokens: int, hit_tokens: int) -> None:
+    def _hit(self, chain: list[_Block], k: int, first: int, host_tokens: int) -> PrefixHit:
+        ps = self.page_size
+        self._touch(chain[k - 1])
+        self.stats.hits += 1
+        self.stats.hit_tokens += k * ps
+        if host_tokens:
+            self.stats.host_hits += 1
+            self.stats.host_hit_tokens += host_tokens
+        return PrefixHit(k * ps, tuple(b.full for b in chain[:k]), tuple(chain[j].sliding for j in range(first, k)),
+                         first, chain[k - 1], host_tokens)
+
+    def _restore(self, chain: list[_Block], first: int) -> bool:
+        """Copy the host pages of `chain` (full pages of all, sliding pages from `first`) into device
+        pages; False (nothing changed) if the device cannot spare the pages."""
+        fulls = [b for b in chain if b.full is None]
+        slides = [b for b in chain[first:] if b.sliding is None]
+        need = {FULL: len(fulls), SLIDING: len(slides)}
+        held = {FULL: [b.full for b in chain if b.full is not None],
+                SLIDING: [b.sliding for b in chain[first:] if b.sliding is not None]}
+        for g, n in need.items():  # the hit's own device pages stop being evictable once it shares them
+            a = self.allocators[g]
+            if n > a.num_free + a.evictable - sum(a.refs(p) == 1 for p in held[g]):
+                return False
+        for g in GROUPS:
+            self.allocators[g].share(held[g])  # not evicted to make room for the rest
+        self._restoring = {b.id for b in chain}
+        pages: dict[str, list[int]] = {}
+        try:
+            for g, n in need.items():
+                a = self.allocators[g]
+                if n > a.num_free:
+                    self.evict(g, n - a.num_free)
+                if n > a.num_free:  # not what `evictable` promised; leave everything as it was
+                    for h, taken in pages.items():
+                        self.allocators[h].release(taken)
+                    return False
+                pages[g] = a.allocate(n)
+            self._flush()  # the pages just evicted leave before the restored ones land (stream order)
+            self.host.load(FULL, [b.host_full for b in fulls], pages[FULL])
+            self.host.load(SLIDING, [b.host_sliding for b in slides], pages[SLIDING])
+        finally:
+            self._restoring = set()
+            for g in GROUPS:
+                self.allocators[g].release(held[g])
+        for b, page in zip(fulls, pages[FULL]):
+            self._adopt_full(b, page)
+        for b, page in zip(slides, pages[SLIDING]):
+            self._adopt_sliding(b, page)
+        for g in GROUPS:
+            self.allocators[g].release(pages[g])  # the cache's reference (taken by _adopt_*) remains
+            self.stats.to_device_pages += need[g]
+            self.stats.to_device_bytes += need[g] * self.host.page_bytes[g]
+        return True
+
+    def _adopt_full(self, b: _Block, page: int) -> None:
+        """A host block's full page is on the device again (restored, or computed again by a sequence)."""
+        self.allocators[FULL].cache(page)
+        b.full = page
+        self._host_free(FULL, b)
+        self._lru[b.id] = b
+        if b.parent is not None:
+            b.parent.device_children += 1
+
+    def _adopt_sliding(self, b: _Block, page: int) -> None:
+        self.allocators[SLIDING].cache(page)
+        b.sliding = page
+        if b.host_sliding is not None:
+            self._host_free(SLIDING, b)
+        self._slru[b.id] = b
+
+    def retract(self, query_tokens: int, hit_tokens: int, host_tokens: int = 0) -> None:
         """Uncount a lookup whose sequence was dropped before it ran (it looks up again when it does)."""
         self.stats.queries -= 1
         self.stats.query_tokens -= query_tokens
         if hit_tokens:
             self.stats.hits -= 1
             self.stats.hit_tokens -= hit_tokens
+        if host_tokens:
+            self.stats.host_hits -= 1
+            self.stats.host_hit_tokens -= host_tokens
 
     def _touch(self, b: "_Block | None") -> None:
         while b is not None:  # leaf first: the head of the chain ends up most recent
@@ -149,14 +273,15 @@ class PrefixCache:
         """Cache blocks [start, end) of a sequence holding `tokens`: `full[j]` is block j's full page,
         `sliding` maps logical page -> sliding page for the sliding pages the sequence holds; `parent` is
         block start - 1 as an earlier insert returned it. A block already cached on the sequence's own
-        page gains the sliding page it lacks. Returns the last block, or None where the sequence holds a
+        page gains the sliding page it lacks; one in the host tier takes the sequence's pages instead of
+        its slots. Returns the last block, or None where the sequence holds a
         copy of its own of a cached block (it computed the block beside another sequence): its later
         blocks are not hung below pages it does not hold, so that every sequence holds the cached pages
         of its blocks' ancestors, a cached page only the cache holds has no descendant a sequence holds,
         and each such page can be evicted (what `evictable` promises)."""
         ps = self.page_size
         end = min(len(tokens) // ps, len(full)) if end is None else end
-        if start and (parent is None or self._blocks.get(parent.key) is not parent):
+        if start and (parent is None or self._blocks.get(parent.key) is not parent or parent.full is None):
             # A guard: the tail is on a page the sequence holds, so it cannot have been evicted; if it
             # was replaced anyway, walk from the head again.
             start, parent = 0, None
@@ -164,6 +289,8 @@ class PrefixCache:
         for j in range(start, end):
             key = (parent.id if parent else 0, tuple(tokens[j * ps: (j + 1) * ps]))
             b = self._blocks.get(key)
+            if b is not None and b.full is None:
+                self._adopt_full(b, full[j])  # the sequence computed it again: its page, not the slot
             if b is not None and b.full != full[j]:
                 self._touch(parent)
                 self.stats.inserted_blocks += new
@@ -175,11 +302,10 @@ class PrefixCache:
                 self._lru[b.id] = b
                 if parent is not None:
                     parent.children += 1
+                    parent.device_children += 1
                 new += 1
             if b.sliding is None and j in sliding:
-                b.sliding = sliding[j]
-                self.allocators[SLIDING].cache(b.sliding)
-                self._slru[b.id] = b
+                self._adopt_sliding(b, sliding[j])
             parent = b
         self._touch(parent)
         self.stats.inserted_blocks += new
@@ -190,9 +316,10 @@ class PrefixCache:
         return self.allocators[group].evictable
 
     def evict(self, group: str, n: int) -> int:
-        """Free at least `n` pages of `group` held by the cache alone, least recently used first (a full
-        page only from a block without cached children, so a chain loses its tail first). Returns how
-        many were freed (fewer if no more are evictable)."""
+        """Free at least `n` device pages of `group` held by the cache alone, least recently used first (a
+        full page only from a block without device children, so a chain loses its tail first), moving
+        them to the host tier if there is one. Returns how many were freed (fewer if no more are
+        evictable)."""
         alloc = self.allocators[group]
         freed = 0
         for b in list((self._slru if group == SLIDING else self._lru).values()):
@@ -200,24 +327,106 @@ class PrefixCache:
                 break
             if group == SLIDING:
                 if b.sliding is not None and alloc.refs(b.sliding) == 1:
-                    self._drop_sliding(b)
+                    self._evict_sliding(b)
                     freed += 1
-            elif b.id in self._lru and b.children == 0 and alloc.refs(b.full) == 1:
+            elif b.id in self._lru and b.device_children == 0 and alloc.refs(b.full) == 1:
                 freed += 1
-                self._remove(b)
+                self._evict_full(b)
         self.stats.evicted_pages[group] += freed
+        self._flush()
         return freed
 
-    def _remove(self, b: _Block) -> None:
-        # Its parent becomes a leaf and may go in the same sweep: it is later in LRU order (see _touch).
-        del self._blocks[b.key]
+    def _evict_full(self, b: _Block) -> None:
+        # Its parent becomes a device leaf and may go in the same sweep: it is later in LRU order (_touch).
+        slot = self._host_slot(FULL)
+        if slot is None:  # no host tier (or no slot left): the block goes
+            if b.sliding is not None:
+                self.stats.evicted_pages[SLIDING] += 1
+            self._remove(b)
+            return
+        if b.sliding is not None:
+            self._evict_sliding(b)
+            self.stats.evicted_pages[SLIDING] += 1
         del self._lru[b.id]
         if b.parent is not None:
-            b.parent.children -= 1
+            b.parent.device_children -= 1
+        self._save(FULL, b, slot, b.full)
         self.allocators[FULL].uncache(b.full)
+        b.full, b.host_full = None, slot
+
+    def _evict_sliding(self, b: _Block) -> None:
+        slot = self._host_slot(SLIDING) if b.full is not None else None
+        page = b.sliding
+        self._drop_sliding(b)
+        if slot is not None:
+            self._save(SLIDING, b, slot, page)
+            b.host_sliding = slot
+
+    def _save(self, group: str, b: _Block, slot: int, page: int) -> None:
+        """Queue device `page` -> host `slot` (copied in `_flush`, before the page can be written again)."""
+        self._saves[group][slot] = page
+        self._hlru[group][b.id] = b  # most recent of the host tier: it left the device just now
+        self.stats.to_host_pages += 1
+        self.stats.to_host_bytes += self.host.page_bytes[group]
+
+    def _flush(self) -> None:
+        if self.host is None:
+            return
+        for g in GROUPS:
+            if self._saves[g]:
+                slots = sorted(self._saves[g])
+                self.host.save(g, [self._saves[g][s] for s in slots], slots)
+                self._saves[g].clear()
+
+    def _host_slot(self, group: str) -> int | None:
+        """A free host slot of `group`, dropping the least recently used host page for it if need be."""
+        if self.host is None:
+            return None
+        slot = self.host.take(group)
+        if slot is not None:
+            return slot
+        for b in self._hlru[group].values():
+            if b.id in self._restoring or (group == FULL and b.children):
+                continue
+            self.stats.host_evicted_pages[group] += 1
+            if group == FULL:
+                self.stats.host_evicted_pages[SLIDING] += b.host_sliding is not None
+                self._remove(b)
+            else:
+                self._host_free(SLIDING, b)
+            return self.host.take(group)
+        return None
+
+    def _host_free(self, group: str, b: _Block) -> None:
+        slot = b.host_full if group == FULL else b.host_sliding
+        if slot is None:
+            return
+        self._saves[group].pop(slot, None)  # it left before its copy was made: nothing to copy
+        self.host.give(group, slot)
+        del self._hlru[group][b.id]
+        if group == FULL:
+            b.host_full = None
+        else:
+            b.host_sliding = None
+
+    def _remove(self, b: _Block) -> None:
+        """Drop block `b` from the cache, whichever tier its pages are in."""
+        if b.children:  # only when the host tier had no slot for it: its (host) descendants go first
+            for c in [c for c in self._blocks.values() if c.parent is b]:
+                self._remove(c)
+        del self._blocks[b.key]
+        if b.parent is not None:
+            b.parent.children -= 1
+        if b.full is not None:
+            del self._lru[b.id]
+            if b.parent is not None:
+                b.parent.device_children -= 1
+            self.allocators[FULL].uncache(b.full)
+        else:
+            self._host_free(FULL, b)
         if b.sliding is not None:
             self._drop_sliding(b)
-            self.stats.evicted_pages[SLIDING] += 1
+        self._host_free(SLIDING, b)
 
     def _drop_sliding(self, b: _Block) -> None:
         self.allocators[SLIDING].uncache(b.sliding)
