@@ -4,7 +4,8 @@ which qualify), in the seed write-up's layouts, each figure beside the commit an
     python -m kvrelay.bench.report --results-md          # writes bench/RESULTS.md + bench/RESULTS-decode.png
 
 Sections: prefill against the seed's EP1 DP1 TP1 row, decode curves with the bytes-per-step floor,
-kernels with the share of each H200 ceiling, the serve benchmark's tables, the sources, the exclusions.
+kernels with the share of each H200 ceiling, the serve benchmark's tables, the multi-turn workload (prefix
+cache off / on / on with the host tier, and the ratio of turn 2+'s TTFT), the sources, the exclusions.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ FLOOR_BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 # Published TensorRT-LLM output tok/s per H200 at 1k in / 1k out, and our targets (issue 11).
 TRT_LLM_1K1K = {"gpt-oss-20b": 13858.0, "gpt-oss-120b": 6868.0}
 TARGET_1K1K = {"gpt-oss-20b": 10000.0, "gpt-oss-120b": 5000.0}
+TABLED_KINDS = ("prefill", "decode", "kernels", "serve", "serve-multiturn")
 
 
 def _f(x, spec: str, scale: float = 1.0) -> str:
@@ -248,6 +250,110 @@ def serve_section(col: Collection) -> list[str]:
     return out
 
 
+# ---- multi-turn serve ---------------------------------------------------------------------------------
+MULTITURN_MODES = ("off", "on", "on+host")
+MODE_NAMES = {"off": "cache off", "on": "cache on", "on+host": "cache on + host tier", "unknown": "cache ?"}
+TARGET_RATIO_32K = 0.25  # issue 16: turn 2+ TTFT p50 with the cache <= 25% of cache off at 32k
+
+
+def multiturn_choice(col: Collection) -> dict:
+    """(model, gpus, workload, prompt format) -> {prefix-cache mode: the newest qualifying run}."""
+    out: dict = {}
+    for r in col.qualifying("serve-multiturn"):
+        s = r.data.get("settings", {})
+        wl = tuple(s.get(k) for k in ("conversations", "turns", "system_len", "first_user_len", "user_len",
+                                      "answer_len"))
+        key = (r.data["model"], r.data.get("gpus", 1), wl, r.data.get("prompt_format"))
+        out.setdefault(key, {})[r.data.get("prefix_cache", "unknown")] = r
+    return out
+
+
+def _turn(r: Result, label: str) -> dict | None:
+    return next((p for p in r.data.get("points", []) if p.get("turn") == label), None)
+
+
+def _same_length(a: dict | None, b: dict | None) -> bool:
+    la, lb = (a or {}).get("prompt_tokens_p50"), (b or {}).get("prompt_tokens_p50")
+    return la is not None and lb is not None and abs(la - lb) <= 0.02 * max(la, lb)
+
+
+def _ratio(base: dict | None, p: dict | None, same_length: bool = True) -> float | None:
+    """TTFT p50 of `p` / of `base` (cache off), None unless both exist and (`same_length`) their prompts
+    are the same length."""
+    if not base or not p or not base.get("ttft_p50_s") or p.get("ttft_p50_s") is None:
+        return None
+    if same_length and not _same_length(base, p):
+        return None
+    return p["ttft_p50_s"] / base["ttft_p50_s"]
+
+
+def multiturn_section(col: Collection) -> list[str]:
+    chosen = multiturn_choice(col)
+    out = ["## Multi-turn serving (`bench.serve_multiturn`): prefix cache off, on, on with the host tier", "",
+           "C conversations at once over one shared system prompt; turn t's prompt = turn t-1's prompt + its "
+           "answer + a new user message (token-exact: token-id prompts, answers returned as ids). Per run the "
+           "newest qualifying result per cache mode, rows turn 1, turns 2+ together, and the longest turn; "
+           "cached = `usage.prompt_tokens_details.cached_tokens`; in/out tok/s over the span from the rows' "
+           "first request to their last answer. Ratio: TTFT p50 with the cache / cache off at the same turn "
+           f"(same length); issue 16's target at 32k: <= {TARGET_RATIO_32K:.0%}.", ""]
+    if not chosen:
+        return out + ["No qualifying multi-turn results.", ""]
+    head = ["cache", "turn", "prompt tokens p50", "requests (failed)", "cached tokens p50", "cached share",
+            "TTFT p50 s", "TTFT p99 s", "ITL p50 ms", "in tok/s", "out tok/s", "measured at"]
+    for (model, gpus, wl, fmt), runs in sorted(chosen.items(), key=lambda kv: (kv[0][0], kv[0][1], str(kv[0][2]))):
+        convs, turns, system, first, user, answer = wl
+        last = str(turns)
+        out += [f"### {model} ({gpus} GPU{'s' if gpus != 1 else ''}): {convs} conversations x {turns} turns, "
+                f"system {_wl(system)} + user {_wl(first)}, then +{_wl(answer)} answer +{_wl(user)} user per turn "
+                f"({fmt} prompts)", ""]
+        out += ["Runs: " + "; ".join(f"{MODE_NAMES.get(m, m)} `{r.data.get('label') or r.name}` ({r.name})"
+                                     for m, r in sorted(runs.items())) + ".", ""]
+        rows = []
+        order = {m: i for i, m in enumerate(MULTITURN_MODES)}
+        for mode, r in sorted(runs.items(), key=lambda kv: order.get(kv[0], len(order))):
+            for label in dict.fromkeys(("1", "2+", last)):  # one turn: "1" is the longest too
+                p = _turn(r, label)
+                if p is None:
+                    continue
+                rows.append([MODE_NAMES.get(mode, mode), f"{label} (longest)" if label == last != "1" else label,
+                             _f(p.get("prompt_tokens_p50"), ",.0f"), f"{p['requests']} ({p['failed']})",
+                             _f(p.get("cached_tokens_p50"), ",.0f"), _f(p.get("cached_frac"), ".0%"),
+                             _f(p.get("ttft_p50_s"), ".3f"), _f(p.get("ttft_p99_s"), ".3f"),
+                             _f(p.get("itl_p50_s"), ".2f", 1e3), _f(p.get("in_tok_s"), ",.0f"),
+                             _f(p.get("out_tok_s"), ",.0f"), r.source])
+        out += _table(head, rows)
+        off = runs.get("off")
+        cached_modes = [m for m in ("on", "on+host") if m in runs]
+        if off is None or not cached_modes:
+            out += ["No cache-off and cache-on pair of this workload yet: no ratio.", ""]
+            continue
+        labels = [str(t) for t in range(2, turns + 1)] + ["2+"]
+        ratio_rows = []
+        for label in labels:
+            base = _turn(off, label)
+            row = [label, _f((base or {}).get("prompt_tokens_p50"), ",.0f"), _f((base or {}).get("ttft_p50_s"), ".3f")]
+            for m in cached_modes:
+                p = _turn(runs[m], label)
+                # "2+" mixes lengths, the same mix in both runs of one workload
+                row += [_f((p or {}).get("ttft_p50_s"), ".3f"), _f(_ratio(base, p, label != "2+"), ".0%")]
+            ratio_rows.append(row)
+        rhead = ["turn", "prompt tokens p50", "TTFT p50 s, cache off"]
+        for m in cached_modes:
+            rhead += [f"TTFT p50 s, {MODE_NAMES[m]}", f"{MODE_NAMES[m]} / off"]
+        out += _table(rhead, ratio_rows)
+        base = _turn(off, last)
+        length = (base or {}).get("prompt_tokens_p50")
+        for m in cached_modes:
+            ratio = _ratio(base, _turn(runs[m], last))
+            if ratio is None:
+                continue
+            verdict = (f"target <= {TARGET_RATIO_32K:.0%} at 32k: {'met' if ratio <= TARGET_RATIO_32K else 'not met'}"
+                       if abs(length - 32768) <= 0.05 * 32768 else "the target is stated at 32k: not judged here")
+            out += [f"Longest turn ({length:,.0f} tokens), {MODE_NAMES[m]}: TTFT p50 {ratio:.0%} of cache off; "
+                    f"{verdict}.", ""]
+    return out
+
+
 # ---- provenance -----------------------------------------------------------------------------------------
 def _used(col: Collection) -> dict[str, int]:
     """Result file -> how many of its points are tabled."""
@@ -263,13 +369,16 @@ def _used(col: Collection) -> dict[str, int]:
     for key, r in serve_choice(col).items():
         used[r.name] = used.get(r.name, 0) + sum(1 for p in r.data["points"]
                                                    if (p["input_len"], p["output_len"]) == key[3:])
+    for runs in multiturn_choice(col).values():
+        for r in runs.values():
+            used[r.name] = len(r.data.get("points", []))
     return used
 
 
 def sources_section(col: Collection) -> list[str]:
     used = _used(col)
     rows = []
-    for kind in ("prefill", "decode", "kernels", "serve"):
+    for kind in TABLED_KINDS:
         for r in col.qualifying(kind):
             cmd = r.env.get("command") or r.data.get("command", "")
             rows.append([r.name, kind, f"`{r.short}`", r.tree, r.date,
@@ -281,7 +390,7 @@ def sources_section(col: Collection) -> list[str]:
     out += ["## Excluded", "", "Never tabled: the code they measured is not known.", ""]
     out += _table(["file", "kind", "reason"], [[r.name, r.kind, r.excluded] for r in col.excluded]) \
         if col.excluded else ["None.", ""]
-    other = [r for r in col.results if r.excluded is None and r.kind not in ("prefill", "decode", "kernels", "serve")]
+    other = [r for r in col.results if r.excluded is None and r.kind not in TABLED_KINDS]
     if other:
         out += ["Other qualifying results this report has no table for: " +
                 ", ".join(f"{r.name} ({r.kind})" for r in other) + ".", ""]
@@ -297,7 +406,7 @@ def render(col: Collection, png: str | None) -> str:
              "tree was not dirty, and stands beside that commit and the run's date (UTC). Weights are the "
              "benchmarks' dummy (random) weights of the full model shapes; cost at $3.00 per H200-hour.", ""]
     for section in (prefill_section(col), decode_section(col, png), kernels_section(col), serve_section(col),
-                    sources_section(col)):
+                    multiturn_section(col), sources_section(col)):
         lines += section
     return "\n".join(lines).rstrip("\n") + "\n"
 

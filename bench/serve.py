@@ -1,5 +1,6 @@
 """Serving benchmark: streaming /v1/completions against any OpenAI-compatible server (kvrelay, vLLM,
-SGLang), over a concurrency sweep for each (input, output) length workload.
+SGLang), over a concurrency sweep for each (input, output) length workload. The multi-turn workload (a shared
+system prompt and growing histories, for prefix caches) is bench/serve_multiturn.py.
 
     python -m kvrelay.bench.serve --base-url http://127.0.0.1:8000 --gpus 2 --topology configs/h200-2gpu.yaml
     python -m kvrelay.bench.serve --concurrency 1,16 --workloads 8k/1k --requests 32 --label vllm-tp1

@@ -53,13 +53,26 @@ class RequestResult:
     # (arrival time, tokens) of each content chunk, on the clock of t_send / t_done (perf_counter: one
     # clock for every client process of a run), for throughput over a window (bench.serve.steady_rate)
     arrivals: list[tuple[float, int]] = field(default_factory=list)
+    # From the usage chunk: the server's prompt token count, and how many of them its prefix cache
+    # supplied (usage.prompt_tokens_details.cached_tokens; None when the server does not say).
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    # keep_answer only (bench.serve_multiturn feeds the answer back as the next turn's history): the
+    # generated ids (return_token_ids; None when a content chunk came without them) and the text.
+    answer_ids: list[int] | None = None
+    answer_text: str = ""
 
 
 class StreamParser:
     """Folds the SSE payloads of one streamed completion into a RequestResult."""
 
-    def __init__(self, t_send: float):
+    def __init__(self, t_send: float, keep_answer: bool = False):
         self.t_send = t_send
+        self.keep_answer = keep_answer
+        self.answer_ids: list[int] | None = []
+        self.answer_text: list[str] = []
+        self.prompt_tokens: int | None = None
+        self.cached_tokens: int | None = None
         self.times: list[float] = []
         self.tokens: list[int | None] = []
         self.usage_tokens: int | None = None
@@ -72,8 +85,14 @@ class StreamParser:
             err = obj["error"]
             self.error = "in-stream error: " + str(err.get("message", err) if isinstance(err, dict) else err)[:300]
             return
-        if isinstance(obj.get("usage"), dict) and obj["usage"].get("completion_tokens") is not None:
-            self.usage_tokens = int(obj["usage"]["completion_tokens"])
+        usage = obj.get("usage")
+        if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
+            self.usage_tokens = int(usage["completion_tokens"])
+            if usage.get("prompt_tokens") is not None:
+                self.prompt_tokens = int(usage["prompt_tokens"])
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and details.get("cached_tokens") is not None:
+                self.cached_tokens = int(details["cached_tokens"])
         if isinstance(obj.get("kvrelay_timings"), dict):
             self.timings = obj["kvrelay_timings"]
         for choice in obj.get("choices") or ():
@@ -82,13 +101,29 @@ class StreamParser:
             if k != 0:
                 self.times.append(now - self.t_send)
                 self.tokens.append(k)
+            if self.keep_answer:
+                self._keep(choice)
+
+    def _keep(self, choice: dict) -> None:
+        ids = choice.get("token_ids")
+        if isinstance(ids, list):
+            if self.answer_ids is not None:
+                self.answer_ids += ids
+        elif choice.get("text"):
+            self.answer_ids = None  # text without ids: the answer's exact tokens are not known
+        if choice.get("text"):
+            self.answer_text.append(choice["text"])
 
     def result(self, output_len: int, t_done: float) -> RequestResult:
         known = sum(k or 1 for k in self.tokens)
         n = self.usage_tokens if self.usage_tokens is not None else known
         r = RequestResult(output_tokens=n, finish_reason=self.finish, timings=self.timings, t_done=t_done,
                           t_send=self.t_send,
-                          arrivals=[(self.t_send + t, k or 1) for t, k in zip(self.times, self.tokens)])
+                          arrivals=[(self.t_send + t, k or 1) for t, k in zip(self.times, self.tokens)],
+                          prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens)
+        if self.keep_answer:
+            r.answer_ids = self.answer_ids if self.answer_ids else None
+            r.answer_text = "".join(self.answer_text)
         if self.times:
             r.ttft_s = self.times[0]
             r.itl_s = itl_samples(self.times, self.tokens, n)
@@ -104,9 +139,10 @@ class StreamParser:
         return r
 
 
-async def one_request(client, url: str, body: dict, output_len: int, timeout_s: float) -> RequestResult:
+async def one_request(client, url: str, body: dict, output_len: int, timeout_s: float, *,
+                      keep_answer: bool = False) -> RequestResult:
     t_send = time.perf_counter()
-    parser = StreamParser(t_send)
+    parser = StreamParser(t_send, keep_answer)
 
     async def drive() -> None:
         async with client.stream("POST", url, json=body) as resp:

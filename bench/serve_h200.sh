@@ -4,29 +4,80 @@
 #   1k in / 256 out, and the 1k/1k sweep at concurrency 1..256 (first wave spread over 2 s). Results (JSON + PNG) go to $RESULTS (default bench/results).
 #   Env: SWEEP (concurrencies), WAVES (requests per point = waves x concurrency), ONLY_SWEEP=1 (skip the
 #   solo and 64-stream runs), SKIP_SOLO=1 (skip the solo runs only).
+# MULTITURN=1 runs issue 16's multi-turn workload instead (bench/serve_multiturn.py: 8 conversations x 7
+#   turns over one 6k system prompt, prompts 8k..32k tokens, 256-token answers) against three fresh servers
+#   of CONFIG, written to $RESULTS/serve-LABEL-mt-{off,on,host}.yaml: prefix cache off, on
+#   (prefill.prefix_cache: true), on with the host tier (prefill.prefix_cache_host_gib: 16; skipped, and
+#   said so, when `kvrelay config check` refuses the key). Expected on one H200 with gpt-oss-20b: ~80 s
+#   start-up per server + ~45 s of workload with the cache off (~1.1M prompt tokens to prefill), ~20 s
+#   with it: ~6 min in all. MT_ARGS replaces the workload options (e.g. "--conversations 4 --turns 4
+#   --user-len 7936": 8k..32k in 4 turns).
 # usage: bench/serve_h200.sh CONFIG LABEL [GPUS]     (run from the repo root, kvrelay importable)
 set -uo pipefail
 cfg=$1; label=$2; gpus=${3:-1}
 out=${RESULTS:-bench/results}; mkdir -p "$out"
+
+start() {  # CONFIG LOG: a fresh `kvrelay serve`; sets pid, url, ray
+  kvrelay serve "$1" --dummy >"$2" 2>&1 &
+  pid=$!
+  for _ in $(seq 900); do
+    grep -q '^kvrelay-ready' "$2" && break
+    kill -0 $pid 2>/dev/null || { echo "serve died:"; tail -40 "$2"; return 1; }
+    sleep 1
+  done
+  grep '^kvrelay-ready' "$2" || { echo "serve not ready"; tail -40 "$2"; kill $pid; return 1; }
+  url=$(grep '^kvrelay-ready' "$2" | sed 's/^kvrelay-ready //' | python3 -c 'import json,sys; print(json.load(sys.stdin)["http"])')
+  ray=$(grep '^kvrelay-ready' "$2" | sed 's/^kvrelay-ready //' | python3 -c 'import json,sys; print(json.load(sys.stdin)["ray"])')
+}
+stop() {  # LOG
+  grep -E 'KV pool|error|Error' "$1" | head -20
+  kill -TERM $pid; wait $pid
+}
+# Each worker's step-loop phases (launch / wait on the device / emit / ops, summed) and, with the prefix
+# cache, its hit counters, after each run.
+st() { kvrelay status "$1" --address "$ray" --json >"$out/serve-$label-$2-status.json" 2>/dev/null || true; }
+
+if [ -n "${MULTITURN:-}" ]; then
+  mt_args=${MT_ARGS:---conversations 8 --turns 7 --system-len 6k --first-user-len 2k --user-len 3840 --answer-len 256 --stagger-s 2}
+  rc=0
+  for mode in off on host; do
+    mcfg="$out/serve-$label-mt-$mode.yaml"
+    python3 - "$cfg" "$mode" "$mcfg" <<'EOF'
+import sys, yaml
+src, mode, dst = sys.argv[1:]
+with open(src) as f:
+    topo = yaml.safe_load(f)
+prefill = topo.setdefault("prefill", {})
+prefill["prefix_cache"] = mode != "off"
+prefill.pop("prefix_cache_host_gib", None)
+if mode == "host":
+    prefill["prefix_cache_host_gib"] = 16
+with open(dst, "w") as f:
+    yaml.safe_dump(topo, f, sort_keys=False)
+EOF
+    if ! check=$(kvrelay config check "$mcfg" --dummy 2>&1); then
+      echo "multi-turn $mode: skipped, kvrelay config check refuses $mcfg: $(echo "$check" | tail -1)"
+      [ "$mode" = host ] || rc=1
+      continue
+    fi
+    log="$out/serve-$label-mt-$mode.log"
+    start "$mcfg" "$log" || { rc=1; continue; }
+    [ "$mode" = host ] && pc=on+host || pc=$mode
+    # shellcheck disable=SC2086  # mt_args is a list of options
+    python3 -m kvrelay.bench.serve_multiturn --base-url "$url" --gpus "$gpus" --topology "$mcfg" --out-dir "$out" \
+      --label "$label-mt-$mode" --prefix-cache "$pc" $mt_args || rc=1
+    st "$mcfg" "mt-$mode"
+    stop "$log"
+  done
+  exit $rc
+fi
+
 log="$out/serve-$label.log"
-kvrelay serve "$cfg" --dummy >"$log" 2>&1 &
-pid=$!
-for _ in $(seq 900); do
-  grep -q '^kvrelay-ready' "$log" && break
-  kill -0 $pid 2>/dev/null || { echo "serve died:"; tail -40 "$log"; exit 1; }
-  sleep 1
-done
-grep '^kvrelay-ready' "$log" || { echo "serve not ready"; tail -40 "$log"; kill $pid; exit 1; }
-url=$(grep '^kvrelay-ready' "$log" | sed 's/^kvrelay-ready //' | python3 -c 'import json,sys; print(json.load(sys.stdin)["http"])')
-ray=$(grep '^kvrelay-ready' "$log" | sed 's/^kvrelay-ready //' | python3 -c 'import json,sys; print(json.load(sys.stdin)["ray"])')
-# Each worker's step-loop phases (launch / wait on the device / emit / ops, summed) after each run: where
-# a served step's time goes besides the GPU.
-st() { kvrelay status "$cfg" --address "$ray" --json >"$out/serve-$label-$1-status.json" 2>/dev/null || true; }
+start "$cfg" "$log" || exit 1
 b() { python3 -m kvrelay.bench.serve --base-url "$url" --gpus "$gpus" --topology "$cfg" --out-dir "$out" "$@"; }
 if [ -z "${ONLY_SWEEP:-}" ]; then
-  [ -z "${SKIP_SOLO:-}" ] && { b --label "$label-solo" --workloads 1k/16,8k/256,32k/16 --concurrency 1 --requests 2; st solo; }
-  b --label "$label-64x1k256" --workloads 1k/256 --concurrency 64 --waves 5 --stagger-s 3; st 64x1k256
+  [ -z "${SKIP_SOLO:-}" ] && { b --label "$label-solo" --workloads 1k/16,8k/256,32k/16 --concurrency 1 --requests 2; st "$cfg" solo; }
+  b --label "$label-64x1k256" --workloads 1k/256 --concurrency 64 --waves 5 --stagger-s 3; st "$cfg" 64x1k256
 fi
-b --label "$label-1k1k" --workloads 1k/1k --concurrency ${SWEEP:-1,4,16,64,128,256} --waves ${WAVES:-1} --stagger-s 2; st 1k1k
-grep -E 'KV pool|error|Error' "$log" | head -20
-kill -TERM $pid; wait $pid
+b --label "$label-1k1k" --workloads 1k/1k --concurrency ${SWEEP:-1,4,16,64,128,256} --waves ${WAVES:-1} --stagger-s 2; st "$cfg" 1k1k
+stop "$log"
