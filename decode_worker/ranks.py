@@ -71,6 +71,9 @@ class DecodeRank(FollowerRank):
     def import_sequence(self, rid: str, length: int):
         return self.op(lambda: self.runner.import_sequence(rid, length))
 
+    def fork_sequence(self, src: str, dst: str):
+        return self.op(lambda: self.runner.fork_sequence(src, dst))
+
     def decode(self, rids: Sequence[str], last_tokens: Sequence[int]) -> None:
         self.op(lambda: self.runner.decode(rids, last_tokens))  # logits are the leader's to sample
 
@@ -103,6 +106,12 @@ class GroupRunner:
         if any(p.pages != kv.pages for p in peers):
             self.group.fail(f"request {rid}: follower ranks allocated other pages than rank 0")
         self.follower_pages[rid] = [p.pages for p in peers]
+        return kv
+
+    def fork_sequence(self, src: str, dst: str):
+        kv, peers = self.group.run("fork_sequence", (src, dst), lambda: self._runner.fork_sequence(src, dst))
+        if any(p.pages != kv.pages for p in peers):
+            self.group.fail(f"request {dst}: follower ranks forked into other pages than rank 0")
         return kv
 
     def decode(self, rids: Sequence[str], last_tokens: Sequence[int]):

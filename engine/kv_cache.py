@@ -302,6 +302,38 @@ class KVCache:
             for g in GROUPS:
                 self.allocators[g].release(seq.pages[g])
 
+    def fork(self, src_id: Hashable, dst_id: Hashable) -> SequenceKV:
+        """A new sequence `dst_id` holding what `src_id` holds (the n choices of one prompt, vLLM's
+        parallel sampling): every page wholly below the length is shared read-only (a reference more; no
+        step writes a position below a sequence's length again), the last partial page of each group is
+        copied into a page of its own (the next token of each sequence writes there), and a page wholly
+        past the length gets a fresh page. The sliding group shares the same way: its pages are appended
+        and dropped whole, never overwritten in place, so sharing them is safe until each sequence's trim
+        releases its own reference. All or nothing (OutOfPages); the copy is queued on the device."""
+        if dst_id in self.seqs:
+            raise ValueError(f"sequence {dst_id!r} already exists")
+        src = self.seqs[src_id]
+        ps = self.page_size
+        plan: dict[str, list[tuple[str, int]]] = {}  # per group, per page: ("share" | "copy" | "new", src page)
+        for g in GROUPS:
+            first = src.first_page[g]
+            plan[g] = [("share" if (first + i + 1) * ps <= src.length else "copy" if (first + i) * ps < src.length
+                        else "new", page) for i, page in enumerate(src.pages[g])]
+        fresh = self._take_all({g: sum(kind != "share" for kind, _ in plan[g]) for g in GROUPS})
+        pages: dict[str, list[int]] = {}
+        for g in GROUPS:
+            shared = [page for kind, page in plan[g] if kind == "share"]
+            self.allocators[g].share(shared)
+            new = iter(fresh[g])
+            pages[g] = [page if kind == "share" else next(new) for kind, page in plan[g]]
+            copies = [(page, dst) for (kind, page), dst in zip(plan[g], pages[g]) if kind == "copy"]
+            if copies:
+                s = torch.tensor([a for a, _ in copies], dtype=torch.long, device=self.device)
+                d = torch.tensor([b for _, b in copies], dtype=torch.long, device=self.device)
+                self.pools[g][:, d] = self.pools[g][:, s]
+        self.seqs[dst_id] = SequencePages(length=src.length, pages=pages, first_page=dict(src.first_page))
+        return self.export_sequence(dst_id)
+
     # ---- prefix cache --------------------------------------------------------------------------
     def begin_prefix(self, seq_id: Hashable, tokens: Sequence[int], *, lookup: bool = True) -> int:
         """Start a sequence that will hold `tokens` (a prompt, known up front) under the prefix cache: it

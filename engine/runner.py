@@ -411,6 +411,11 @@ class Runner:
         [layers_in_group, num_pages, 2, page_size, kv_heads, head_dim]."""
         return self.kv.export_sequence(seq_id)
 
+    def fork_sequence(self, src_id: Hashable, dst_id: Hashable) -> SequenceKV:
+        """A copy of sequence `src_id` as `dst_id`, sharing its whole pages (KVCache.fork): one choice
+        more of the same prompt, without computing the prompt again."""
+        return self.kv.fork(src_id, dst_id)
+
     def import_sequence(self, seq_id: Hashable, length: int) -> SequenceKV:
         """Admit a sequence whose first `length` positions were computed elsewhere: allocates the pages
         (OutOfPages if they do not fit), which the caller fills before the first `decode`."""

@@ -168,3 +168,97 @@ def test_graph_host_arrays_pad_a_decode_plan():
     assert list(a32[: mx + 1]) == list(range(mx + 1))
     capture64, capture32, _ = graph_host_arrays(None, bs, mx, o, o32, n32, scratch)  # capture: all padding
     assert list(capture32[o32[("ip", "full")]: o32[("ip", "full")] + bs + 1]) == list(range(bs + 1))
+
+
+# ---- fork: the n choices of one prompt share its pages ---------------------------------------------------
+
+def _filled(kv: KVCache, seq: str, length: int) -> None:
+    """A sequence of `length` positions whose pages hold distinct bytes (so a copy can be told apart)."""
+    kv.reserve(seq, length)
+    kv.commit(seq, length)
+    for g in (FULL, SLIDING):
+        pool = kv.pools[g]
+        pool.copy_(torch.arange(pool.numel(), dtype=torch.float32).reshape(pool.shape).to(pool.dtype))
+
+
+def test_fork_shares_whole_pages_and_copies_the_partial_one():
+    kv = KVCache(CFG, num_pages=32, page_size=4, dtype=torch.float32)
+    _filled(kv, "p", 10)  # full: pages for 0-3, 4-7 whole, 8-9 partial; sliding (window 8) from logical page 0
+    parent = kv.export_sequence("p")
+    used = {g: kv.allocators[g].num_used for g in (FULL, SLIDING)}
+    child = kv.fork("p", "c")
+    assert child.length == 10 and child.first_page == parent.first_page
+    for g in (FULL, SLIDING):
+        first = parent.first_page[g]
+        whole = [i for i in range(len(parent.pages[g])) if (first + i + 1) * 4 <= 10]
+        assert [child.pages[g][i] for i in whole] == [parent.pages[g][i] for i in whole]
+        for i in whole:
+            assert kv.allocators[g].refs(parent.pages[g][i]) == 2
+        last_p, last_c = parent.pages[g][-1], child.pages[g][-1]
+        assert last_c != last_p and kv.allocators[g].refs(last_c) == 1 and kv.allocators[g].refs(last_p) == 1
+        # The copy, byte for byte, in every layer of the group.
+        assert torch.equal(kv.pools[g][:, last_c], kv.pools[g][:, last_p])
+        assert kv.allocators[g].num_used == used[g] + 1  # one page more per group, not a second prompt
+    # Writing the child's next position leaves the parent's partial page as it was.
+    before = kv.pools[FULL][:, parent.pages[FULL][-1]].clone()
+    kv.pools[FULL][:, child.pages[FULL][-1], :, 2] = -1.0
+    assert torch.equal(kv.pools[FULL][:, parent.pages[FULL][-1]], before)
+    with pytest.raises(ValueError, match="already exists"):
+        kv.fork("p", "c")
+
+
+def test_fork_frees_each_shared_page_once_whoever_ends_first():
+    kv = KVCache(CFG, num_pages=32, page_size=4)
+    _filled(kv, "p", 12)  # a whole number of pages: nothing to copy
+    kv.fork("p", "c1")
+    kv.fork("p", "c2")
+    assert kv.allocators[FULL].num_used == 3  # three sequences, one prompt's pages
+    kv.free("p")
+    assert kv.allocators[FULL].num_used == 3  # the children still hold them
+    for _ in range(9):  # the children grow apart; the sliding group trims its shared pages away
+        for c in ("c1", "c2"):
+            kv.reserve(c, 1)
+            kv.commit(c, 1)
+    kv.free("c1")
+    kv.free("c2")
+    assert kv.free_pages() == {FULL: 32, SLIDING: 32}
+    assert all(a.num_used == 0 for a in kv.allocators.values())
+    with pytest.raises(ValueError, match="not allocated"):  # a second free of a shared page is refused
+        kv.allocators[FULL].release([0])
+
+
+def test_fork_is_all_or_nothing():
+    kv = KVCache(CFG, num_pages=4, page_size=4)
+    _filled(kv, "p", 14)  # 4 full pages held, the last one partial: the fork needs one more
+    with pytest.raises(OutOfPages):
+        kv.fork("p", "c")
+    assert "c" not in kv.seqs and [kv.allocators[FULL].refs(p) for p in kv.seqs["p"].pages[FULL]] == [1] * 4
+
+
+def test_forked_sequences_decode_as_the_original_would():
+    """Two children of one prefill decode apart (different tokens, batched together) after the parent is
+    freed, each with the logits of a prompt prefilled on a runner of its own and fed its tokens: the
+    shared pages and the copied partial one are the prompt's KV, and neither child writes the other's."""
+    from kvrelay.engine.config import load_model_config
+    from kvrelay.engine.weights import open_weights
+
+    cfg = load_model_config(FIXTURE)
+    w = open_weights(FIXTURE, cfg)
+    a = Runner(cfg, w, page_size=4, kv_tokens=512)
+    ref = Runner(cfg, w, page_size=4, kv_tokens=512)
+    prompt = list(range(3, 3 + 2 * cfg.sliding_window + 3))  # 19 positions: a partial last page
+    a.prefill("p", prompt)
+    ref.prefill("r1", prompt)
+    ref.prefill("r2", prompt)
+    a.fork_sequence("p", "c1")
+    a.fork_sequence("p", "c2")
+    a.free("p")
+    toks = [5, 9]
+    for _ in range(2 * cfg.sliding_window):
+        got = a.decode(["c1", "c2"], toks)
+        want = torch.stack([ref.decode(["r1"], [toks[0]])[0], ref.decode(["r2"], [toks[1]])[0]])
+        assert torch.allclose(got, want, atol=1e-5, rtol=0)
+        toks = [int(want[0].argmax()), int(want[1].topk(2).indices[1])]  # the two grow apart
+    a.free("c1")
+    a.free("c2")
+    assert all(al.num_used == 0 for al in a.kv.allocators.values())
