@@ -57,6 +57,8 @@ REQUESTS = Counter("kvrelay_requests", "Finished requests", ["outcome"])
 # vLLM's prefix_cache_queries / prefix_cache_hits, both in tokens: hits / queries is the hit rate.
 PREFIX_QUERIES = Counter("kvrelay_prefix_cache_queries", "Prompt tokens looked up in a prefill worker's prefix cache")
 PREFIX_HITS = Counter("kvrelay_prefix_cache_hits", "Prompt tokens a prefix cache supplied instead of a prefill")
+# One per prefill run (a request's first attempt, each re-prefill): a request with n choices counts one.
+PREFILLS = Counter("kvrelay_prefills", "Prompt prefills run (n choices of one prompt share one)")
 RETRIES = Counter("kvrelay_request_retries", "Requests re-prefilled on another worker pair, by cause", ["cause"])
 
 
@@ -210,10 +212,25 @@ class DisaggregatedEngineClient:
                  params: SamplingParams) -> AsyncIterator[TokenOutput]:
         return flatten(self.generate_batches(request_id, prompt_ids, params))
 
+    def fork_batches(self, request_ids: Sequence[str], prompt_ids: list[int],
+                     params: Sequence[SamplingParams]) -> list[AsyncIterator[list[TokenOutput]]]:
+        """The n choices of one prompt (OpenAI's `n`): one token stream per choice, as `generate_batches`
+        gives, but the prompt is prefilled once and its KV forked on one decode worker
+        (cluster/fork_group.py). After that first attempt each choice stands alone: a failure re-prefills
+        only that choice, with its prompt + its own tokens so far, as for any request."""
+        from kvrelay.cluster.fork_group import ForkGroup
+
+        params = [p.resolved() for p in params]
+        group = ForkGroup(self, list(request_ids), list(prompt_ids), params)
+        return [self.generate_batches(rid, prompt_ids, p, first_attempt=lambda acc, j=j: group.stream(j, acc))
+                for j, (rid, p) in enumerate(zip(request_ids, params))]
+
     async def generate_batches(self, request_id: str, prompt_ids: list[int],
-                               params: SamplingParams) -> AsyncIterator[list[TokenOutput]]:
+                               params: SamplingParams, *,
+                               first_attempt: Callable | None = None) -> AsyncIterator[list[TokenOutput]]:
         """The request's tokens as they arrive: each list holds what came in since the last one (one
-        decode step's token, or several when the consumer runs behind)."""
+        decode step's token, or several when the consumer runs behind). `first_attempt(acc)`, if given,
+        is the first attempt's stream in place of `_attempt` (a choice of a fork group)."""
         if self._draining:
             raise EngineUnavailable("the cluster is shutting down; not accepting new requests")
         params = params.resolved()  # one concrete seed, so a retried request draws the same tokens
@@ -231,7 +248,10 @@ class DisaggregatedEngineClient:
                     await self._until_live(request_id, deadline)
                     # aclosing: if our consumer goes away mid-stream, the attempt's cleanup (abort on
                     # decode, lease release on prefill) runs now, not whenever the GC finalises it.
-                    attempt_stream = self._attempt(request_id, attempt, list(prompt_ids), streamed, params, acc)
+                    if first_attempt is not None:
+                        attempt_stream, first_attempt = first_attempt(acc), None
+                    else:
+                        attempt_stream = self._attempt(request_id, attempt, list(prompt_ids), streamed, params, acc)
                     async with contextlib.aclosing(attempt_stream) as batches:
                         async for outs in batches:
                             now = time.perf_counter()
@@ -317,6 +337,7 @@ class DisaggregatedEngineClient:
                 prefill.queued_tokens -= len(full)
             acc.queue_s += res.queue_s
             acc.prefill_s += res.prefill_s
+            PREFILLS.inc()
             PREFILL_S.observe(res.prefill_s)
             PREFIX_QUERIES.inc(res.cache_queried)
             PREFIX_HITS.inc(res.cached_tokens)
@@ -399,10 +420,14 @@ class DisaggregatedEngineClient:
 
     async def _start(self, decode: _Worker, attempt_id: str, handle, first: int, generated: int,
                      params: SamplingParams, prefill: _Worker, channel_id: str, history: tuple[int, ...] = (),
-                     prompt_tokens: tuple[int, ...] = ()):
+                     prompt_tokens: tuple[int, ...] = (), children: tuple | None = None):
+        """The decode worker's `start` (or `start_group` for the `children` of a fork group)."""
         import ray
 
         try:
+            if children is not None:
+                return await decode.actor.start_group.remote(attempt_id, handle, generated, params, prefill.actor,
+                                                             channel_id, children, history, prompt_tokens)
             return await decode.actor.start.remote(attempt_id, handle, first, generated, params, prefill.actor,
                                                    channel_id, history, prompt_tokens)
         except ray.exceptions.RayActorError as e:
@@ -536,17 +561,18 @@ class DisaggregatedEngineClient:
                     [p.queued_tokens for p in prefills], [p.last_pick for p in prefills])
 
     async def _reserve(self, attempt_id: str, prompt_tokens: int, max_tokens: int,
-                       hashes: Sequence[int] = ()) -> _Worker:
-        """Reserve pages on the decode worker with the most free budget; when none has room, wait in
-        line (cluster/admission.py)."""
+                       hashes: Sequence[int] = (), siblings: Sequence[str] = ()) -> _Worker:
+        """Reserve pages on the decode worker with the most free budget (for `siblings` too, on the same
+        worker: the other choices of a fork group); when none has room, wait in line
+        (cluster/admission.py)."""
         reasons: list[str] = []
 
         async def try_once() -> _Worker | None:
             live = sum(not w.dead for w in self.decode)
             if live > 1 and self.policy != "round-robin":
                 async with self._admit_lock:  # each ranking sees the reservations made before it
-                    return await self._try_reserve(attempt_id, prompt_tokens, max_tokens, reasons, hashes)
-            return await self._try_reserve(attempt_id, prompt_tokens, max_tokens, reasons, hashes)
+                    return await self._try_reserve(attempt_id, prompt_tokens, max_tokens, reasons, hashes, siblings)
+            return await self._try_reserve(attempt_id, prompt_tokens, max_tokens, reasons, hashes, siblings)
 
         try:
             return await self.admission.admit(try_once, self.admission_timeout_s)
@@ -555,7 +581,8 @@ class DisaggregatedEngineClient:
                                     f"{self.admission_timeout_s:g} s ({'; '.join(reasons)})") from None
 
     async def _try_reserve(self, attempt_id: str, prompt_tokens: int, max_tokens: int,
-                           reasons: list[str], hashes: Sequence[int] = ()) -> _Worker | None:
+                           reasons: list[str], hashes: Sequence[int] = (),
+                           siblings: Sequence[str] = ()) -> _Worker | None:
         import ray
 
         from kvrelay.workers.messages import AdmissionRefused
@@ -578,7 +605,10 @@ class DisaggregatedEngineClient:
         reasons.clear()
         for _, _, w in ranked:
             try:
-                await w.actor.reserve.remote(attempt_id, prompt_tokens, max_tokens)
+                if siblings:
+                    await w.actor.reserve.remote(attempt_id, prompt_tokens, max_tokens, tuple(siblings))
+                else:
+                    await w.actor.reserve.remote(attempt_id, prompt_tokens, max_tokens)
                 if self.colocated and self.prefix_index is not None:
                     self.prefix_index.record(w.rank, hashes)
                     self.prefill[w.rank].last_pick = time.monotonic()

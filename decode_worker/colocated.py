@@ -34,6 +34,7 @@ from kvrelay.engine.memory import chunk_headroom
 from kvrelay.engine.sampling import (PROMPT_LOGPROB_CHUNK, PromptLogprobs, SamplingParams, TokenOutput,
                                      finish_reason_at, prompt_logprobs, top_logprobs)
 from kvrelay.transfer.handle import TransferStats
+from kvrelay.workers.forks import any_continues, sample_forks
 from kvrelay.workers.logs import request_extra
 from kvrelay.workers.messages import InPlaceKV, PrefillResult, WorkerStatus
 from kvrelay.workers.specs import ColocatedSpec, DecodeSpec, check_prompt_limits
@@ -55,6 +56,7 @@ class _Prompt:
     cached: int = 0  # prompt tokens the prefix cache supplied
     cancelled: bool = False
     plp: list[PromptLogprobs] = field(default_factory=list)  # prompt logprobs of the chunks so far
+    forks: tuple[SamplingParams, ...] = ()  # choices 1..n-1 of the same prompt (workers/forks.py)
 
     @property
     def every(self) -> bool:
@@ -101,14 +103,16 @@ class ColocatedWorker(DecodeWorker):
 
     # ---- the prefill role --------------------------------------------------------------------
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      generated: int = 0) -> PrefillResult:
+                      generated: int = 0, forks: tuple[SamplingParams, ...] = ()) -> PrefillResult:
         """Queue the prompt for the step loop and wait for its first token. The request must hold a
-        reservation (`reserve`), which already counts its pages."""
+        reservation (`reserve`), which already counts its pages. `forks`: the other choices of an n > 1
+        request, sampled from the same forward (`PrefillResult.forks`); their sequences are forked from
+        this one when they start decoding (`start_group`)."""
         n = len(prompt_ids)
         check_prompt_limits(request_id, n, generated, self.max_prompt_tokens, self.max_context)
         loop = asyncio.get_running_loop()
         item = _Prompt(request_id, list(prompt_ids), params, generated, loop.create_future(), loop,
-                       time.perf_counter())
+                       time.perf_counter(), forks=tuple(forks))
         with self._plock:
             self._prompts.append(item)
         with self._wake:  # a sleeping step loop wakes up; a busy one sees the queue after its step
@@ -256,21 +260,23 @@ class ColocatedWorker(DecodeWorker):
                                      [p.ids for _, p in finished], masks=masks_for(params, done))
         tops = top_logprobs(rows, [p.params for _, p in finished])
         t_end = time.perf_counter()
-        for (_, p), (token, logprob), top in zip(finished, sampled, tops):
+        for k, ((_, p), (token, logprob), top) in enumerate(zip(finished, sampled, tops)):
             self.prefill_counters.prompts += 1
             reason = finish_reason_at(token, p.generated + 1, p.params, len(p.ids) + 1, self.max_context)
+            plp = PromptLogprobs.join(p.plp) if p.every else None
+            first = TokenOutput(token, logprob, reason, top, plp)
+            forked = sample_forks(self.runner.sample, rows[k], p.forks, p.ids, p.generated, self.max_context, first)
             handle = None
-            if reason is not None or p.cancelled:
+            if not any_continues(first, forked) or p.cancelled:
                 self.scheduler.release(p.request_id)  # nothing to decode: pages and budget back now
             else:
                 self._lease += 1
                 handle = InPlaceKV(p.request_id, self._lease, len(p.ids))
                 if self.prefix is not None:  # its first decode step writes this token's KV
                     self.runner.kv.extend_tokens(p.request_id, (token,))
-            plp = PromptLogprobs.join(p.plp) if p.every else None
-            self._resolve(p, result=PrefillResult(p.request_id, TokenOutput(token, logprob, reason, top, plp), handle,
+            self._resolve(p, result=PrefillResult(p.request_id, first, handle,
                                                   len(p.ids), p.t_start - p.t_arrive, t_end - p.t_start,
-                                                  cached_tokens=p.cached,
+                                                  cached_tokens=p.cached, forks=forked,
                                                   cache_queried=len(p.ids) if p.begun and not p.every else 0))
 
     @staticmethod

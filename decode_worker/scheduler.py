@@ -126,29 +126,40 @@ class Scheduler:
         """Most pages a sequence growing to `total_tokens` positions ever holds at once, per group."""
         return worst_case_pages(total_tokens, self.runner.page_size, self.runner.cfg.sliding_window)
 
-    def reserve(self, request_id: str, prompt_tokens: int, max_tokens: int) -> dict[str, int]:
-        """Commit the request's worst-case pages or raise AdmissionRefused with the reason."""
+    def reserve(self, request_id: str, prompt_tokens: int, max_tokens: int,
+                siblings: Sequence[str] = ()) -> dict[str, int]:
+        """Commit the request's worst-case pages or raise AdmissionRefused with the reason. `siblings`:
+        the other choices of an n > 1 request, reserved with it, all or none (they decode here, forked
+        from its KV). Each choice reserves its own worst case, as if it held the prompt alone: the pages
+        the choices share are counted n times, which over-reserves but never lets a choice that outlives
+        the others hold pages nobody's budget covers."""
         total = min(prompt_tokens + max_tokens, self.runner.max_context)
         need = self.pages_for(total)
+        ids = [request_id, *siblings]
+        k = len(ids)
         cap = self.capacity
         for g in GROUPS:
-            if need[g] > cap[g]:
+            if k * need[g] > cap[g]:
                 raise AdmissionRefused(
-                    f"request {request_id}: {total} tokens need {need[g]} {g} KV pages but this decode "
-                    f"worker's pool has only {cap[g]}", retryable=False)
+                    f"request {request_id}: {k} x {total} tokens need {k * need[g]} {g} KV pages but this "
+                    f"decode worker's pool has only {cap[g]}", retryable=False)
+        if k > self.max_batch:
+            raise AdmissionRefused(f"request {request_id}: {k} choices, more than this decode worker's batch "
+                                   f"of {self.max_batch}", retryable=False)
         with self._budget_lock:
-            if request_id in self._budget:
+            if any(rid in self._budget for rid in ids) or len(set(ids)) != k:
                 raise ValueError(f"request {request_id!r} already holds a reservation")
-            if len(self._budget) >= self.max_batch:
+            if len(self._budget) + k > self.max_batch:
                 raise AdmissionRefused(f"request {request_id}: decode batch is full ({self.max_batch} "
                                        f"requests admitted)", retryable=True)
             used = self._reserved()
             for g in GROUPS:
-                if used[g] + need[g] > cap[g]:
+                if used[g] + k * need[g] > cap[g]:
                     raise AdmissionRefused(
-                        f"request {request_id}: out of KV pages, needs {need[g]} {g} pages and "
+                        f"request {request_id}: out of KV pages, needs {k * need[g]} {g} pages and "
                         f"{cap[g] - used[g]} of {cap[g]} are free", retryable=True)
-            self._budget[request_id] = need
+            for rid in ids:
+                self._budget[rid] = dict(need)
         return need
 
     def admission_load(self) -> tuple[int, int]:

@@ -129,12 +129,14 @@ class DecodeWorker:
             loop.call_soon_threadsafe(_settle, fut, result, exc)
 
     # ---- admission ---------------------------------------------------------------------------
-    async def reserve(self, request_id: str, prompt_tokens: int, max_tokens: int) -> dict[str, int]:
-        """Commit pages for the request's worst case; raises AdmissionRefused (with `retryable`). Answered
-        at once, not at the next step boundary: a reservation is bookkeeping under its own lock."""
+    async def reserve(self, request_id: str, prompt_tokens: int, max_tokens: int,
+                      siblings: Sequence[str] = ()) -> dict[str, int]:
+        """Commit pages for the request's worst case (and its `siblings`': the other choices of an n > 1
+        request, all or none); raises AdmissionRefused (with `retryable`). Answered at once, not at the
+        next step boundary: a reservation is bookkeeping under its own lock."""
         if self._stop:
             raise RuntimeError(f"decode worker {self.rank} is shutting down")
-        return self.scheduler.reserve(request_id, prompt_tokens, max_tokens)
+        return self.scheduler.reserve(request_id, prompt_tokens, max_tokens, siblings)
 
     async def unreserve(self, request_id: str) -> None:
         await self._locked(self.scheduler.release, request_id)
@@ -155,9 +157,12 @@ class DecodeWorker:
     # ---- the streams -------------------------------------------------------------------------
     async def _admit(self, request_id: str, handle, first_token: int, generated: int, params: SamplingParams,
                      prefill, register, history: Sequence[int] = (),
-                     prompt_tokens: Sequence[int] = ()) -> PullMetrics | None:
+                     prompt_tokens: Sequence[int] = (), children: Sequence[tuple] | None = None) -> PullMetrics | None:
         """Pull the handle's KV, release the prefill lease, call `register()` (where the request's tokens
-        go) and join the batch. None if the request was released during the pull."""
+        go) and join the batch. None if the request was released during the pull. `children`: (request
+        id, first token, params) of the choices that decode from this KV (default: the request alone);
+        each other than `request_id` gets a fork of its sequence (`Runner.fork_sequence`), and a
+        `request_id` not among them is freed once they have theirs."""
         self._loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         # Shielded: a call cancelled mid-pull leaves the task running, so the pages are freed only once
@@ -174,10 +179,18 @@ class DecodeWorker:
             raise KVLeaseExpired(f"request {request_id}: lease {handle.lease_id} expired before the "
                                  f"pull was confirmed; re-run prefill")
         register()
+        kids = ((request_id, first_token, params),) if children is None else tuple(children)
 
         def join() -> None:
-            self.scheduler.join(request_id, params, first_token, generated,
-                                lambda out: self._emit(request_id, out), history, prompt_tokens)
+            for rid, token, p in kids:
+                if rid != request_id:
+                    if not self.scheduler.has_reservation(rid):
+                        continue  # this choice was aborted during the pull: nothing to fork for it
+                    self.runner.fork_sequence(request_id, rid)
+                self.scheduler.join(rid, p, token, generated, lambda out, rid=rid: self._emit(rid, out), history,
+                                    prompt_tokens)
+            if all(rid != request_id for rid, _, _ in kids):
+                self.scheduler.release(request_id)  # a choice that ended on its first token: pages only
 
         await self._locked(join)
         return PullMetrics(stats.nbytes, stats.seconds, time.perf_counter() - t0)
@@ -200,6 +213,31 @@ class DecodeWorker:
             self._route.pop(request_id, None)
             await self._locked(self._end, request_id, joined)
             raise
+
+    async def start_group(self, request_id: str, handle, generated: int, params: SamplingParams, prefill,
+                          channel_id: str, children: Sequence[tuple], history: Sequence[int] = (),
+                          prompt_tokens: Sequence[int] = ()) -> PullMetrics | None:
+        """`start` for the n choices of one prompt (workers/forks.py): the prompt's KV is pulled once
+        into `request_id` (choice 0, `params` its own) and forked into each of `children` ((request id,
+        first token, params), each holding a reservation: `reserve(..., siblings)`); their tokens go to
+        the caller's channel under their own ids. `request_id` decodes only if it is among `children`."""
+        ids = [rid for rid, _, _ in children]
+        joined = False
+        try:
+            pull = await self._admit(request_id, handle, None, generated, params, prefill,
+                                     lambda: self._route.update((rid, channel_id) for rid in ids), history,
+                                     prompt_tokens, children=children)
+            joined = pull is not None
+            return pull
+        except BaseException:
+            for rid in ids:
+                self._route.pop(rid, None)
+            await self._locked(self._end_all, [request_id, *ids], joined)
+            raise
+
+    def _end_all(self, ids: Sequence[str], joined: bool) -> None:
+        for rid in ids:
+            self._end(rid, joined)
 
     async def channel(self, channel_id: str) -> AsyncIterator[list[tuple]]:
         """Streaming generator: batches of (request_id, token_id, logprob, finish_reason, error, top_logprobs)

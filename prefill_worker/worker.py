@@ -29,6 +29,7 @@ from kvrelay.prefill_worker.ranks import PrefillRank, load_rank_runner
 from kvrelay.transfer.handle import layout_of
 from kvrelay.transfer.nixl import KVExporter
 from kvrelay.workers.loading import load_sized_runner
+from kvrelay.workers.forks import any_continues, sample_forks
 from kvrelay.workers.logs import REQUEST_LOG, request_extra
 from kvrelay.workers.messages import PrefillResult, WorkerStatus
 from kvrelay.workers.rank_group import Followers, join_group, lead_group, node_name
@@ -54,6 +55,7 @@ class _Job:
     t_start: float = 0.0
     t_end: float = 0.0
     cached: int = 0  # prompt tokens the prefix cache supplied
+    forks: tuple[SamplingParams, ...] = ()  # choices 1..n-1 of the same prompt (workers/forks.py)
 
 
 class PrefillWorker:
@@ -101,13 +103,15 @@ class PrefillWorker:
 
     # ---- the request path --------------------------------------------------------------------
     def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                generated: int = 0) -> PrefillResult:
+                generated: int = 0, forks: tuple[SamplingParams, ...] = ()) -> PrefillResult:
         """Prefill `prompt_ids` and sample the request's next token (its `generated`-th, 0-based: a
-        retried request re-prefills prompt + tokens already streamed and continues from there)."""
+        retried request re-prefills prompt + tokens already streamed and continues from there). `forks`:
+        the other choices of an n > 1 request, whose first tokens come from the same forward
+        (`PrefillResult.forks`); the KV is pinned while any choice goes on."""
         n = len(prompt_ids)
         check_prompt_limits(request_id, n, generated, self.max_prompt_tokens, self.max_context)
         t_arrive = time.perf_counter()
-        job = _Job(request_id, list(prompt_ids), params, generated)
+        job = _Job(request_id, list(prompt_ids), params, generated, forks=tuple(forks))
         with self._count_lock:
             self._queued_tokens += n
             self._queue.append(job)
@@ -127,12 +131,12 @@ class PrefillWorker:
         if job.error is not None:
             raise job.error
         self.completed += 1
-        first, handle = job.result
+        first, handle, forked = job.result
         req_log.info("prefilled %d prompt tokens (queued %.1f ms, forward %.1f ms)", n,
                      1000 * (job.t_start - t_arrive), 1000 * (job.t_end - job.t_start),
                      extra=request_extra(request_id, f"prefill-{self.rank}"))
         return PrefillResult(request_id, first, handle, n, job.t_start - t_arrive, job.t_end - job.t_start,
-                             cached_tokens=job.cached,
+                             cached_tokens=job.cached, forks=forked,
                              cache_queried=n if self.prefix is not None and params.prompt_logprobs is None else 0)
 
     def _take_jobs(self) -> list[_Job]:
@@ -159,9 +163,9 @@ class PrefillWorker:
             except Exception:  # one by one below, where each prompt gets its own error
                 sampled = None
             if sampled is not None:
-                for j, (token, logprob, peers, top) in zip(jobs, sampled):
+                for j, (token, logprob, peers, top, forked) in zip(jobs, sampled):
                     self._settle(j, lambda: self._finish(j.request_id, j.ids, j.params, j.generated, token,
-                                                         logprob, peers, top))
+                                                         logprob, peers, top, forked=forked))
                 return
         for j in jobs:
             self._settle(j, lambda: self._prefill(j.request_id, j.ids, j.params, j.generated, j))
@@ -192,7 +196,12 @@ class PrefillWorker:
             sampled = sample_constrained(self.runner.sample, logits, params, [j.generated for j in jobs], done,
                                          [j.ids for j in jobs], masks=masks_for(params, done))
             tops = top_logprobs(logits, [j.params for j in jobs])
-        return [(t, lp, (), top) for (t, lp), top in zip(sampled, tops)]
+            forked = [self._sample_forks(j, logits[i], TokenOutput(t, lp, None, top))
+                      for i, (j, (t, lp), top) in enumerate(zip(jobs, sampled, tops))]
+        return [(t, lp, (), top, f) for (t, lp), top, f in zip(sampled, tops, forked)]
+
+    def _sample_forks(self, job: _Job, row, first: TokenOutput) -> tuple[TokenOutput, ...]:
+        return sample_forks(self.runner.sample, row, job.forks, job.ids, job.generated, self.max_context, first)
 
     def _prefill_batch_cached(self, jobs: list[_Job]):
         """`_prefill_batch` under the prefix cache: each prompt resumes after its cached prefix; None (and
@@ -232,6 +241,7 @@ class PrefillWorker:
                     (token, logprob), = sample_constrained(self.runner.sample, logits, [params], [generated], done,
                                                            [prompt_ids], masks=masks_for([params], done))
                     top, = top_logprobs(logits, [params])
+                    forked = self._sample_forks(job, logits, TokenOutput(token, logprob, None, top, plp)) if job else ()
                     break
                 if self.prefix is not None:  # try again from scratch once pages come back
                     self.runner.free(rid)
@@ -243,21 +253,21 @@ class PrefillWorker:
                 raise RuntimeError(f"request {rid}: prefill worker {self.rank} has no free KV pages for "
                                    f"{len(prompt_ids)} tokens ({self.exporter.active_leases()} leases held)")
             time.sleep(0.005)
-        return self._finish(rid, prompt_ids, params, generated, token, logprob, peers, top, plp)
+        return self._finish(rid, prompt_ids, params, generated, token, logprob, peers, top, plp, forked)
 
     def _finish(self, rid: str, prompt_ids: list[int], params: SamplingParams, generated: int, token: int,
-                logprob, peers, top=None, plp: PromptLogprobs | None = None):
+                logprob, peers, top=None, plp: PromptLogprobs | None = None, forked: tuple[TokenOutput, ...] = ()):
         reason = finish_reason_at(token, generated + 1, params, len(prompt_ids) + 1, self.max_context)
         first = TokenOutput(token, logprob, reason, top, plp)
-        if reason is not None:
+        if not any_continues(first, forked):
             with self._engine_lock:
                 self._free(rid)
-            return first, None
+            return first, None, forked
         with self._engine_lock:
             kv = self.runner.export_sequence(rid)
         handle = self.exporter.pin(rid, kv.pages, kv.length, first_blocks=kv.first_page,
                                    on_release=lambda: self._queue_free(rid), peers=peers)
-        return first, handle
+        return first, handle, forked
 
     # ---- engine ops (under the engine lock; on every rank of a TP group) ---------------------
     def _run_prefill(self, rid: str, prompt_ids: list[int], k: int | None = None, start: int = 0) -> tuple:

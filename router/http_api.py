@@ -121,6 +121,7 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None, rate_limit: Ra
                               continuous_usage=bool(opts and opts.continuous_usage_stats))
                    for j, prep in enumerate(preps)]
         streams[0].id = rid
+        _fork(core, streams, n)
         chat = streams[0] if n == 1 else ChoiceBatch(streams, include_usage=include_usage, n=n)
         if body.stream:
             await chat.prime()
@@ -152,6 +153,7 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None, rate_limit: Ra
                                     prompt_logprobs=body.prompt_logprobs is not None)
                    for i, prep in enumerate(preps)]
         streams[0].id = base
+        _fork(core, streams, n)
         comp = streams[0] if len(streams) == 1 else ChoiceBatch(streams, include_usage=include_usage, n=n)
         if body.stream:
             await comp.prime()
@@ -180,6 +182,14 @@ def _copies(prep: Prepared, n: int) -> list[Prepared]:
     return [dataclasses.replace(prep, request_id=f"{prep.request_id}-{j}",
                                 params=prep.params if seed is None else dataclasses.replace(prep.params, seed=seed + j))
             for j in range(n)]
+
+
+def _fork(core: RouterCore, streams: list["_Stream"], n: int) -> None:
+    """Each prompt's n choices (streams[i*n:(i+1)*n]) from one prefill, when the engine can fork."""
+    if n > 1:
+        for i in range(0, len(streams), n):
+            for s, tokens in zip(streams[i:i + n], core.fork([s.prep for s in streams[i:i + n]])):
+                s.tokens = tokens
 
 
 def _prompt_list(prompt: Any) -> list[list[int]]:
@@ -221,12 +231,13 @@ class _Stream(abc.ABC):
         self.created = int(time.time())
         self._source: AsyncIterator[list[TokenStep]] | None = None  # the core's stream, once primed
         self._first: list[TokenStep] | None = None
+        self.tokens = None  # the engine's token stream when a fork opened it (RouterCore.fork)
 
     async def prime(self) -> None:
         """Wait for the engine's first tokens before the response starts: a request that no worker takes
         (EngineUnavailable, EngineOverloaded) is then answered with its status code and Retry-After, not
         with a 200 and an error event. Nothing could be sent before the first token anyway."""
-        self._first, self._source = await first_batch(self.core.stream_batches(self.prep))
+        self._first, self._source = await first_batch(self.core.stream_batches(self.prep, self.tokens))
 
     async def _primed(self) -> AsyncIterator[list[TokenStep]]:
         if self._first is not None:
@@ -242,7 +253,7 @@ class _Stream(abc.ABC):
             source = self._source
             stream = self._primed()
         else:
-            source = stream = self.core.stream_batches(self.prep)
+            source = stream = self.core.stream_batches(self.prep, self.tokens)
         async with contextlib.aclosing(source), contextlib.aclosing(stream) as batches:  # type: ignore[type-var]
             async for steps in batches:
                 steps = [self.rewrite(s) for s in steps]
@@ -474,8 +485,9 @@ def _content(step: TokenStep) -> str:
 
 class ChoiceBatch:
     """Several choices in one response: the prompts of a batched /v1/completions request (lm-eval's
-    batches) and/or `n` choices per prompt. Each runs as its own engine request, concurrently (n > 1 thus
-    prefills its prompt n times: no KV is shared yet); one response with a choice per stream (`index` as
+    batches) and/or `n` choices per prompt. Each runs as its own engine request, concurrently; the n
+    choices of a prompt share one prefill and its KV where the engine forks (RouterCore.fork); one
+    response with a choice per stream (`index` as
     OpenAI numbers them: prompt x n + copy), completion tokens summed, each prompt's tokens counted once.
     Streamed, the choices' chunks interleave as they come; a client that goes away aborts all of them."""
 

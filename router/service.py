@@ -18,11 +18,11 @@ import logging
 import re
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, TypeVar
+from typing import AsyncIterator, Callable, Sequence, TypeVar
 
 from openai_harmony import HarmonyError
 
-from kvrelay.engine.sampling import SamplingParams
+from kvrelay.engine.sampling import SamplingParams, TokenOutput
 from kvrelay.router import harmony, render_pool, structured, validation
 from kvrelay.router.engine_client import EngineClient, flatten, token_batches
 from kvrelay.router.metrics import RequestTimer
@@ -158,17 +158,30 @@ class RouterCore:
         """
         return flatten(self.stream_batches(prep))
 
-    async def stream_batches(self, prep: Prepared) -> AsyncIterator[list[TokenStep]]:
+    def fork(self, preps: Sequence[Prepared]) -> list[AsyncIterator[list[TokenOutput]] | None]:
+        """The engine's token streams for the n choices of one prompt (`preps`: one per choice, the same
+        prompt, each its own request id and seed), prefilled once and forked by an engine that can
+        (`fork_batches`: cluster/engine_client.py); otherwise None each, and every choice is a request
+        of its own (`stream_batches` without `tokens`)."""
+        fork = getattr(self.engine, "fork_batches", None)
+        if fork is None or len(preps) < 2:
+            return [None] * len(preps)
+        return fork([p.request_id for p in preps], list(preps[0].prompt_ids), [p.params for p in preps])
+
+    async def stream_batches(self, prep: Prepared,
+                             tokens: AsyncIterator[list[TokenOutput]] | None = None) -> AsyncIterator[list[TokenStep]]:
         """`stream`'s steps in the lists the engine hands over (what was ready at once): a front-end
         writes each list as one chunk, so a router that runs behind catches up instead of falling
-        further behind."""
+        further behind. `tokens`: the engine's stream for this request when it is already open (a
+        choice of `fork`), else it is opened here."""
         output = _Output(prep, self._call_id)
         self._in_flight.add(prep.request_id)
         timer = RequestTimer(len(prep.prompt_ids))  # vLLM's request metrics (router/metrics.py)
         engine_done = released = False
         produced = 0
         first = True
-        tokens = token_batches(self.engine, prep.request_id, list(prep.prompt_ids), prep.params)
+        if tokens is None:
+            tokens = token_batches(self.engine, prep.request_id, list(prep.prompt_ids), prep.params)
 
         async def release() -> None:
             nonlocal released

@@ -37,6 +37,9 @@ class PrefillResult:
     prefill_s: float  # forward(s) + sampling + pinning
     cached_tokens: int = 0  # prompt positions reused from the prefix cache (not computed)
     cache_queried: int = 0  # prompt positions looked up in the prefix cache (0: no cache, or no lookup)
+    # The first tokens of choices 1..n-1 of an n > 1 request (workers/forks.py), sampled from the same
+    # forward; `handle` is set while any choice (this one or a fork) goes on decoding.
+    forks: tuple[TokenOutput, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,148 @@
+"""`n` > 1 on a real cluster: the prompt is prefilled once and its KV forked into n decodes, in both served
+topologies: configs/cpu-tiny.yaml (prefill worker -> NIXL -> decode worker, which pulls once and forks)
+and the same preset colocated (one actor prefills once and forks in place).
+
+Each choice must be what a request of its own gives (greedy: the n=1 output; seeded: the n=1 output with
+the seed vLLM gives choice j, seed + j), /metrics must count one prefill for the request, and no page may
+be left after it ends, whether it finishes or the client goes away mid-stream.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from test_cluster import assert_no_pages_left, prompt_of
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+PRESET = Path(__file__).resolve().parents[2] / "configs" / "cpu-tiny.yaml"
+
+
+def preset(colocate: bool) -> str:
+    """configs/cpu-tiny.yaml on free 127.0.0.1 ports (colocated: the same with `colocate: true`)."""
+    doc = yaml.safe_load(PRESET.read_text())
+    doc["router"].update(grpc_port=0, http_port=0)
+    if colocate:
+        doc["colocate"] = True
+    return yaml.safe_dump(doc)
+
+
+@pytest.fixture(scope="module", params=["split", "colocated"])
+def running(request):
+    from conftest import serving
+
+    with serving(preset(request.param == "colocated")) as (run, server):
+        yield run, server
+
+
+def prefills(server) -> float:
+    text = httpx.get(f"{server.http_url}/metrics", timeout=30).text
+    m = re.search(r"^kvrelay_prefills_total (\S+)$", text, re.M)
+    assert m, "kvrelay_prefills_total missing from /metrics"
+    return float(m.group(1))
+
+
+def complete(server, model: str, **body) -> dict:
+    r = httpx.post(f"{server.http_url}/v1/completions", json={"model": model, **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_greedy_choices_equal_the_single_output_from_one_prefill(running):
+    run, server = running
+    model = run.client.model_name
+    prompt = prompt_of(37, 1)  # 37 positions: two whole pages shared, a partial third one copied
+    body = dict(prompt=prompt, max_tokens=24, temperature=0, ignore_eos=True, return_token_ids=True)
+    one = complete(server, model, **body)["choices"][0]
+    before = prefills(server)
+    out = complete(server, model, n=3, **body)
+    assert prefills(server) - before == 1
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    for c in out["choices"]:
+        assert (c["token_ids"], c["text"], c["finish_reason"]) == (one["token_ids"], one["text"], "length")
+    assert out["usage"] == {**out["usage"], "prompt_tokens": 37, "completion_tokens": 72}
+    assert_no_pages_left(run)
+
+
+def test_seeded_choices_equal_separate_requests_with_consecutive_seeds(running):
+    """vLLM gives choice j of a seeded request the seed + j; so did our per-choice path before the fork."""
+    run, server = running
+    model = run.client.model_name
+    prompt = prompt_of(21, 2)
+    body = dict(prompt=prompt, max_tokens=16, temperature=0.9, ignore_eos=True, return_token_ids=True, logprobs=1)
+    want = [complete(server, model, seed=11 + j, **body)["choices"][0] for j in range(4)]
+    before = prefills(server)
+    got = complete(server, model, n=4, seed=11, **body)["choices"]
+    assert prefills(server) - before == 1
+    assert [c["token_ids"] for c in got] == [w["token_ids"] for w in want]
+    assert len({tuple(w["token_ids"]) for w in want}) > 1  # the seeds do draw different choices
+    for c, w in zip(got, want):
+        assert c["logprobs"]["token_logprobs"] == pytest.approx(w["logprobs"]["token_logprobs"], abs=1e-4)
+    assert_no_pages_left(run)
+
+
+def test_chat_choices_share_one_prefill(running):
+    run, server = running
+    model = run.client.model_name
+    body = {"model": model, "messages": [{"role": "user", "content": "Count to ten."}], "max_tokens": 12,
+            "temperature": 0.8, "seed": 5}
+    want = [httpx.post(f"{server.http_url}/v1/chat/completions", json={**body, "seed": 5 + j}, timeout=120).json()
+            for j in range(3)]
+    before = prefills(server)
+    r = httpx.post(f"{server.http_url}/v1/chat/completions", json={**body, "n": 3}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert prefills(server) - before == 1
+    got = r.json()["choices"]
+    assert [c["message"] for c in got] == [w["choices"][0]["message"] for w in want]
+    assert [c["finish_reason"] for c in got] == [w["choices"][0]["finish_reason"] for w in want]
+    assert_no_pages_left(run)
+
+
+def test_streamed_choices_each_have_their_index_and_finish(running):
+    run, server = running
+    model = run.client.model_name
+    body = {"model": model, "prompt": prompt_of(19, 3), "max_tokens": 10, "temperature": 0, "n": 3,
+            "ignore_eos": True, "stream": True}
+    texts, finishes = {}, {}
+    with httpx.stream("POST", f"{server.http_url}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for c in json.loads(line[6:])["choices"]:
+                texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+                if c["finish_reason"]:
+                    finishes[c["index"]] = c["finish_reason"]
+    assert finishes == {0: "length", 1: "length", 2: "length"}
+    assert texts[0] == texts[1] == texts[2] != ""
+    assert_no_pages_left(run)
+
+
+def test_choices_that_end_on_their_first_token_leave_nothing(running):
+    """max_tokens 1: every choice ends at the prefill, nothing is forked or pulled."""
+    run, server = running
+    out = complete(server, run.client.model_name, prompt=prompt_of(9, 4), max_tokens=1, n=3, temperature=1.0,
+                   seed=3, return_token_ids=True)
+    assert [len(c["token_ids"]) for c in out["choices"]] == [1, 1, 1]
+    assert_no_pages_left(run)
+
+
+def test_a_disconnect_mid_stream_frees_every_choice(running):
+    run, server = running
+    body = {"model": run.client.model_name, "prompt": prompt_of(50, 5), "max_tokens": 1000, "temperature": 0.7,
+            "seed": 1, "n": 4, "ignore_eos": True, "stream": True}
+    seen = set()
+    with httpx.stream("POST", f"{server.http_url}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                seen |= {c["index"] for c in json.loads(line[6:])["choices"]}
+            if len(seen) == 4:
+                break  # every choice is decoding: hang up
+    assert_no_pages_left(run, timeout_s=30)
