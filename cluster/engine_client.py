@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from prometheus_client import Counter, Histogram
 
 from kvrelay.cluster.admission import AdmissionQueue, AdmissionTimeout
+from kvrelay.cluster.fork_group import ForkGroup
 from kvrelay.cluster.routing import KV_AWARE, POLICIES, PrefixIndex, block_hashes, rank
 from kvrelay.transfer.handle import KVLayoutMismatch, KVTransferError
 from kvrelay.engine.sampling import SamplingParams, TokenOutput, token_set
@@ -161,6 +162,8 @@ class _Acc:
 
 
 class DisaggregatedEngineClient:
+    Aborted = _Aborted  # what `_next` raises once the worker reports a request aborted (cluster/fork_group.py)
+
     def __init__(self, prefill_actors: Sequence[object], decode_actors: Sequence[object], *,
                  model_name: str, max_context: int, vocab_size: int | None = None, max_retries: int = 2,
                  admission_timeout_s: float = 60.0, stall_check_s: float = 10.0, colocated: bool = False,
@@ -218,8 +221,6 @@ class DisaggregatedEngineClient:
         gives, but the prompt is prefilled once and its KV forked on one decode worker
         (cluster/fork_group.py). After that first attempt each choice stands alone: a failure re-prefills
         only that choice, with its prompt + its own tokens so far, as for any request."""
-        from kvrelay.cluster.fork_group import ForkGroup
-
         params = [p.resolved() for p in params]
         group = ForkGroup(self, list(request_ids), list(prompt_ids), params)
         return [self.generate_batches(rid, prompt_ids, p, first_attempt=lambda acc, j=j: group.stream(j, acc))
@@ -328,19 +329,11 @@ class DisaggregatedEngineClient:
             # The prompt's own logprobs went out with the first token: a retry after it skips them.
             prefill_params = params if done == 0 else dataclasses.replace(params, prompt_logprobs=None)
             try:
-                res = await prefill.actor.prefill.remote(attempt_id, full, prefill_params, done)
-            except ray.exceptions.RayActorError as e:
-                self._mark_dead(prefill)
-                raise _Retry(f"prefill worker {prefill.rank} died ({type(e).__name__})", "prefill_died",
-                             prefill) from None
+                res = await self._prefill_once(prefill, attempt_id, full, prefill_params, done)
             finally:
                 prefill.queued_tokens -= len(full)
             acc.queue_s += res.queue_s
             acc.prefill_s += res.prefill_s
-            PREFILLS.inc()
-            PREFILL_S.observe(res.prefill_s)
-            PREFIX_QUERIES.inc(res.cache_queried)
-            PREFIX_HITS.inc(res.cached_tokens)
             if done == 0:  # usage counts the prompt's own tokens; a resumed attempt re-prefills more
                 acc.cached_tokens = res.cached_tokens
             handle = res.handle
@@ -362,8 +355,7 @@ class DisaggregatedEngineClient:
                 handle = None  # decode owns the lease now (it released it after the pull)
                 acc.kv_bytes += pull.kv_bytes
                 acc.kv_transfer_s += pull.kv_transfer_s
-                KV_BYTES.inc(pull.kv_bytes)
-                KV_TRANSFER_S.observe(pull.kv_transfer_s)
+                self._record_pull(pull)
                 while True:
                     outs = await self._next(queue, decode)
                     finished = outs[-1].finish_reason is not None
@@ -388,6 +380,31 @@ class DisaggregatedEngineClient:
                 await _quietly(decode.actor.unreserve.remote(attempt_id))
             elif finished and not decode.dead:
                 await _quietly(decode.actor.unreserve.remote(attempt_id))
+
+    async def _prefill_once(self, prefill: _Worker, attempt_id: str, prompt: list[int], params: SamplingParams,
+                            done: int, forks: tuple[SamplingParams, ...] = ()):
+        """One prefill call (counted in /metrics); `forks`: the other choices of a fork group."""
+        import ray
+
+        try:
+            if forks:
+                res = await prefill.actor.prefill.remote(attempt_id, prompt, params, done, forks)
+            else:
+                res = await prefill.actor.prefill.remote(attempt_id, prompt, params, done)
+        except ray.exceptions.RayActorError as e:
+            self._mark_dead(prefill)
+            raise _Retry(f"prefill worker {prefill.rank} died ({type(e).__name__})", "prefill_died",
+                         prefill) from None
+        PREFILLS.inc()
+        PREFILL_S.observe(res.prefill_s)
+        PREFIX_QUERIES.inc(res.cache_queried)
+        PREFIX_HITS.inc(res.cached_tokens)
+        return res
+
+    @staticmethod
+    def _record_pull(pull) -> None:
+        KV_BYTES.inc(pull.kv_bytes)
+        KV_TRANSFER_S.observe(pull.kv_transfer_s)
 
     # ---- the token channel of each decode worker ----------------------------------------------
     def _channel(self, w: _Worker) -> "_Channel":

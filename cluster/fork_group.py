@@ -19,17 +19,21 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING
 
 from kvrelay.engine.sampling import SamplingParams, TokenOutput, token_set
 from kvrelay.router.engine_client import EngineUnavailable
 
-if TYPE_CHECKING:
-    from kvrelay.cluster.engine_client import DisaggregatedEngineClient, _Acc, _Worker
+async def _quietly(ref) -> None:
+    """A cleanup call whose failure changes nothing (the worker may be gone; the request is ending)."""
+    try:
+        await ref
+    except Exception:
+        pass
 
 
 class ForkGroup:
-    def __init__(self, client: "DisaggregatedEngineClient", request_ids: list[str], prompt: list[int],
+    def __init__(self, client,  # the DisaggregatedEngineClient (cluster/engine_client.py imports this module)
+                 request_ids: list[str], prompt: list[int],
                  params: Sequence[SamplingParams]) -> None:
         if len(request_ids) != len(params) or len(set(request_ids)) != len(request_ids):
             raise ValueError("a fork group needs one distinct request id per choice's params")
@@ -46,15 +50,13 @@ class ForkGroup:
         self.task: asyncio.Future | None = None
         self.settling = False  # the task is past its last wait on a worker: cleanup only, never cancelled
 
-    def stream(self, j: int, acc: "_Acc") -> AsyncIterator[list[TokenOutput]]:
+    def stream(self, j: int, acc) -> AsyncIterator[list[TokenOutput]]:
         """Choice j's first attempt; the group's task starts with the first choice that asks."""
         if self.task is None:
             self.task = asyncio.ensure_future(self._run())
         return self._choice(j, acc)
 
-    async def _choice(self, j: int, acc: "_Acc") -> AsyncIterator[list[TokenOutput]]:
-        from kvrelay.cluster.engine_client import _Aborted, _quietly
-
+    async def _choice(self, j: int, acc) -> AsyncIterator[list[TokenOutput]]:
         c, rid = self.client, self.ids[j]
         decode = None
         finished = False
@@ -85,7 +87,7 @@ class ForkGroup:
                 yield outs
                 if finished:
                     return
-        except _Aborted:
+        except c.Aborted:
             return
         finally:
             self.gone[j] = True
@@ -104,16 +106,11 @@ class ForkGroup:
 
     async def _run(self) -> None:
         """What the choices share: reserve all on one decode worker, prefill once, start the forks."""
-        import ray
-
-        from kvrelay.cluster.engine_client import (KV_BYTES, KV_TRANSFER_S, PREFILL_S, PREFILLS, PREFIX_HITS,
-                                                   PREFIX_QUERIES, _quietly, _Retry)
         from kvrelay.cluster.routing import block_hashes
 
         c, ids, prompt, params = self.client, self.ids, self.prompt, self.params
         n = len(ids)
-        decode: _Worker | None = None
-        prefill: _Worker | None = None
+        decode = prefill = None  # the client's _Worker entries, once picked
         handle = None
         channel = None
         try:
@@ -125,17 +122,9 @@ class ForkGroup:
             prefill = c.prefill[decode.rank] if c.colocated else c._pick_prefill(hashes, len(prompt))
             prefill.queued_tokens += len(prompt)
             try:
-                res = await prefill.actor.prefill.remote(ids[0], prompt, params[0], 0, tuple(params[1:]))
-            except ray.exceptions.RayActorError as e:
-                c._mark_dead(prefill)
-                raise _Retry(f"prefill worker {prefill.rank} died ({type(e).__name__})", "prefill_died",
-                             prefill) from None
+                res = await c._prefill_once(prefill, ids[0], prompt, params[0], 0, tuple(params[1:]))
             finally:
                 prefill.queued_tokens -= len(prompt)
-            PREFILLS.inc()
-            PREFILL_S.observe(res.prefill_s)
-            PREFIX_QUERIES.inc(res.cache_queried)
-            PREFIX_HITS.inc(res.cached_tokens)
             handle = res.handle
             firsts = [res.first, *res.forks]
             if len(firsts) != n:
@@ -156,8 +145,7 @@ class ForkGroup:
                                   children=kids)
             if pull is not None:
                 handle = None  # decode owns the lease now (it released it after the pull)
-                KV_BYTES.inc(pull.kv_bytes)
-                KV_TRANSFER_S.observe(pull.kv_transfer_s)
+                c._record_pull(pull)
             for j in live:
                 rid = ids[j]
                 self.handed[j] = pull is not None and not self.gone[j]
@@ -175,7 +163,7 @@ class ForkGroup:
             for j in range(n):
                 if not self.gone[j]:
                     self.feeds[j].put_nowait(err)  # a _Retry: each choice re-prefills on its own
-            if isinstance(e, _Retry) and handle is not None and prefill is not None:
+            if handle is not None and prefill is not None:
                 await c._alive(prefill)  # the KV was never confirmed pulled: is its prefill worker gone?
         finally:
             self.settling = True

@@ -133,16 +133,87 @@ def test_choices_that_end_on_their_first_token_leave_nothing(running):
     assert_no_pages_left(run)
 
 
-def test_a_disconnect_mid_stream_frees_every_choice(running):
+def decode_row(run) -> dict:
+    return next(r for r in run.cluster.statuses() if r["role"] in ("decode", "colocated") and r["tp_rank"] == 0)
+
+
+def test_a_disconnect_mid_stream_frees_every_choice_and_the_prompt_pages_are_shared(running):
+    """Four choices of a 400-token prompt (25 pages per group) decoding together hold the prompt's
+    pages once: far fewer than the 100 four copies would take. Hanging up frees all of them."""
     run, server = running
-    body = {"model": run.client.model_name, "prompt": prompt_of(50, 5), "max_tokens": 1000, "temperature": 0.7,
-            "seed": 1, "n": 4, "ignore_eos": True, "stream": True}
-    seen = set()
+    body = {"model": run.client.model_name, "prompt": prompt_of(400, 5), "max_tokens": 1000, "temperature": 0.7,
+            "seed": 1, "n": 4, "ignore_eos": True, "stream": True, "return_token_ids": True}
+    seen = {j: 0 for j in range(4)}
     with httpx.stream("POST", f"{server.http_url}/v1/completions", json=body, timeout=120) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: {"):
-                seen |= {c["index"] for c in json.loads(line[6:])["choices"]}
-            if len(seen) == 4:
-                break  # every choice is decoding: hang up
+                for c in json.loads(line[6:])["choices"]:
+                    seen[c["index"]] += len(c["token_ids"])
+            if min(seen.values()) >= 3:  # past the prefill's first token: every choice is decoding
+                row = decode_row(run)
+                break  # hang up
+    assert row["running"] == 4
+    # 25 shared + per choice its copied partial page and what it generated so far (a few pages each).
+    assert row["pages_in_use"]["full"] < 60, row["pages_in_use"]
     assert_no_pages_left(run, timeout_s=30)
+
+
+def retries() -> float:
+    from prometheus_client import REGISTRY
+
+    return sum(REGISTRY.get_sample_value("kvrelay_request_retries_total", {"cause": c}) or 0.0
+               for c in ("decode_died", "decode_unresponsive"))
+
+
+SUPERVISED = """
+model: {name: tiny, dummy: true, seed: 0, max_context: 2048}
+prefill: {workers: 1, max_prompt_tokens: 1024}
+decode: {workers: 1, max_batch: 32, page_size: 16}
+router: {host: 127.0.0.1, grpc_port: 0, http_port: 0, resume_timeout_s: 60}
+device: cpu
+"""
+
+
+def test_each_choice_resumes_on_its_own_after_the_decode_worker_dies():
+    """n=3 seeded choices decoding from one fork; the decode worker is SIGKILLed. Each choice is
+    re-prefilled alone (prompt + its own tokens) on the replacement and ends as its undisturbed run."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from conftest import serving
+
+    with serving(SUPERVISED, supervise=True, check_every_s=0.5, health_timeout_s=5.0) as (run, server):
+        body = {"model": "tiny", "prompt": prompt_of(30, 6), "max_tokens": 120, "temperature": 0.9, "seed": 4,
+                "n": 3, "ignore_eos": True, "return_token_ids": True}
+        want = [c["token_ids"] for c in complete(server, "tiny", **{k: v for k, v in body.items() if k != "model"})["choices"]]
+        got = {j: [] for j in range(3)}
+        errors = []
+
+        def stream() -> None:
+            with httpx.stream("POST", f"{server.http_url}/v1/completions", json={**body, "stream": True},
+                              timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        data = json.loads(line[6:])
+                        if "error" in data:
+                            errors.append(data["error"])
+                        for c in data.get("choices", []):
+                            got[c["index"]] += c["token_ids"]
+
+        t = threading.Thread(target=stream)
+        t.start()
+        deadline = time.monotonic() + 60
+        while min(len(v) for v in got.values()) < 5:
+            assert time.monotonic() < deadline and t.is_alive(), got
+            time.sleep(0.01)
+        assert min(len(v) for v in got.values()) < 120, "the choices finished before the kill: make them longer"
+        before = retries()
+        os.kill(decode_row(run)["pid"], signal.SIGKILL)
+        t.join(timeout=120)
+        assert not t.is_alive() and errors == []
+        assert [got[j] for j in range(3)] == want
+        assert retries() - before == 3  # each choice re-prefilled once, on its own
+        assert_no_pages_left(run, timeout_s=30)
