@@ -173,9 +173,9 @@ MAX_BATCH_PROMPTS = 256
 
 
 def _copies(prep: Prepared, n: int) -> list[Prepared]:
-    """`n` engine requests for n choices of one validated (rendered, tokenized once) request: request ids
-    get -copy, and a seeded request's copies draw from seed, seed + 1, ... so that they differ (a greedy
-    one's copies are equal, as OpenAI's are)."""
+    """The n choices of one validated (rendered, tokenized once) request: request ids get -j, and a seeded
+    request's choice j draws from seed + j, as vLLM's parallel sampling does (a greedy one's choices are
+    equal, as OpenAI's are). They run as n engine requests, or as one fork group (`_fork`)."""
     if n == 1:
         return [prep]
     seed = prep.params.seed

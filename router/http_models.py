@@ -16,7 +16,7 @@ from kvrelay.router.types import ChatMessage, ChatRequest, ResponseFormat, Sampl
 from kvrelay.router.validation import MAX_MESSAGES, ValidationError
 
 
-MAX_N = 16  # choices per request (n); each is its own engine request
+MAX_N = 16  # choices per request (n); one prefill, its KV forked per choice (cluster/fork_group.py)
 
 
 class _Body(BaseModel):
