@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 
 from prometheus_client import Counter, Histogram
 
+from kvrelay.cluster import cache_metrics
 from kvrelay.cluster.admission import AdmissionQueue, AdmissionTimeout
 from kvrelay.cluster.fork_group import ForkGroup
 from kvrelay.cluster.routing import KV_AWARE, POLICIES, PrefixIndex, block_hashes, rank
@@ -399,6 +400,7 @@ class DisaggregatedEngineClient:
         PREFILL_S.observe(res.prefill_s)
         PREFIX_QUERIES.inc(res.cache_queried)
         PREFIX_HITS.inc(res.cached_tokens)
+        cache_metrics.observe((prefill.role, prefill.rank), res.cached_host_tokens, res.host_bytes)
         return res
 
     @staticmethod

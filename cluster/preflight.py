@@ -8,7 +8,9 @@ instead of after Ray and every worker started (tens of seconds to minutes) as an
   safetensors headers; nothing is loaded);
 - ports: the router's ports are free on `router.host`;
 - memory: the workers' weights and KV pools fit the memory of this machine (CPU: the RAM available; GPU:
-  each GPU's memory, as nvidia-smi reports it), when the cluster is a local one (no `ray.address`).
+  each GPU's memory, as nvidia-smi reports it), when the cluster is a local one (no `ray.address`);
+- host tier: the prefix cache's host tiers (`prefill.prefix_cache_host_gib` per caching worker) fit
+  the RAM available, with the CPU workers' own needs on a CPU cluster.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def run_checks(topo, *, memory_bytes: Callable[[], int | None] | None = None,
     where = topo.source
     try:
         lines = [check_weights(topo), check_ports(topo),
-                 check_memory(topo, memory_bytes or available_memory, gpu_bytes or gpu_memory)]
+                 check_memory(topo, memory_bytes or available_memory, gpu_bytes or gpu_memory),
+                 check_host_tier(topo, memory_bytes or available_memory)]
     except PreflightError as e:
         raise PreflightError(f"{where}: {e}") from None
     return lines
@@ -141,6 +144,34 @@ def check_memory(topo, memory_bytes: Callable[[], int | None], gpu_bytes: Callab
                 f"quant: fp8-block128")
     worst = max(each for _, _, each in needs)
     return f"memory     {worst / GIB:.1f} GiB per GPU at most, of {smallest / GIB:.1f} GiB"
+
+
+def check_host_tier(topo, memory_bytes: Callable[[], int | None]) -> str:
+    """The prefix cache's host tiers (prefill.prefix_cache_host_gib on every caching worker: each prefill
+    worker, or each colocated one) fit this machine's available memory, next to what the CPU workers'
+    weights and pools take there (a GPU worker's pool is on the GPU)."""
+    from kvrelay.engine.config import load_model_config
+
+    gib = topo.prefill.prefix_cache_host_gib if topo.prefill.prefix_cache else 0.0
+    if not gib:
+        return "host tier  off (prefill.prefix_cache_host_gib 0)"
+    n = topo.prefill.workers
+    tiers = int(n * gib * GIB)
+    if topo.ray.address is not None:
+        return f"host tier  {n} x {gib:g} GiB, not checked here: the workers run on the Ray cluster at ray.address"
+    have = memory_bytes()
+    if have is None:
+        return f"host tier  {n} x {gib:g} GiB; not checked (no /proc/meminfo)"
+    workers = 0
+    if topo.device == "cpu":
+        workers = sum(k * each for _, k, each in _worker_needs(topo, load_model_config(topo.model.name)))
+    if tiers + workers > have:
+        also = f" besides the CPU workers' {workers / GIB:.2f} GiB" if workers else ""
+        raise PreflightError(
+            f"prefill.prefix_cache_host_gib: {n} caching worker(s) x {gib:g} GiB = {tiers / GIB:.2f} GiB of host "
+            f"memory{' (pinned)' if topo.device == 'cuda' else ''}{also}, but this machine has {have / GIB:.2f} GiB "
+            f"available; lower it")
+    return f"host tier  {n} x {gib:g} GiB{' pinned' if topo.device == 'cuda' else ''}, of {have / GIB:.2f} GiB available"
 
 
 def available_memory() -> int | None:

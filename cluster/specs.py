@@ -14,12 +14,17 @@ def model_spec(t: Topology) -> ModelSpec:
     return ModelSpec(name=m.name, dummy=m.dummy, quant=m.quant, seed=m.seed, max_context=m.max_context)
 
 
+def host_bytes(t: Topology) -> int:
+    """Bytes of the prefix cache's host tier on each caching worker (prefill.prefix_cache_host_gib)."""
+    return int(t.prefill.prefix_cache_host_gib * (1 << 30)) if t.prefill.prefix_cache else 0
+
+
 def prefill_spec(t: Topology) -> PrefillSpec:
     p = t.prefill
     return PrefillSpec(model=model_spec(t), device=t.device, tp=p.tp, page_size=t.decode.page_size,
                        max_prompt_tokens=p.max_prompt_tokens, chunk_tokens=p.chunk_tokens,
                        lease_seconds=t.kv_transfer.lease_seconds, ucx=ucx_settings(t),
-                       prefix_cache=p.prefix_cache)
+                       prefix_cache=p.prefix_cache, prefix_cache_host_bytes=host_bytes(t))
 
 
 def decode_spec(t: Topology) -> DecodeSpec:
@@ -32,7 +37,8 @@ def decode_spec(t: Topology) -> DecodeSpec:
 
 def colocated_spec(t: Topology) -> ColocatedSpec:
     return ColocatedSpec(decode=decode_spec(t), max_prompt_tokens=t.prefill.max_prompt_tokens,
-                         chunk_tokens=t.prefill.chunk_tokens, prefix_cache=t.prefill.prefix_cache)
+                         chunk_tokens=t.prefill.chunk_tokens, prefix_cache=t.prefill.prefix_cache,
+                         prefix_cache_host_bytes=host_bytes(t))
 
 
 def worker_spec(t: Topology, role: str) -> PrefillSpec | DecodeSpec | ColocatedSpec:

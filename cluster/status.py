@@ -81,6 +81,15 @@ def _reachable(address: str, timeout_s: float) -> bool:
         return False
 
 
+def _host_tier(h: dict, queries: int) -> str:
+    """The prefix cache's host tier in a status row: its hits (of all lookups), the tokens it saved, its
+    pages (full/sliding) of its capacity, and the bytes moved each way."""
+    mib = 1 << 20
+    return (f"host tier {h['hits']}/{queries} hits, {h['hit_tokens']} tokens saved, {h['pages']['full']}/"
+            f"{h['pages']['sliding']} of {h['capacity_pages']} pages, {h['to_host_bytes'] / mib:.1f} MiB to host, "
+            f"{h['to_device_bytes'] / mib:.1f} MiB back")
+
+
 def _table(rows: list[dict]) -> str:
     head = (f"{'role':9} {'rank':>4} {'tp':>5} {'pid':>8} {'state':10} {'restarts':>8} "
             f"{'KV pages used (full/sliding of total)':38} node")
@@ -106,6 +115,8 @@ def _table(rows: list[dict]) -> str:
                 pc = r["prefix_cache"]
                 extra += (f", prefix cache {pc['hits']}/{pc['queries']} hits, {pc['hit_tokens']} tokens saved, "
                           f"{pc['cached_pages']['full']}/{pc['cached_pages']['sliding']} pages")
+                if pc.get("host"):
+                    extra += ", " + _host_tier(pc["host"], pc["queries"])
             lines.append(f"{r['role']:9} {r['rank']:>4} {tp:>5} {r['pid']:>8} {state} {pages:38} {r['node']}  ({extra})")
         else:
             lines.append(f"{r['role']:9} {r['rank']:>4} {tp:>5} {'-':>8} {state} {'-':38} {r.get('error', '')}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 import types
 import typing
@@ -54,6 +55,10 @@ class PrefillSection:
     # prompts that start with the same tokens, which then skip that part of the prefill (engine/
     # prefix_cache.py); evicted, least recently used first, whenever the pages are wanted. tp 1 only.
     prefix_cache: bool = False
+    # With prefix_cache: GiB of host memory per caching worker (each prefill worker, or each colocated
+    # worker), pinned on CUDA, where the pages the device evicts go instead of being dropped; a hit there
+    # is copied back instead of recomputed (engine/host_tier.py). 0: off.
+    prefix_cache_host_gib: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -301,6 +306,12 @@ def _check(t: Topology, base_dir: Path) -> Topology:
     if t.decode.ep not in (1, t.decode.tp):
         raise TopologyError(f"decode.ep: {t.decode.ep} must be 1 or equal decode.tp ({t.decode.tp}): "
                             "EPn TPn partitions experts over the same n ranks as the attention heads")
+    host_gib = t.prefill.prefix_cache_host_gib
+    if not (math.isfinite(host_gib) and host_gib >= 0):
+        raise TopologyError(f"prefill.prefix_cache_host_gib: must be a number >= 0 (GiB; 0 is off), got {host_gib}")
+    if host_gib and not t.prefill.prefix_cache:
+        raise TopologyError("prefill.prefix_cache_host_gib: a host tier sits under the prefix cache; set "
+                            "prefill.prefix_cache: true too (or 0 here)")
     if t.prefill.prefix_cache and t.prefill.tp != 1:
         raise TopologyError(f"prefill.prefix_cache: needs prefill.tp 1 (got {t.prefill.tp}); the cache is not "
                             f"kept in lockstep over a TP group yet")
@@ -398,7 +409,9 @@ def describe(t: Topology) -> str:
         f"max_context {t.model.max_context})",
         f"  device     {t.device}",
         f"  prefill    {t.prefill.workers} worker(s) x TP{t.prefill.tp}, max_prompt_tokens "
-        f"{t.prefill.max_prompt_tokens}, chunk_tokens {t.prefill.chunk_tokens}",
+        f"{t.prefill.max_prompt_tokens}, chunk_tokens {t.prefill.chunk_tokens}"
+        + (", prefix cache" if t.prefill.prefix_cache else "")
+        + (f" + {t.prefill.prefix_cache_host_gib:g} GiB host tier" if t.prefill.prefix_cache_host_gib else ""),
         f"  decode     {t.decode.workers} worker(s) x EP{t.decode.ep} TP{t.decode.tp}, max_batch "
         f"{t.decode.max_batch}, graphs {list(t.decode.cuda_graph_batch_sizes)}",
         f"  router     gRPC {t.router.host}:{t.router.grpc_port}, HTTP{'S' if t.router.tls_cert_file else ''} "

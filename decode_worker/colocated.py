@@ -54,6 +54,7 @@ class _Prompt:
     done: int = 0  # prompt tokens already in the cache
     begun: bool = False  # its sequence exists (begun under the prefix cache, which may have hit)
     cached: int = 0  # prompt tokens the prefix cache supplied
+    cached_host: int = 0  # ... of them, those its host tier held
     cancelled: bool = False
     plp: list[PromptLogprobs] = field(default_factory=list)  # prompt logprobs of the chunks so far
     forks: tuple[SamplingParams, ...] = ()  # choices 1..n-1 of the same prompt (workers/forks.py)
@@ -71,6 +72,7 @@ class _Counters:
     chunks: int = field(default=0)  # forwards that carried prompt tokens
     cached_tokens: int = 0  # prompt tokens the prefix cache supplied instead
     cache_hits: int = 0  # prompts that reused a cached prefix
+    cached_host_tokens: int = 0  # of cached_tokens, those the host tier held (copied back)
 
 
 class ColocatedWorker(DecodeWorker):
@@ -88,7 +90,7 @@ class ColocatedWorker(DecodeWorker):
         self.prefix = None  # the step thread starts in super().__init__, before the pool is final
         super().__init__(spec.decode, rank)
         if spec.prefix_cache:  # nothing is queued yet: the step loop has not looked
-            self.prefix = self.runner.kv.enable_prefix_cache()
+            self.prefix = self.runner.kv.enable_prefix_cache(spec.prefix_cache_host_bytes)
 
     def _load_single(self, spec: DecodeSpec, chunk_tokens: int | None = None):
         # The pool is sized around a forward of a whole prompt chunk, not just a decode step.
@@ -190,8 +192,10 @@ class ColocatedWorker(DecodeWorker):
                             continue  # not a fresh sequence (cannot happen today): computed in full
                         p.done = p.cached = self.runner.kv.begin_prefix(p.request_id, p.ids, lookup=not p.every)
                         if p.cached:
+                            p.cached_host = self.runner.kv.host_hit(p.request_id)
                             self.prefill_counters.cache_hits += 1
                             self.prefill_counters.cached_tokens += p.cached
+                            self.prefill_counters.cached_host_tokens += p.cached_host
         free = dict(self.runner.free_pages())
         with self._plock:
             for p in self._prompts:
@@ -274,9 +278,11 @@ class ColocatedWorker(DecodeWorker):
                 handle = InPlaceKV(p.request_id, self._lease, len(p.ids))
                 if self.prefix is not None:  # its first decode step writes this token's KV
                     self.runner.kv.extend_tokens(p.request_id, (token,))
+            moved = self.prefix.stats.host_bytes if self.prefix is not None else (0, 0)
             self._resolve(p, result=PrefillResult(p.request_id, first, handle,
                                                   len(p.ids), p.t_start - p.t_arrive, t_end - p.t_start,
                                                   cached_tokens=p.cached, forks=forked,
+                                                  cached_host_tokens=p.cached_host, host_bytes=moved,
                                                   cache_queried=len(p.ids) if p.begun and not p.every else 0))
 
     @staticmethod
@@ -304,5 +310,6 @@ class ColocatedWorker(DecodeWorker):
         c = self.prefill_counters
         return {"prompt_tokens": c.prompt_tokens, "prompts": c.prompts, "prefill_forwards": c.chunks,
                 "cached_tokens": c.cached_tokens, "cache_hits": c.cache_hits,
+                "cached_host_tokens": c.cached_host_tokens,
                 "decode_tokens": self.decode_tokens, "steps": self.steps,
                 "overlapped_steps": self.scheduler.times.overlapped}

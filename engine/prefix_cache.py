@@ -84,6 +84,11 @@ class PrefixStats:
                 "hit_tokens": self.hit_tokens, "inserted_blocks": self.inserted_blocks,
                 "evicted_pages": dict(self.evicted_pages)}
 
+    @property
+    def host_bytes(self) -> tuple[int, int]:
+        """(device -> host, host -> device) bytes so far."""
+        return self.to_host_bytes, self.to_device_bytes
+
     def host_dict(self) -> dict:
         return {"hits": self.host_hits, "hit_tokens": self.host_hit_tokens, "to_host_pages": self.to_host_pages,
                 "to_device_pages": self.to_device_pages, "to_host_bytes": self.to_host_bytes,

@@ -56,6 +56,7 @@ class _Job:
     t_end: float = 0.0
     cached: int = 0  # prompt tokens the prefix cache supplied
     forks: tuple[SamplingParams, ...] = ()  # choices 1..n-1 of the same prompt (workers/forks.py)
+    cached_host: int = 0  # ... of them, those its host tier held
 
 
 class PrefillWorker:
@@ -85,7 +86,8 @@ class PrefillWorker:
         for line in self.plan_log:
             print(f"kvrelay: prefill worker {rank}: {line}", flush=True)
         # The topology allows the cache at tp 1 only (a TP group's ranks would have to agree on hits).
-        self.prefix = self.runner.kv.enable_prefix_cache() if spec.prefix_cache and self.group is None else None
+        self.prefix = (self.runner.kv.enable_prefix_cache(spec.prefix_cache_host_bytes)
+                       if spec.prefix_cache and self.group is None else None)
         layout, pools = layout_of(self.runner.kv)
         lease = spec.lease_seconds if lease_seconds is None else lease_seconds
         self.exporter = KVExporter(layout, pools, lease_seconds=lease, grace_seconds=min(5.0, lease),
@@ -136,7 +138,8 @@ class PrefillWorker:
                      1000 * (job.t_start - t_arrive), 1000 * (job.t_end - job.t_start),
                      extra=request_extra(request_id, f"prefill-{self.rank}"))
         return PrefillResult(request_id, first, handle, n, job.t_start - t_arrive, job.t_end - job.t_start,
-                             cached_tokens=job.cached, forks=forked,
+                             cached_tokens=job.cached, forks=forked, cached_host_tokens=job.cached_host,
+                             host_bytes=self.prefix.stats.host_bytes if self.prefix is not None else (0, 0),
                              cache_queried=n if self.prefix is not None and params.prompt_logprobs is None else 0)
 
     def _take_jobs(self) -> list[_Job]:
@@ -207,6 +210,7 @@ class PrefillWorker:
         """`_prefill_batch` under the prefix cache: each prompt resumes after its cached prefix; None (and
         nothing left behind) if the rest does not fit."""
         starts = [self.runner.kv.begin_prefix(j.request_id, j.ids) for j in jobs]
+        hosts = [self.runner.kv.host_hit(j.request_id) for j in jobs]
         try:
             if not self.runner.can_admit(sum(len(j.ids) - s + self.runner.page_size for j, s in zip(jobs, starts))):
                 raise _NoRoom
@@ -215,11 +219,11 @@ class PrefillWorker:
             for j in jobs:
                 if self.runner.has_sequence(j.request_id):
                     self.runner.free(j.request_id)
-            for j, s in zip(jobs, starts):  # each runs (and looks up) again on its own
-                self.prefix.retract(len(j.ids), s)
+            for j, s, h in zip(jobs, starts, hosts):  # each runs (and looks up) again on its own
+                self.prefix.retract(len(j.ids), s, h)
             return None
-        for j, s in zip(jobs, starts):
-            j.cached = s
+        for j, s, h in zip(jobs, starts, hosts):
+            j.cached, j.cached_host = s, h
         return logits
 
     def _prefill(self, rid: str, prompt_ids: list[int], params: SamplingParams, generated: int,
@@ -230,13 +234,14 @@ class PrefillWorker:
                 self._drain_frees()
                 if self.runner.has_sequence(rid):
                     raise ValueError(f"request {rid}: already being prefilled on this worker")
-                start = 0
+                start = host = 0
                 if self.prefix is not None:  # a prompt that wants its own logprobs computes every position
                     start = self.runner.kv.begin_prefix(rid, prompt_ids, lookup=params.prompt_logprobs is None)
+                    host = self.runner.kv.host_hit(rid)
                 if self.runner.can_admit(len(prompt_ids) - start, length=start):  # all ranks' allocators agree
                     logits, peers, plp = self._run_prefill(rid, prompt_ids, params.prompt_logprobs, start)
                     if job is not None:
-                        job.cached = start
+                        job.cached, job.cached_host = start, host
                     done = [prompt_ids[len(prompt_ids) - generated:]]
                     (token, logprob), = sample_constrained(self.runner.sample, logits, [params], [generated], done,
                                                            [prompt_ids], masks=masks_for([params], done))
@@ -246,7 +251,7 @@ class PrefillWorker:
                 if self.prefix is not None:  # try again from scratch once pages come back
                     self.runner.free(rid)
                     if params.prompt_logprobs is None:
-                        self.prefix.retract(len(prompt_ids), start)
+                        self.prefix.retract(len(prompt_ids), start, host)
             # Pages are held by leases that decode has not pulled yet; they come back on release or
             # expiry, both bounded by the lease, so this wait is bounded too.
             if time.monotonic() > deadline:

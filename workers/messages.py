@@ -40,6 +40,10 @@ class PrefillResult:
     # The first tokens of choices 1..n-1 of an n > 1 request (workers/forks.py), sampled from the same
     # forward; `handle` is set while any choice (this one or a fork) goes on decoding.
     forks: tuple[TokenOutput, ...] = ()
+    cached_host_tokens: int = 0  # of cached_tokens, those only the host tier held (copied back, not computed)
+    # The worker's host tier so far (cumulative, since the worker started): bytes moved device -> host
+    # (evictions) and host -> device (hits). /metrics counts the increase (cluster/cache_metrics.py).
+    host_bytes: tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True)

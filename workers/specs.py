@@ -35,6 +35,7 @@ class PrefillSpec:
     lease_seconds: float  # how long pinned KV waits for its pull
     ucx: UcxSettings
     prefix_cache: bool = False  # reuse cached prompt prefixes (engine/prefix_cache.py)
+    prefix_cache_host_bytes: int = 0  # its host-memory tier (engine/host_tier.py); 0: evicted pages are dropped
 
     @property
     def pool_tokens(self) -> int:
@@ -71,6 +72,7 @@ class ColocatedSpec:
     max_prompt_tokens: int
     chunk_tokens: int  # prompt tokens a step takes into its forward
     prefix_cache: bool = False  # reuse cached prompt prefixes (engine/prefix_cache.py)
+    prefix_cache_host_bytes: int = 0  # its host-memory tier (engine/host_tier.py); 0: evicted pages are dropped
 
 
 def check_prompt_limits(request_id: str, n: int, generated: int, max_prompt_tokens: int, max_context: int) -> None:

@@ -290,3 +290,75 @@ def test_greedy_tokens_after_a_host_hit_equal_no_cache():
     assert st.to_host_bytes > 0 and st.to_device_bytes > 0
     small.kv.prefix.clear()
     assert all(a.num_used == small.internal_pages()[g] for g, a in small.kv.allocators.items())
+
+
+# ---- the topology key, preflight, status and /metrics -----------------------------------------------
+
+def test_topology_key_is_validated_and_reaches_both_caching_roles():
+    from kvrelay.cluster.specs import colocated_spec, prefill_spec
+    from kvrelay.cluster.topology import TopologyError, parse_topology
+
+    base = "model: {name: tiny, dummy: true}\ndevice: cpu\n"
+    t = parse_topology(base, source="t.yaml")
+    assert t.prefill.prefix_cache_host_gib == 0.0 and prefill_spec(t).prefix_cache_host_bytes == 0
+    t = parse_topology(base + "prefill: {prefix_cache: true, prefix_cache_host_gib: 1.5}\ncolocate: true\n",
+                       source="t.yaml")
+    assert colocated_spec(t).prefix_cache_host_bytes == prefill_spec(t).prefix_cache_host_bytes == 3 << 29
+    for value, why in (("yes", "prefill.prefix_cache_host_gib: expected a number"),
+                       ("-1", "prefill.prefix_cache_host_gib: must be a number >= 0"),
+                       (".nan", "prefill.prefix_cache_host_gib: must be a number >= 0")):
+        with pytest.raises(TopologyError, match=f"^t.yaml: {why}"):
+            parse_topology(base + f"prefill: {{prefix_cache: true, prefix_cache_host_gib: {value}}}\n", source="t.yaml")
+    with pytest.raises(TopologyError, match="^t.yaml: prefill.prefix_cache_host_gib: .*prefill.prefix_cache: true"):
+        parse_topology(base + "prefill: {prefix_cache_host_gib: 2}\n", source="t.yaml")
+
+
+def test_preflight_checks_that_the_host_tiers_fit():
+    from kvrelay.cluster.preflight import GIB, PreflightError, run_checks
+    from kvrelay.cluster.topology import parse_topology
+
+    text = ("model: {name: tiny, dummy: true, max_context: 1024}\ndevice: cpu\n"
+            "router: {host: 127.0.0.1, grpc_port: 0, http_port: 0}\n"
+            "prefill: {workers: 2, max_prompt_tokens: 512, prefix_cache: true, prefix_cache_host_gib: GIB}\n")
+    off = parse_topology(text.replace("GIB", "0"), source="t.yaml")
+    assert run_checks(off, memory_bytes=lambda: 8 * GIB)[3].startswith("host tier  off")
+    on = parse_topology(text.replace("GIB", "3"), source="t.yaml")
+    assert "2 x 3 GiB" in run_checks(on, memory_bytes=lambda: 8 * GIB)[3]
+    with pytest.raises(PreflightError, match=r"^t.yaml: prefill.prefix_cache_host_gib: 2 caching worker\(s\) x 3 GiB"):
+        run_checks(on, memory_bytes=lambda: 5 * GIB)
+
+
+def test_status_row_and_metrics_count_the_host_tier():
+    from prometheus_client import REGISTRY
+
+    from kvrelay.cluster import cache_metrics
+    from kvrelay.cluster.status import _table
+
+    kv = cache(pages=8, host_pairs=16)
+    fill(kv, "a", list(range(100, 116)))
+    kv.free("a")
+    kv.reserve("big", 32)
+    kv.free("big")
+    assert kv.begin_prefix("a2", list(range(100, 117))) == 16
+    pc = kv.prefix.summary()
+    row = {"role": "colocated", "rank": 0, "tp_rank": 0, "tp_size": 1, "pid": 1, "node": "n", "healthy": True,
+           "pages_in_use": {FULL: 1, SLIDING: 1}, "pages_total": {FULL: 8, SLIDING: 8}, "running": 0,
+           "admitted": 0, "prefix_cache": pc}
+    line = _table([row]).splitlines()[1]
+    assert "host tier 1/2 hits, 16 tokens saved" in line and "MiB to host" in line
+
+    def value(name, **labels):
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    before = (value("kvrelay_prefix_cache_host_hits_total"),
+              value("kvrelay_prefix_cache_host_bytes_total", direction="device_to_host"),
+              value("kvrelay_prefix_cache_host_bytes_total", direction="host_to_device"))
+    moved = kv.prefix.stats.host_bytes
+    assert moved[0] > 0 and moved[1] > 0
+    cache_metrics.observe(("test", 0), 16, moved)
+    cache_metrics.observe(("test", 0), 0, moved)  # totals: the same bytes are not counted twice
+    cache_metrics.observe(("test", 0), 0, (1, 1))  # a restarted worker counts from zero again
+    after = (value("kvrelay_prefix_cache_host_hits_total"),
+             value("kvrelay_prefix_cache_host_bytes_total", direction="device_to_host"),
+             value("kvrelay_prefix_cache_host_bytes_total", direction="host_to_device"))
+    assert [a - b for a, b in zip(after, before)] == [16, moved[0] + 1, moved[1] + 1]

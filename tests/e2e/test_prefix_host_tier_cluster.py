@@ -1,0 +1,74 @@
+"""The prefix cache's host tier on the CPU tiny cluster (colocated, prefill.prefix_cache_host_gib): a
+device pool small enough that later prompts push an earlier prompt's blocks out to the host tier; that
+prompt again is a hit copied back from host (its prefill skipped), its greedy stream equals
+`LLM.generate` without any cache, usage.prompt_tokens_details.cached_tokens counts the host hit, the
+counters move in the worker, /metrics and `kvrelay status`, and no page stays held by a request."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from test_cluster import assert_no_pages_left, grpc_tokens, prompt_of, solo
+
+pytestmark = [pytest.mark.timeout(240)]
+
+# 256 positions of device pool (16 pages of 16) behind one request at a time; ~1 MiB of host tier holds
+# ~85 blocks of the tiny model (one full page of 4 KiB and one sliding page of 8 KiB each).
+TOPOLOGY = """
+model: {name: tiny, dummy: true, seed: 0, max_context: 256}
+prefill: {workers: 1, max_prompt_tokens: 200, chunk_tokens: 64, prefix_cache: true, prefix_cache_host_gib: 0.001}
+decode: {workers: 1, max_batch: 1, page_size: 16}
+router: {host: 127.0.0.1, grpc_port: 0, http_port: 0}
+device: cpu
+colocate: true
+"""
+
+
+def test_an_evicted_prefix_comes_back_from_the_host_tier(reference):
+    import ray
+
+    from conftest import serving
+
+    from kvrelay.cluster.status import _table
+
+    with serving(TOPOLOGY) as (run, server):
+        worker = run.cluster.decode[0]
+        prompts = [prompt_of(100, 40 + i) for i in range(4)]
+        for i, p in enumerate(prompts):  # each one's 6 whole blocks push the oldest ones out
+            tokens, _ = grpc_tokens(run.grpc_target, p, 8)
+            assert tokens == solo(reference, p, 8), f"prompt {i}"
+        pc = run.cluster.statuses()[0]["prefix_cache"]
+        assert pc["evicted_pages"]["full"] > 0 and pc["host"]["pages"]["full"] > 0
+        assert pc["host"]["to_host_bytes"] > 0 and pc["host"]["hits"] == 0
+        before = ray.get(worker.counters.remote(), timeout=30)
+
+        again = prompts[0] + prompt_of(5, 99)  # the first prompt's blocks are all in host memory now
+        want = solo(reference, again, 8)
+        body = {"model": run.client.model_name, "prompt": again, "max_tokens": 8, "temperature": 0,
+                "return_token_ids": True}
+        r = httpx.post(f"{server.http_url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == want
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
+        tokens, _ = grpc_tokens(run.grpc_target, again, 8)  # on the device now: a device hit
+        assert tokens == want
+        after = ray.get(worker.counters.remote(), timeout=30)
+        assert after["cached_host_tokens"] - before["cached_host_tokens"] == 96
+        assert after["cached_tokens"] - before["cached_tokens"] == 2 * 96
+        # Only the uncached tail was computed, both times.
+        assert after["prompt_tokens"] - before["prompt_tokens"] == 2 * (len(again) - 96)
+
+        rows = run.cluster.statuses()
+        host = rows[0]["prefix_cache"]["host"]
+        assert host["hits"] == 1 and host["hit_tokens"] == 96 and host["to_device_bytes"] > 0
+        assert "host tier 1/" in _table(rows) and "MiB back" in _table(rows)
+        metrics = httpx.get(f"{server.http_url}/metrics", timeout=10).text
+
+        def counter(line_start: str) -> float:
+            return sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(line_start))
+
+        assert counter("kvrelay_prefix_cache_host_hits_total ") == 96
+        assert counter('kvrelay_prefix_cache_host_bytes_total{direction="device_to_host"}') > 0
+        assert counter('kvrelay_prefix_cache_host_bytes_total{direction="host_to_device"}') > 0
+        assert_no_pages_left(run)
