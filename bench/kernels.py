@@ -182,13 +182,22 @@ def bench_moe(dev):
            triton.testing.do_bench_cudagraph(full, rep=100, return_mode="median"), nbytes=active,
            target=f"<= {1.3 * floor_us:.1f} us (1.3x floor)", note=f"floor {floor_us:.1f} us")
     record("moe", "120b decode full layer (eager)", bench(full), nbytes=active)
-    # batch 64 decode and 4096-token prefill through the grouped path
-    for T in (64, 4096):
+    # batch 64 decode and 4096/16384-token prefill through the grouped path: the config the engine uses (the
+    # GPU's tuned table when kernels/configs has one, bench/tune_moe.py) beside today's heuristic
+    from kvrelay.kernels import moe_configs
+    for T in (64, 4096, 16384):
         x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
         rw, ids = moe.route_topk(torch.randn(T, E, device=dev).bfloat16(), K)
         flops = 2 * T * K * (2 * I * H + H * I)
+        served = moe.grouped_config(T * K, E, H, I, device=dev)
         record("moe", f"fp8 experts T={T} grouped triton", bench(lambda: moe.moe_experts(x, ids, rw, ex, path="grouped")),
-               flops=flops, ceiling="fp8")
+               flops=flops, ceiling="fp8", target=">=600 TFLOP/s" if T >= 4096 else None,
+               note=f"{served.source}: {served.label()}")
+        if served.source != "heuristic":
+            heur = moe_configs.heuristic_config(T * K, E)
+            record("moe", f"fp8 experts T={T} grouped triton, heuristic config",
+                   bench(lambda: moe._moe_grouped(x, ids, rw, ex, 1.702, 7.0, config=heur)), flops=flops,
+                   ceiling="fp8", note=heur.label())
         if T <= 64:
             record("moe", f"fp8 experts T={T} gemv", bench(lambda: moe.moe_experts(x, ids, rw, ex, path="gemv")),
                    flops=flops, ceiling="fp8")

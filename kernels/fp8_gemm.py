@@ -30,7 +30,8 @@ def _quant_act_kernel(x, q, s, M, K, s_xm, s_qm, s_sm, s_sk, BLOCK_K: tl.constex
     m = tl.program_id(0)
     kb = tl.program_id(1)
     offs = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-    v = tl.load(x + m.to(tl.int64) * s_xm + offs, mask=(offs < K) & (m < M), other=0.0).to(tl.float32)
+    ok = (offs < K) & (tl.zeros([BLOCK_K], tl.int32) + m < M)
+    v = tl.load(x + m.to(tl.int64) * s_xm + offs, mask=ok, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(v), 0), 1e-12) / 448.0
     qv = tl.minimum(tl.maximum(v / scale, -448.0), 448.0)
     tl.store(q + m.to(tl.int64) * s_qm + offs, qv.to(q.dtype.element_ty))

@@ -15,18 +15,30 @@ Two expert paths, chosen by the number of (token, expert) pairs:
   or bf16) with bias (+ SwiGLU, or + routing weight) in the epilogue.
 - "torch" (bf16 weights only): torch._grouped_mm over expert-sorted rows, for comparison.
   torch._scaled_grouped_mm takes row-wise scales only, not our 128x128 blocks, so it is not an FP8 path.
-Launch configs are for hidden = intermediate = 2880 (23 K blocks of 128 after padding to 2944).
+The grouped path's launch config (tile, warps, stages and knobs: program order for L2 reuse, unmasked
+loads, TMA weight tiles) comes from the GPU's tuned table when there is one (kernels/moe_configs.py,
+written by `python -m kvrelay.bench.tune_moe`), else from a heuristic made for hidden = intermediate =
+2880 (23 K blocks of 128 after padding to 2944).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from . import moe_configs
 from .fp8_gemm import BLOCK, quantize_act_1x128
+from .moe_configs import GemmConfig, GroupedConfig
+
+try:  # host-side TMA descriptors: triton >= 3.4 (the tma knob of the grouped GEMM)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton
+    TensorDescriptor = None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -298,36 +310,76 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, *, path: s
     return sorted_ids, block_expert, counts
 
 
-@triton.jit
-def _grouped_kernel(a, sa, w, sw, b, rw, out, sorted_ids, block_expert, n_pairs, E, N, KDIM, ROW_DIV,
+# n_pairs, num_m and E are only compared against: not specializing them keeps one compiled kernel per config
+# whatever the batch (a pair or block count divisible by 16 would otherwise compile a second variant).
+@triton.jit(do_not_specialize=["num_m", "n_pairs", "E"])
+def _grouped_kernel(a, sa, w, w_desc, sw, b, rw, out, sorted_ids, block_expert, num_m, n_pairs, E, N, KDIM, ROW_DIV,
                     s_am, s_sam, s_sak, s_we, s_wn, s_swe, s_swn, s_be, s_om,
                     FP8: tl.constexpr, SWIGLU: tl.constexpr, MUL_ROUTE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GROUP_M: tl.constexpr, MASKED: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
                     ALPHA: tl.constexpr, LIMIT: tl.constexpr):
-    pid_m = tl.program_id(1)
-    pid_n = tl.program_id(0)
-    e = tl.load(block_expert + pid_m)
-    if e >= E:
+    # One program per (M block, N tile) on a 1-D grid. GROUP_M M blocks walk the N tiles together: blocks
+    # are sorted by expert, so neighbours mostly share an expert and its weight tiles come from L2 for
+    # all but the first (GROUP_M = 1: the N tiles of one M block back to back, the original order).
+    pid = tl.program_id(0)
+    n_n = tl.cdiv(N, BLOCK_N)
+    if GROUP_M == 1:
+        pid_m = pid // n_n
+        pid_n = pid % n_n
+    else:
+        per_group = GROUP_M * n_n
+        first_m = (pid // per_group) * GROUP_M
+        size_m = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % size_m
+        pid_n = (pid % per_group) // size_m
+    e32 = tl.load(block_expert + pid_m)
+    if e32 >= E:
         return
-    e = e.to(tl.int64)
+    e = e32.to(tl.int64)
     pairs = tl.load(sorted_ids + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     m_ok = pairs < n_pairs
-    rows = (pairs // ROW_DIV).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
+    if MASKED:
+        rows = (pairs // ROW_DIV).to(tl.int64)
+        wn = offs_n
+    else:
+        # Padding rows read row 0 and the N tail re-reads row N-1: in-bounds addresses, so the loads
+        # need no masks; those rows and columns are never stored.
+        rows = (tl.where(m_ok, pairs, 0) // ROW_DIV).to(tl.int64)
+        wn = tl.minimum(offs_n, N - 1)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptr = a + rows[:, None] * s_am + offs_k[None, :]
-    w_ptr = w + e * s_we + offs_n.to(tl.int64)[:, None] * s_wn + offs_k[None, :]
+    w_ptr = w + e * s_we + wn.to(tl.int64)[:, None] * s_wn + offs_k[None, :]
+    w_row = e32 * N + pid_n * BLOCK_N  # row of the [E*N, K] view the TMA descriptor spans
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, KDIM, BLOCK_K):
-        # K is masked too: bf16 weights are not padded, and a K that is no multiple of BLOCK_K (the
-        # fixture's intermediate 96) would otherwise read the next row's values past the edge.
-        k_ok = (k0 + offs_k) < KDIM
-        at = tl.load(a_ptr + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        wt = tl.load(w_ptr + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if MASKED:
+            # K is masked too: bf16 weights are not padded, and a K that is no multiple of BLOCK_K (the
+            # fixture's intermediate 96) would otherwise read the next row's values past the edge.
+            k_ok = (k0 + offs_k) < KDIM
+            at = tl.load(a_ptr + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        elif EVEN_K:
+            at = tl.load(a_ptr + k0)
+        else:
+            at = tl.load(a_ptr + k0, mask=((k0 + offs_k) < KDIM)[None, :], other=0.0)
+        if TMA:
+            # rows past this expert's N (the tail tile) are the next expert's or TMA's zero fill: unstored
+            wt = w_desc.load([w_row, k0])
+        elif MASKED:
+            wt = tl.load(w_ptr + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        elif EVEN_K:
+            wt = tl.load(w_ptr + k0)
+        else:
+            wt = tl.load(w_ptr + k0, mask=((k0 + offs_k) < KDIM)[None, :], other=0.0)
         if FP8:
-            s_a = tl.load(sa + rows * s_sam + (k0 // 128) * s_sak, mask=m_ok, other=0.0)
-            s_w = tl.load(sw + e * s_swe + (offs_n // 128) * s_swn + k0 // 128, mask=n_ok, other=0.0)
+            if MASKED:
+                s_a = tl.load(sa + rows * s_sam + (k0 // 128) * s_sak, mask=m_ok, other=0.0)
+                s_w = tl.load(sw + e * s_swe + (offs_n // 128) * s_swn + k0 // 128, mask=n_ok, other=0.0)
+            else:
+                s_a = tl.load(sa + rows * s_sam + (k0 // 128) * s_sak)
+                s_w = tl.load(sw + e * s_swe + (wn // 128) * s_swn + k0 // 128)
             acc += tl.dot(at, tl.trans(wt)) * (s_a[:, None] * s_w[None, :])
         else:
             acc += tl.dot(at, tl.trans(wt))
@@ -344,41 +396,74 @@ def _grouped_kernel(a, sa, w, sw, b, rw, out, sorted_ids, block_expert, n_pairs,
                  mask=m_ok[:, None] & n_ok[None, :])
 
 
+def tma_available() -> bool:
+    """Host-side TMA descriptors (triton >= 3.4)."""
+    return TensorDescriptor is not None
+
+
 def _grouped_gemm(a, sa, w, sw, b, rw, out, sorted_ids, block_expert, n_pairs, row_div, n, kdim, fp8, swiglu,
-                  alpha, limit, block_m, block_n, num_warps, num_stages):
+                  alpha, limit, block_m, cfg: GemmConfig, *, warmup=False):
+    """One grouped GEMM (GEMM1 with SwiGLU, or GEMM2 with the routing weight when rw is given) under `cfg`.
+    warmup=True compiles the kernel for these arguments without launching it (the tuner's precompile)."""
     num_m = block_expert.numel()
     sa_ = sa if sa is not None else a
     sw_ = sw if sw is not None else w
-    _grouped_kernel[(triton.cdiv(n, block_n), num_m)](
-        a, sa_, w, sw_, b, rw if rw is not None else b, out, sorted_ids, block_expert, n_pairs, w.shape[0], n,
-        kdim, row_div, a.stride(0), sa_.stride(0), sa_.stride(1) if sa is not None else 0, w.stride(0),
-        w.stride(1), sw_.stride(0), sw_.stride(1), b.stride(0), out.stride(0),
-        FP8=fp8, SWIGLU=swiglu, MUL_ROUTE=rw is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=128 if fp8 else 64, ALPHA=alpha, LIMIT=limit, num_warps=num_warps, num_stages=num_stages)
+    block_k = 128 if fp8 else 64
+    w_desc = w
+    if cfg.tma:
+        if not fp8 or TensorDescriptor is None or not w.is_contiguous():
+            raise ValueError("tma=True needs FP8 weights (K padded to 128), contiguous, and triton >= 3.4")
+        w_desc = TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [cfg.block_n, block_k])
+    grid = (triton.cdiv(n, cfg.block_n) * num_m,)
+    args = (a, sa_, w, w_desc, sw_, b, rw if rw is not None else b, out, sorted_ids, block_expert, num_m, n_pairs,
+            w.shape[0], n, kdim, row_div, a.stride(0), sa_.stride(0), sa_.stride(1) if sa is not None else 0,
+            w.stride(0), w.stride(1), sw_.stride(0), sw_.stride(1), b.stride(0), out.stride(0))
+    meta = dict(FP8=fp8, SWIGLU=swiglu, MUL_ROUTE=rw is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+                BLOCK_K=block_k, GROUP_M=cfg.group_m, MASKED=cfg.masked, EVEN_K=kdim % block_k == 0, TMA=cfg.tma,
+                ALPHA=alpha, LIMIT=limit, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if warmup:
+        return _grouped_kernel.warmup(*args, grid=grid, **meta)
+    _grouped_kernel[grid](*args, **meta)
 
 
-def grouped_config(n_pairs: int, num_experts: int) -> tuple[int, int, int, int]:
-    """(block_m, block_n, num_warps, num_stages) of the grouped expert GEMMs. Decode-sized batches (every
-    expert active with a few dozen rows) are memory-bound: measured on the H200 under graph replay
-    (bench.kernels --only moedec, 2026-12-01), 4 warps x 4 stages beat 8 x 3 by 5-8%, and with <= 16
-    rows per expert on average a 16-row M tile beats 64 by up to 18% (120b, 256 tokens: 0.86 vs 1.05 ms
-    a layer) while it loses badly at 64 rows (20b, 512 tokens: 0.67 vs 0.40 ms). Prefill keeps 64x128, 8
-    warps, 3 stages (compute-bound)."""
-    if n_pairs > SORT_KERNEL_MAX_PAIRS:
-        return 64, 128, 8, 3
-    if n_pairs <= 16 * num_experts:
-        return 16, 128, 4, 4
-    return 64, 128, 4, 4
+@functools.lru_cache(maxsize=64)
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def grouped_config(n_pairs: int, num_experts: int, hidden: int | None = None, inter: int | None = None, *,
+                   fp8: bool = True, device: torch.device | str | None = None) -> GroupedConfig:
+    """Launch config of the grouped expert GEMMs: the tuned table of this GPU model and expert shape
+    (kernels/moe_configs.py; written by `python -m kvrelay.bench.tune_moe`), nearest pair-count bucket,
+    when there is one; else the hand heuristic (bf16 experts, CPU, GPUs without a table, shapes not in it)."""
+    if fp8 and hidden is not None and inter is not None and device is not None:
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        cfg = moe_configs.tuned_config(_device_name(dev), num_experts, hidden, inter, n_pairs)
+        if cfg is not None:
+            if (cfg.w1.tma or cfg.w2.tma) and not tma_available():
+                cfg = dataclasses.replace(cfg, w1=dataclasses.replace(cfg.w1, tma=False),
+                                          w2=dataclasses.replace(cfg.w2, tma=False))
+            return cfg
+    return moe_configs.heuristic_config(n_pairs, num_experts)
 
 
 def _moe_grouped(x, ids, route_w, ex: MoEWeights, alpha, limit, block_m=None, block_n=None, num_warps=None,
-                 num_stages=None):
+                 num_stages=None, *, config: GroupedConfig | None = None):
+    """The grouped expert path under `config` (default: grouped_config for this shape and device). The
+    block_m/block_n/num_warps/num_stages overrides (bench.kernels' side-by-side configs) apply to both
+    GEMMs with the knobs off, i.e. the original kernel."""
     t, k = ids.shape
     n_pairs = t * k
-    auto = grouped_config(n_pairs, ex.num_experts)
-    block_m, block_n = block_m or auto[0], block_n or auto[1]
-    num_warps, num_stages = num_warps or auto[2], num_stages or auto[3]
     two_i, h = ex.w1.shape[1], ex.hidden
+    if config is None:
+        config = grouped_config(n_pairs, ex.num_experts, h, two_i // 2, fp8=ex.fp8, device=x.device)
+    if any(v is not None for v in (block_m, block_n, num_warps, num_stages)):
+        g = GemmConfig(block_n or config.w1.block_n, num_warps or config.w1.num_warps,
+                       num_stages or config.w1.num_stages)
+        config = GroupedConfig(block_m or config.block_m, g, g, source="explicit")
+    block_m = config.block_m
     sorted_ids, block_expert, _ = sort_by_expert(ids, ex.num_experts, block_m)
     if ex.fp8:
         xa, xs = quantize_act_1x128(x, ex.w1.shape[2], m_major=False)
@@ -386,14 +471,14 @@ def _moe_grouped(x, ids, route_w, ex: MoEWeights, alpha, limit, block_m=None, bl
         xa, xs = x, None
     act = torch.empty(n_pairs, two_i // 2, dtype=torch.bfloat16, device=x.device)
     _grouped_gemm(xa, xs, ex.w1, ex.s1, ex.b1, None, act, sorted_ids, block_expert, n_pairs, k, two_i,
-                  ex.w1.shape[2], ex.fp8, True, alpha, limit, block_m, block_n, num_warps, num_stages)
+                  ex.w1.shape[2], ex.fp8, True, alpha, limit, block_m, config.w1)
     if ex.fp8:
         aa, as_ = quantize_act_1x128(act, ex.w2.shape[2], m_major=False)
     else:
         aa, as_ = act, None
     y = torch.empty(n_pairs, h, dtype=torch.float32, device=x.device)
     _grouped_gemm(aa, as_, ex.w2, ex.s2, ex.b2, route_w.reshape(-1), y, sorted_ids, block_expert, n_pairs, 1, h,
-                  ex.w2.shape[2], ex.fp8, False, alpha, limit, block_m, block_n, num_warps, num_stages)
+                  ex.w2.shape[2], ex.fp8, False, alpha, limit, block_m, config.w2)
     return y.view(t, k, h).sum(1).to(torch.bfloat16)
 
 

@@ -105,3 +105,62 @@ def test_expert_sort_kernel_equals_torch_sort(num_experts, tokens):
         want = sort_by_expert(ids, num_experts, block_m, path="torch")
         for a, b in zip(got, want):
             assert torch.equal(a.long(), b.long())
+
+
+def _fp8_setup(e, hid, inter, tokens, seed, dev):
+    from kvrelay.kernels.fp8 import dequantize_weight_block128, quantize_weight_block128
+    from kvrelay.kernels.moe import MoEWeights, route_topk
+    g = torch.Generator().manual_seed(seed)
+    w1, b1, w2, b2 = _experts(e, hid, inter, g, dev)
+    q1, s1 = quantize_weight_block128(w1)
+    q2, s2 = quantize_weight_block128(w2)
+    ex = MoEWeights.from_fp8(q1, s1, b1, q2, s2, b2)
+    x = torch.randn(tokens, hid, generator=g).bfloat16().to(dev)
+    # skewed routing: several M blocks for some experts, none for others
+    logits = torch.randn(tokens, e, generator=g) + 1.5 * torch.randn(e, generator=g)
+    rw, ids = route_topk(logits.bfloat16().to(dev), 4)
+    ref = moe_ref(x, ids, rw, dequantize_weight_block128(q1, s1, torch.float32), b1,
+                  dequantize_weight_block128(q2, s2, torch.float32), b2, quant_act=True)
+    return ex, x, ids, rw, ref
+
+
+@pytest.mark.parametrize("block_m,w1,w2", [
+    (16, dict(group_m=8), dict(group_m=8)),
+    (32, dict(masked=False), dict(masked=False, group_m=4)),
+    (64, dict(tma=True, masked=False, group_m=8), dict(tma=True)),
+    (64, dict(block_n=256, num_warps=8, num_stages=3, tma=True), dict(block_n=256, num_warps=8, num_stages=3)),
+])
+def test_grouped_fp8_knobs_match_reference(block_m, w1, w2):
+    """The tuner's knobs (program order, clamped unmasked loads, TMA weight tiles) at gpt-oss's N and K
+    (2880 = 22.5 tiles of 128: a partial N tile in GEMM2)."""
+    from kvrelay.kernels import moe
+    from kvrelay.kernels.moe_configs import GemmConfig, GroupedConfig
+    dev = _cuda()
+    if (w1.get("tma") or w2.get("tma")) and not moe.tma_available():
+        pytest.skip("triton without host TMA descriptors")
+    ex, x, ids, rw, ref = _fp8_setup(16, 2880, 2880, 96, 11, dev)
+    base = dict(block_n=128, num_warps=4, num_stages=4)
+    cfg = GroupedConfig(block_m, GemmConfig(**{**base, **w1}), GemmConfig(**{**base, **w2}))
+    poison_allocator(1 << 26)
+    out = moe._moe_grouped(x, ids, rw, ex, 1.702, 7.0, config=cfg)
+    torch.cuda.synchronize()
+    assert rel_err(out, ref) < 1.5e-2, cfg.label()
+
+
+def test_tracked_table_configs_match_reference():
+    """Every config in this GPU's tracked table (kernels/configs/, written by bench/tune_moe.py) gives the
+    reference's numbers: a kernel change that breaks a tuned config fails here, not in serving."""
+    from kvrelay.kernels import moe, moe_configs
+    dev = _cuda()
+    path = moe_configs.CONFIG_DIR / moe_configs.file_name(torch.cuda.get_device_name(dev))
+    if not path.is_file():
+        pytest.skip(f"no tuned table for this GPU ({path.name})")
+    configs = {c for rows in moe_configs.load_file(str(path)).values() for _, c in rows}
+    ex, x, ids, rw, ref = _fp8_setup(16, 2880, 2880, 64, 12, dev)
+    for cfg in sorted(configs, key=lambda c: c.label()):
+        if (cfg.w1.tma or cfg.w2.tma) and not moe.tma_available():
+            continue
+        poison_allocator(1 << 26)
+        out = moe._moe_grouped(x, ids, rw, ex, 1.702, 7.0, config=cfg)
+        torch.cuda.synchronize()
+        assert rel_err(out, ref) < 1.5e-2, cfg.label()

@@ -1,0 +1,293 @@
+"""The pieces of bench/tune_moe.py: the candidate space and its pruning, the random problems and their
+float32 reference check, timing and rates, compiling ahead in worker processes, and the config file."""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing as mp
+import os
+import re
+import time
+from pathlib import Path
+
+import torch
+
+from kvrelay.kernels import moe
+from kvrelay.kernels import moe_configs as MC
+from kvrelay.kernels.fp8 import dequantize_weight_block128, quantize_act_1x128
+from kvrelay.kernels.moe_configs import GemmConfig
+from kvrelay.kernels.reference import clamped_swiglu, route_topk
+
+ALPHA, LIMIT = 1.702, 7.0
+CHECK_TOL = 1e-2
+
+# Phase 1: (block_n, num_warps, num_stages) per block_m. Shared memory per stage is (block_m + block_n) x
+# 128 bytes of fp8, so every entry stays under ~150 KB; small M tiles (decode, memory-bound) get deeper
+# pipelines, large ones (prefill, compute-bound) wider N tiles and 8 warps.
+TILES: dict[int, tuple[tuple[int, int, int], ...]] = {
+    16: ((64, 4, 4), (128, 4, 4), (128, 4, 5), (64, 4, 6)),
+    32: ((64, 4, 4), (128, 4, 4), (128, 4, 5), (128, 8, 4)),
+    64: ((128, 4, 4), (128, 8, 3), (128, 8, 4), (256, 8, 3), (64, 4, 4)),
+    128: ((128, 8, 3), (128, 8, 4), (256, 8, 3), (128, 4, 3)),
+}
+# Phase 2, on each point's best phase-1 tiles: (group_m, masked, tma).
+KNOB_VARIANTS: tuple[tuple[int, bool, bool], ...] = ((8, True, False), (8, False, False), (8, False, True),
+                                                     (1, False, False))
+_CAND = re.compile(r"^(\d+)x(\d+)-w(\d+)-s(\d+)(?:-g(\d+))?(-clamp)?(-tma)?$")
+
+
+def allowed_block_m(rows_per_expert: float) -> list[int]:
+    """M tiles worth trying for this many rows per expert (on average): none larger than the rows
+    rounded up to a power of two (a 128-row tile over 8 rows is 94% padding), and at prefill none under
+    32 (>= 128 rows) or 64 (>= 512 rows), which re-read each expert's weights once per M block."""
+    hi = max(16, 1 << max(0, math.ceil(math.log2(max(rows_per_expert, 1)))))
+    lo = 16 if rows_per_expert < 128 else 32 if rows_per_expert < 512 else 64
+    return [bm for bm in TILES if lo <= bm <= hi]
+
+
+def parse_candidates(text: str) -> list[tuple[int, GemmConfig]]:
+    """'64x128-w8-s3;64x128-w8-s3-g8-clamp-tma' -> [(block_m, GemmConfig), ...]."""
+    out = []
+    for part in [p.strip() for p in text.split(";") if p.strip()]:
+        m = _CAND.match(part)
+        if not m:
+            raise SystemExit(f"--candidates: {part!r} is not BMxBN-wW-sS[-gG][-clamp][-tma]")
+        bm, bn, nw, ns = (int(m[i]) for i in range(1, 5))
+        out.append((bm, GemmConfig(bn, nw, ns, int(m[5] or 1), masked=not m[6], tma=bool(m[7]))))
+    return out
+
+
+def tma_usable() -> bool:
+    return moe.tma_available() and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+def describe() -> dict:
+    return {"tiles": {str(k): v for k, v in TILES.items()}, "knob_variants(group_m,masked,tma)": KNOB_VARIANTS,
+            "block_m_rule": allowed_block_m.__doc__.split("\n")[0], "check_tol": CHECK_TOL}
+
+
+# ---- problems -------------------------------------------------------------------------------------------
+def make_experts(num_experts: int, hidden: int, inter: int, device, gen) -> moe.MoEWeights:
+    """Random FP8 experts of the real shape (e4m3 values ~N(0, 64) clamped, block scales in [1e-4, 2e-4],
+    so dequantised weights ~0.01 and GEMM outputs O(1)), generated a few experts at a time."""
+    f8 = torch.float8_e4m3fn
+
+    def fp8_stack(n, k):
+        w = torch.empty(num_experts, n, k, dtype=f8, device=device)
+        for e0 in range(0, num_experts, 8):
+            e1 = min(e0 + 8, num_experts)
+            w[e0:e1] = (torch.randn(e1 - e0, n, k, generator=gen, device=device) * 64).clamp(-448, 448).to(f8)
+        return w
+
+    def scales(n, k):
+        return torch.rand(num_experts, -(-n // 128), -(-k // 128), generator=gen, device=device) * 1e-4 + 1e-4
+
+    w1, w2 = fp8_stack(2 * inter, hidden), fp8_stack(hidden, inter)
+    b1 = torch.randn(num_experts, 2 * inter, generator=gen, device=device).bfloat16()
+    b2 = torch.randn(num_experts, hidden, generator=gen, device=device).bfloat16()
+    return moe.MoEWeights.from_fp8(w1, scales(2 * inter, hidden), b1, w2, scales(hidden, inter), b2)
+
+
+def slice_experts(ex: moe.MoEWeights, n: int) -> moe.MoEWeights:
+    """The first n experts (views: one set of random weights serves both models)."""
+    return moe.MoEWeights(ex.w1[:n], ex.b1[:n], ex.w2[:n], ex.b2[:n], ex.s1[:n], ex.s2[:n], ex.hidden, ex.inter)
+
+
+def _quant(v: torch.Tensor, kp: int):
+    return quantize_act_1x128(torch.nn.functional.pad(v, (0, kp - v.shape[1])))
+
+
+class Problem:
+    """One (experts, token count): skewed routing, quantised GEMM inputs, outputs, sorts per block_m."""
+
+    def __init__(self, ex: moe.MoEWeights, tokens: int, top_k: int, skew: float, device, gen):
+        e, h, i = ex.num_experts, ex.hidden, ex.inter
+        self.ex, self.tokens, self.k, self.n_pairs = ex, tokens, top_k, tokens * top_k
+        # A trained router favours some experts: a fixed per-expert bias on the logits (same for every
+        # token count of a model) gives a max/mean expert load of ~1.5-2.5x, reported in load_stats.
+        bias = torch.randn(e, generator=torch.Generator().manual_seed(e)).to(device) * skew
+        logits = torch.randn(tokens, e, generator=gen, device=device) + bias
+        self.rw, self.ids = route_topk(logits.bfloat16(), top_k)
+        self.rw_flat = self.rw.reshape(-1)
+        counts = torch.bincount(self.ids.reshape(-1), minlength=e).float()
+        self.touched = int((counts > 0).sum())
+        self.load_stats = {"max_over_mean": round(float(counts.max() / counts.mean()), 2),
+                           "active_experts": self.touched}
+        x = torch.randn(tokens, h, generator=gen, device=device).bfloat16()
+        self.xq, self.xs = _quant(x, ex.w1.shape[2])
+        a = torch.randn(self.n_pairs, i, generator=gen, device=device).bfloat16()
+        self.aq, self.as_ = _quant(a, ex.w2.shape[2])
+        self.act = torch.empty(self.n_pairs, i, dtype=torch.bfloat16, device=device)
+        self.y = torch.empty(self.n_pairs, h, dtype=torch.float32, device=device)
+        self._sorts: dict[int, tuple] = {}
+
+    def sort(self, block_m: int):
+        if block_m not in self._sorts:
+            self._sorts[block_m] = moe.sort_by_expert(self.ids, self.ex.num_experts, block_m)[:2]
+        return self._sorts[block_m]
+
+    def launcher(self, gemm: str, block_m: int, cfg: GemmConfig, *, warmup: bool = False):
+        sid, be = self.sort(block_m)
+        ex = self.ex
+        if gemm == "w1":
+            args = (self.xq, self.xs, ex.w1, ex.s1, ex.b1, None, self.act, sid, be, self.n_pairs, self.k,
+                    ex.w1.shape[1], ex.w1.shape[2], True, True)
+        else:
+            args = (self.aq, self.as_, ex.w2, ex.s2, ex.b2, self.rw_flat, self.y, sid, be, self.n_pairs, 1,
+                    ex.hidden, ex.w2.shape[2], True, False)
+        return lambda: moe._grouped_gemm(*args, ALPHA, LIMIT, block_m, cfg, warmup=warmup)
+
+    def output(self, gemm: str) -> torch.Tensor:
+        return self.act if gemm == "w1" else self.y
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.float(), ref.float()
+    if not torch.isfinite(x).all():
+        return float("inf")
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-12))
+
+
+class CheckProblem:
+    """A small problem of the real N and K (few experts, skewed routing: empty experts, several M blocks
+    and partial tiles) with float32 references of both GEMMs from the same quantised inputs, computed
+    apart from the kernel: dequantised operands, one matmul per expert, kernels/reference.py's SwiGLU."""
+
+    def __init__(self, ex_full: moe.MoEWeights, experts: int, tokens: int, top_k: int, device, gen):
+        self.p = p = Problem(slice_experts(ex_full, experts), tokens, top_k, 1.0, device, gen)
+        ex = p.ex
+        w1 = dequantize_weight_block128(ex.w1, ex.s1, torch.float32)
+        w2 = dequantize_weight_block128(ex.w2, ex.s2, torch.float32)
+        x = p.xq.float() * p.xs.repeat_interleave(128, 1)
+        a = p.aq.float() * p.as_.repeat_interleave(128, 1)
+        flat = p.ids.reshape(-1)
+        self.ref = {"w1": torch.zeros(p.act.shape, device=device), "w2": torch.zeros(p.y.shape, device=device)}
+        for e in range(ex.num_experts):
+            pairs = (flat == e).nonzero().flatten()
+            if pairs.numel():
+                h = x[pairs // top_k] @ w1[e].T + ex.b1[e].float()
+                self.ref["w1"][pairs] = clamped_swiglu(h, ALPHA, LIMIT)
+                self.ref["w2"][pairs] = p.rw_flat[pairs].float()[:, None] * (a[pairs] @ w2[e].T + ex.b2[e].float())
+
+    def check(self, gemm: str, block_m: int, cfg: GemmConfig) -> tuple[bool, float, str]:
+        out = self.p.output(gemm)
+        out.fill_(float("nan"))  # a tile the kernel skips stays NaN and fails the check
+        self.p.launcher(gemm, block_m, cfg)()
+        err = rel_err(out, self.ref[gemm])
+        return err < CHECK_TOL, err, "" if err < CHECK_TOL else f"check failed: rel err {err:.3g} >= {CHECK_TOL}"
+
+
+def time_ms(fn, cuda: bool, warmup_ms: float, rep_ms: float) -> float:
+    if cuda:
+        import triton
+
+        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    t0 = time.perf_counter()  # the interpreter (CPU tests): plumbing only, the number means nothing
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def rates(p: Problem, gemm: str, ms: float | None, ceil: dict) -> dict:
+    """TFLOP/s (real H and I, no padding) and TB/s of the touched experts' fp8 weights, with shares."""
+    h, i = p.ex.hidden, p.ex.inter
+    flops = {"w1": 2 * p.n_pairs * 2 * i * h, "w2": 2 * p.n_pairs * h * i}
+    nbytes = {"w1": p.touched * p.ex.w1[0].numel(), "w2": p.touched * p.ex.w2[0].numel()}
+    f = flops["w1"] + flops["w2"] if gemm == "both" else flops[gemm]
+    b = nbytes["w1"] + nbytes["w2"] if gemm == "both" else nbytes[gemm]
+    if not ms:
+        return {"TFLOP/s": None, "fp8_share": None, "TB/s": None, "bw_share": None}
+    tf, tb = f / ms / 1e9, b / ms / 1e9
+    return {"TFLOP/s": round(tf, 1), "fp8_share": round(tf / ceil["fp8"], 3), "TB/s": round(tb, 3),
+            "bw_share": round(tb / ceil["TB/s"], 3)}
+
+
+# ---- compiling ahead ------------------------------------------------------------------------------------
+def _warm(job) -> tuple[tuple, str | None, float]:
+    """Worker process: compile one config for the tuner's exact argument types and strides (one expert,
+    a few tokens: no strides or specialised values depend on either) into Triton's disk cache."""
+    hidden, inter, top_k, gemm, bm, cfg_d = job
+    cfg = GemmConfig(**cfg_d)
+    t0 = time.perf_counter()
+    try:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        p = Problem(make_experts(1, hidden, inter, "cuda", gen), 4, top_k, 0.0, "cuda", gen)
+        p.launcher(gemm, bm, cfg, warmup=True)()
+        err = None
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which skips the config
+        err = f"{type(exc).__name__}: {str(exc)[:160]}"
+    return (hidden, inter, gemm, bm, cfg.label()), err, time.perf_counter() - t0
+
+
+def precompile(jobs: list[tuple], n_jobs: int, timeout_s: float) -> dict[tuple, str]:
+    """Compile configs in `n_jobs` spawned processes (Triton compiles are single-threaded; the parent then
+    loads them from the cache). Returns {(hidden, inter, gemm, bm, label): error} for the ones that
+    failed. Anything that goes wrong here (a hung or dead pool) leaves the rest to compile in line."""
+    failed: dict[tuple, str] = {}
+    n = min(n_jobs, len(jobs), os.cpu_count() or 1)
+    if n <= 0:
+        return failed
+    t0 = time.perf_counter()
+    done = 0
+    try:
+        with mp.get_context("spawn").Pool(n) as pool:
+            it = pool.imap_unordered(_warm, jobs)
+            for _ in jobs:
+                key, err, _s = it.next(timeout=max(1.0, timeout_s - (time.perf_counter() - t0)))
+                done += 1
+                if err:
+                    failed[key] = err
+    except Exception as exc:  # noqa: BLE001 - incl. multiprocessing.TimeoutError
+        print(f"precompile stopped after {done}/{len(jobs)}: {type(exc).__name__}: {exc}", flush=True)
+    print(f"precompiled {done}/{len(jobs)} configs in {time.perf_counter() - t0:.1f} s with {n} processes"
+          + (f" ({len(failed)} failed)" if failed else ""), flush=True)
+    return failed
+
+
+# ---- the config file ------------------------------------------------------------------------------------
+def _dump(o, indent: int = 0) -> str:
+    """JSON with one line per innermost object (a GEMM config): a re-tuned file diffs bucket by bucket."""
+    if isinstance(o, dict) and any(isinstance(v, (dict, list)) for v in o.values()):
+        pad = " " * (indent + 1)
+        body = ",\n".join(f"{pad}{json.dumps(k)}: {_dump(v, indent + 1)}" for k, v in o.items())
+        return "{\n" + body + "\n" + " " * indent + "}"
+    return json.dumps(o)
+
+
+def write_config(config_out: str | None, gpu: str, shapes, points: list[dict], env: dict, stem: str) -> Path:
+    """Merge the points' winners into the config file (per shape, per pair-count bucket; buckets not
+    re-measured are kept) and write it; the result is checked by the reader before it is written."""
+    name = MC.file_name(gpu)
+    if config_out is None:
+        target = MC.CONFIG_DIR / name
+    else:
+        target = Path(config_out)
+        if target.is_dir() or config_out.endswith("/"):
+            target = target / name
+    base_path = next((p for p in (target, MC.CONFIG_DIR / name) if p.is_file()), None)
+    data = {"version": MC.VERSION, "device": gpu, "kernel": MC.KERNEL, "shapes": {}}
+    if base_path is not None:
+        try:
+            raw = json.loads(base_path.read_text())
+            MC.parse(base_path, raw)
+            data = raw
+        except (ValueError, MC.MoEConfigError) as exc:
+            print(f"config: not merging into {base_path} ({exc}); writing a fresh file", flush=True)
+    prov = {k: env.get(k) for k in ("git_commit", "git_dirty", "timestamp", "torch", "triton", "gpu", "command")}
+    for s in shapes:
+        mine = [p for p in points if p["model"] == s.model]
+        if not mine:
+            continue
+        entry = data["shapes"].setdefault(s.key, {"buckets": {}})
+        entry.update(model=s.model, provenance=dict(prov, result=f"{stem}.json"))
+        for p in mine:
+            entry["buckets"][str(p["n_pairs"])] = {
+                **p["best"]["config"],
+                "ms": {"w1": p["best"]["w1"]["ms"], "w2": p["best"]["w2"]["ms"], "heuristic": p["heuristic"]["ms"]},
+                "note": f"{p['tokens']} tokens; {str(prov['git_commit'])[:7]} {prov['timestamp']}"}
+        entry["buckets"] = dict(sorted(entry["buckets"].items(), key=lambda kv: int(kv[0])))
+    MC.parse(target, data)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(_dump(data) + "\n")
+    MC.clear_cache()
+    return target
