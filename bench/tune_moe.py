@@ -2,7 +2,7 @@
 table kernels/moe_configs.py serves from (kernels/configs/moe_<device>.json, like vLLM's fused_moe configs).
 
 For each model's expert shape (engine/config.py; both GEMMs: w1 with the fused clamped SwiGLU, w2 with
-the routing weight) and each token count (decode 16..512 tokens x top-4; prefill 1024, 4096, 16384), a
+the routing weight) and each token count (decode 16..512 tokens x top-4; prefill 1024..16384), a
 bounded space is swept in two phases: tiles (block_m x block_n, warps, stages) with the knobs off, then
 the knobs (group_m program order for L2 reuse, unmasked clamped loads, TMA weight tiles) on the best
 tiles of each point. block_m is pruned by the rows each expert gets. Each compiled candidate is checked
@@ -35,7 +35,7 @@ from kvrelay.kernels.moe_configs import GemmConfig, GroupedConfig
 
 ALPHA, LIMIT = 1.702, 7.0
 CEIL = {"TB/s": 4.19, "fp8": 1378.0}  # bench/kernels.py's measured H200 ceilings
-DEFAULT_TOKENS = "16,32,64,128,256,512,1024,4096,16384"
+DEFAULT_TOKENS = "16,32,64,128,256,512,1024,4096,8192,16384"
 GEMMS = ("w1", "w2")
 
 
@@ -88,9 +88,9 @@ def _shapes(models: str) -> list[Shape]:
 
 
 def token_order(tokens: list[int]) -> list[int]:
-    """Most important first, so a budget that runs out leaves the prefill points measured: 4096, 16384,
-    1024, then the rest from large to small."""
-    first = [t for t in (4096, 16384, 1024) if t in tokens]
+    """Most important first, so a budget that runs out leaves the prefill points measured: 4096, 8192,
+    16384, 1024, then the rest from large to small."""
+    first = [t for t in (4096, 8192, 16384, 1024) if t in tokens]
     return first + sorted((t for t in tokens if t not in first), reverse=True)
 
 
@@ -123,6 +123,7 @@ class Sweep:
         self.checked: dict = {}          # (hidden, inter, gemm, bm, cfg) -> (ok, err, note)
         self.compiles = 0
         self.skipped: list[dict] = []
+        self.pool = None
 
     def left(self) -> float:
         return self.budget - (time.perf_counter() - self.t0)
@@ -162,27 +163,25 @@ class Sweep:
         return out
 
     # -- compiling, checking, timing --
-    def precompile(self, jobs: list[tuple[Shape, str, int, GemmConfig]]):
-        """Compile the configs not yet checked in worker processes (CUDA only); the check that follows
-        each one then loads it from Triton's cache."""
-        todo: dict[tuple, tuple] = {}
-        for shape, gemm, bm, cfg in jobs:
-            k = (shape.hidden, shape.inter, gemm, bm, cfg)
-            if k not in self.checked and k not in todo:
-                todo[k] = (shape.hidden, shape.inter, shape.top_k, gemm, bm, dataclasses.asdict(cfg))
-        if not todo or not self.cuda or self.args.jobs <= 0 or self.left() < 40:
-            return
-        failed = S.precompile(list(todo.values()), self.args.jobs, timeout_s=min(180.0, self.left() - 30))
-        for k in todo:
-            note = failed.get((k[0], k[1], k[2], k[3], k[4].label()))
-            if note:
-                self.checked[k] = (False, None, f"compile failed: {note}")
+    def submit(self, shape: Shape, gemm: str, bm: int, cfg: GemmConfig) -> None:
+        """Queue a compile in the worker processes (CUDA only); the check of that config waits for it and
+        then loads the kernel from Triton's cache."""
+        if self.pool is not None and (shape.hidden, shape.inter, gemm, bm, cfg) not in self.checked:
+            self.pool.submit((shape.hidden, shape.inter, gemm, bm, cfg.label()),
+                             (shape.hidden, shape.inter, shape.top_k, gemm, bm, dataclasses.asdict(cfg)))
 
     def check(self, shape: Shape, gemm: str, bm: int, cfg: GemmConfig) -> tuple[bool, float | None, str]:
         k = (shape.hidden, shape.inter, gemm, bm, cfg)
         if k not in self.checked:
             self._spend()
+            err = None
+            if self.pool is not None:
+                err = self.pool.wait((shape.hidden, shape.inter, gemm, bm, cfg.label()),
+                                     timeout_s=max(5.0, min(120.0, self.left() - 5)))
             self.compiles += 1
+            if err:
+                self.checked[k] = (False, None, f"compile failed: {err}")
+                return self.checked[k]
             try:
                 self.checked[k] = self.checks[(shape.hidden, shape.inter)].check(gemm, bm, cfg)
             except Exception as exc:  # noqa: BLE001 - a config that does not compile or launch is recorded
@@ -213,24 +212,43 @@ class Sweep:
 
     # -- the whole run --
     def run(self) -> None:
+        """Points in priority order; each point's knob phase runs after the next point's tile phase, so
+        its compiles (queued when its tile phase ended) are ready by then."""
+        self.pool = S.CompilePool(self.args.jobs) if self.cuda and self.args.jobs > 0 else None
         try:
-            heur = [(s, t, MC.heuristic_config(t * s.top_k, s.experts)) for s, t in self.points]
-            jobs = [(s, g, h.block_m, getattr(h, g)) for s, t, h in heur for g in GEMMS]
-            jobs += [(s, g, bm, c) for s, t in self.points for bm, c in self.phase1(s, t) for g in GEMMS]
-            self.precompile(jobs)
-            for (s, t, h) in heur:
+            heur = {(s.model, t): MC.heuristic_config(t * s.top_k, s.experts) for s, t in self.points}
+            for s, t in self.points:  # every tile-phase compile up front: the pool works ahead
+                h = heur[(s.model, t)]
+                for bm, c in [(h.block_m, h.w1), (h.block_m, h.w2)] + self.phase1(s, t):
+                    for g in GEMMS:
+                        self.submit(s, g, bm, c)
+            pending = None
+            for s, t in self.points:
+                h = heur[(s.model, t)]
                 for g in GEMMS:
                     self.measure(s, t, g, h.block_m, getattr(h, g), phase=0)
                 for bm, c in self.phase1(s, t):
                     for g in GEMMS:
                         self.measure(s, t, g, bm, c, phase=1)
-            self.precompile([(s, g, bm, c) for s, t in self.points for g in GEMMS for bm, c in self.phase2(s, t, g)])
-            for s, t in self.points:
-                for g in GEMMS:
-                    for bm, c in self.phase2(s, t, g):
-                        self.measure(s, t, g, bm, c, phase=2)
+                knobs = {g: self.phase2(s, t, g) for g in GEMMS}
+                for g, cands in knobs.items():
+                    for bm, c in cands:
+                        self.submit(s, g, bm, c)
+                if pending:
+                    self._knob_phase(*pending)
+                pending = (s, t, knobs)
+            if pending:
+                self._knob_phase(*pending)
         except BudgetSpent:
             self.skipped.append({"reason": f"budget of {self.budget:.0f} s spent", "at_s": round(self.budget, 1)})
+        finally:
+            if self.pool is not None:
+                self.pool.close()
+
+    def _knob_phase(self, s: Shape, t: int, knobs: dict) -> None:
+        for g, cands in knobs.items():
+            for bm, c in cands:
+                self.measure(s, t, g, bm, c, phase=2)
 
     def summary(self) -> list[dict]:
         """Per point: the heuristic, the best config (block_m shared by both GEMMs) and the speed-up."""

@@ -204,7 +204,7 @@ def rates(p: Problem, gemm: str, ms: float | None, ceil: dict) -> dict:
 
 # ---- compiling ahead ------------------------------------------------------------------------------------
 def _warm(job) -> tuple[tuple, str | None, float]:
-    """Worker process: compile one config for the tuner's exact argument types and strides (one expert,
+    """CompilePool worker: compile one config for the tuner's exact argument types and strides (one expert,
     a few tokens: no strides or specialised values depend on either) into Triton's disk cache."""
     hidden, inter, top_k, gemm, bm, cfg_d = job
     cfg = GemmConfig(**cfg_d)
@@ -219,29 +219,43 @@ def _warm(job) -> tuple[tuple, str | None, float]:
     return (hidden, inter, gemm, bm, cfg.label()), err, time.perf_counter() - t0
 
 
-def precompile(jobs: list[tuple], n_jobs: int, timeout_s: float) -> dict[tuple, str]:
-    """Compile configs in `n_jobs` spawned processes (Triton compiles are single-threaded; the parent then
-    loads them from the cache). Returns {(hidden, inter, gemm, bm, label): error} for the ones that
-    failed. Anything that goes wrong here (a hung or dead pool) leaves the rest to compile in line."""
-    failed: dict[tuple, str] = {}
-    n = min(n_jobs, len(jobs), os.cpu_count() or 1)
-    if n <= 0:
-        return failed
-    t0 = time.perf_counter()
-    done = 0
-    try:
-        with mp.get_context("spawn").Pool(n) as pool:
-            it = pool.imap_unordered(_warm, jobs)
-            for _ in jobs:
-                key, err, _s = it.next(timeout=max(1.0, timeout_s - (time.perf_counter() - t0)))
-                done += 1
-                if err:
-                    failed[key] = err
-    except Exception as exc:  # noqa: BLE001 - incl. multiprocessing.TimeoutError
-        print(f"precompile stopped after {done}/{len(jobs)}: {type(exc).__name__}: {exc}", flush=True)
-    print(f"precompiled {done}/{len(jobs)} configs in {time.perf_counter() - t0:.1f} s with {n} processes"
-          + (f" ({len(failed)} failed)" if failed else ""), flush=True)
-    return failed
+class CompilePool:
+    """Triton compiles are single-threaded: `n` spawned processes compile queued configs into Triton's disk
+    cache while the parent measures, and the parent's first launch of a config loads it from there. If
+    anything goes wrong here (a hung or dead pool), the pool is dropped and configs compile in line."""
+
+    def __init__(self, n: int):
+        self.n = min(n, os.cpu_count() or 1)
+        self.pool = mp.get_context("spawn").Pool(self.n)
+        self.futures: dict = {}
+        self.ok = True
+        self.done = self.failed = 0
+        self.t0 = time.perf_counter()
+
+    def submit(self, key: tuple, job: tuple) -> None:
+        if self.ok and key not in self.futures:
+            self.futures[key] = self.pool.apply_async(_warm, (job,))
+
+    def wait(self, key: tuple, timeout_s: float) -> str | None:
+        """The compile error of `key`, or None (compiled, or not compiled here: the parent compiles it)."""
+        fut = self.futures.get(key)
+        if fut is None or not self.ok:
+            return None
+        try:
+            _, err, _s = fut.get(timeout=timeout_s)
+        except Exception as exc:  # noqa: BLE001 - incl. multiprocessing.TimeoutError
+            print(f"compile pool dropped after {self.done} compiles ({type(exc).__name__}: {exc}); "
+                  "compiling in line", flush=True)
+            self.ok = False
+            return None
+        self.done += 1
+        self.failed += bool(err)
+        return err
+
+    def close(self) -> None:
+        print(f"compile pool: {self.done} configs ({self.failed} failed) in {self.n} processes, "
+              f"{time.perf_counter() - self.t0:.0f} s", flush=True)
+        self.pool.terminate()
 
 
 # ---- the config file ------------------------------------------------------------------------------------

@@ -246,3 +246,20 @@ def test_tuner_end_to_end_interpreted(tmp_path):
     spent = tune_moe.main(argv[:-2] + ["--budget-s", "0", "--no-config", "--out", str(tmp_path / "spent")])
     assert spent["points"] == [] and "budget" in spent["skipped"][0]["reason"]
     assert list((tmp_path / "spent").glob("tune-moe-cpu-*.json"))
+
+
+def test_compile_pool_brings_worker_errors_back():
+    """The tuner's compile workers (spawned processes): a config that fails there comes back as its error
+    (here: no GPU in the worker), an unknown config as None (compiled in line), and nothing hangs."""
+    import dataclasses
+
+    from kvrelay.bench.tune_moe_space import CompilePool
+    pool = CompilePool(1)
+    try:
+        pool.submit(("k",), (128, 96, 4, "w1", 16, dataclasses.asdict(GemmConfig(64, 4, 2))))
+        err = pool.wait(("k",), timeout_s=240)
+        assert pool.wait(("unknown",), timeout_s=1) is None
+    finally:
+        pool.close()
+    assert err and "cuda" in err.lower(), err
+    assert pool.ok
