@@ -171,7 +171,8 @@ def check_host_tier(topo, memory_bytes: Callable[[], int | None]) -> str:
             f"prefill.prefix_cache_host_gib: {n} caching worker(s) x {gib:g} GiB = {tiers / GIB:.2f} GiB of host "
             f"memory{' (pinned)' if topo.device == 'cuda' else ''}{also}, but this machine has {have / GIB:.2f} GiB "
             f"available; lower it")
-    return f"host tier  {n} x {gib:g} GiB{' pinned' if topo.device == 'cuda' else ''}, of {have / GIB:.2f} GiB available"
+    pinned = " pinned" if topo.device == "cuda" else ""
+    return f"host tier  {n} x {gib:g} GiB{pinned}, of {have / GIB:.2f} GiB available"
 
 
 def available_memory() -> int | None:

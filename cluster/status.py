@@ -86,8 +86,8 @@ def _host_tier(h: dict, queries: int) -> str:
     pages (full/sliding) of its capacity, and the bytes moved each way."""
     mib = 1 << 20
     return (f"host tier {h['hits']}/{queries} hits, {h['hit_tokens']} tokens saved, {h['pages']['full']}/"
-            f"{h['pages']['sliding']} of {h['capacity_pages']} pages, {h['to_host_bytes'] / mib:.1f} MiB to host, "
-            f"{h['to_device_bytes'] / mib:.1f} MiB back")
+            f"{h['pages']['sliding']} of {h['capacity_pages']} pages, {h['to_host_bytes'] / mib:.1f} MiB to "
+            f"host, {h['to_device_bytes'] / mib:.1f} MiB back")
 
 
 def _table(rows: list[dict]) -> str:

@@ -1,4 +1,4 @@
-"""The host-memory tier under the prefix cache: page slots in (pinned, on CUDA) CPU memory that hold the
+"""The host-memory tier under the prefix cache: page slots in (page-locked, on CUDA) CPU memory that hold the
 KV of cached blocks the device pool evicted, and the copies between them and the device pages.
 
 engine/prefix_cache.py decides which block lives where (a block's page is in one tier at a time) and
@@ -38,9 +38,10 @@ class HostKVStore:
             raise ValueError(f"a host tier of {budget_bytes} bytes holds no page (one full + one sliding page "
                              f"take {pair} bytes)")
         pin = self.device.type == "cuda" if pin is None else pin
-        self.host = {g: torch.empty((self.capacity, *pools[g][:, 0].shape), dtype=pools[g].dtype, pin_memory=pin)
-                     for g in GROUPS}
+        self.host = {g: torch.empty((self.capacity, *pools[g][:, 0].shape), dtype=pools[g].dtype) for g in GROUPS}
         self.pinned = pin
+        if pin:
+            _pin(self, list(self.host.values()))
         self._free = {g: list(range(self.capacity - 1, -1, -1)) for g in GROUPS}  # lowest slot out first
 
     @property
@@ -85,6 +86,32 @@ class HostKVStore:
             for at, slot, n in _runs(s):
                 staged[at: at + n].copy_(host[slot: slot + n], non_blocking=True)
             pool.index_copy_(1, self._index(p), staged.transpose(0, 1))
+
+
+def _pin(owner: object, tensors: list[torch.Tensor]) -> None:
+    """Page-lock `tensors` where they are (cudaHostRegister) for as long as `owner` lives. Not
+    `pin_memory=True`: torch's pinned allocator rounds every allocation up to a power of two (a 40 GiB
+    tier would lock 64), and keeps freed blocks for reuse."""
+    import weakref
+
+    cudart = torch.cuda.cudart()
+    ptrs = []
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        code = int(cudart.cudaHostRegister(t.data_ptr(), nbytes, 1))  # 1: cudaHostRegisterPortable (as torch's own)
+        if code != 0:
+            _unpin(ptrs)
+            raise RuntimeError(f"cannot pin {nbytes / 2**30:.2f} GiB of host memory for the prefix cache's host "
+                               f"tier (cudaHostRegister: cudaError {code}); make the tier smaller")
+        ptrs.append(t.data_ptr())
+    # Unregistered before the tensors' memory goes back (the finalizer holds no reference to them).
+    weakref.finalize(owner, _unpin, ptrs)
+
+
+def _unpin(ptrs: list[int]) -> None:
+    cudart = torch.cuda.cudart()
+    for p in ptrs:
+        cudart.cudaHostUnregister(p)
 
 
 def _runs(slots: list[int]):
