@@ -133,6 +133,30 @@ def test_greedy_tokens_equal_single_process(cluster, reference):
     assert outs[40][-1].metrics.kv_bytes == 5 * 2 * 16 * 32 * 2 * heads_pulled
 
 
+def test_n_choices_fork_on_every_decode_rank(cluster, reference):
+    """n=3 greedy choices of one prompt: one prefill, its KV pulled once and forked on every decode rank
+    in lockstep (GroupRunner.fork_sequence); each choice is the single-process greedy run."""
+    client = cluster.engine_client(stall_check_s=30.0)
+    params = SamplingParams(max_tokens=PROMPTS[40], temperature=0)
+
+    async def one(stream):
+        return [o for outs in [x async for x in stream] for o in outs]
+
+    async def go():
+        return await asyncio.gather(*(one(s) for s in client.fork_batches(["tpn-0", "tpn-1", "tpn-2"],
+                                                                           prompt_of(40), [params] * 3)))
+
+    from prometheus_client import REGISTRY
+
+    before = REGISTRY.get_sample_value("kvrelay_prefills_total") or 0.0
+    outs = asyncio.run(go())
+    assert REGISTRY.get_sample_value("kvrelay_prefills_total") - before == 1
+    for j, out in enumerate(outs):
+        assert_same_greedy([o.token_id for o in out], reference[40], f"choice {j}")
+        assert out[-1].finish_reason == "length"
+    wait_no_pages(cluster)
+
+
 def test_no_kv_page_left_and_status_lists_every_rank(cluster):
     from kvrelay.cluster.status import _table
 
