@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvrelay.engine.kv_geometry import GROUPS, worst_case_pages
+from kvrelay.engine.kv_geometry import FULL, GROUPS, worst_case_pages
 from kvrelay.engine.runner import Runner
 from kvrelay.engine.sampling import SamplingParams, TokenOutput, context_full, finish_reason_at, top_logprobs
 from kvrelay.workers.messages import AdmissionRefused
@@ -76,6 +76,16 @@ class _InFlight:
         self.ids = frozenset(r.request_id for r in self.batch)
 
 
+@dataclass(eq=False)
+class _ForkBudget:
+    """The choices of one n > 1 request reserved together (`Scheduler.reserve` with siblings): the prompt
+    pages they share are in the holder's budget only."""
+
+    members: set[str]
+    shared: dict[str, int]
+    holder: str
+
+
 @dataclass
 class StepTimes:
     """Seconds the step loop spent per phase, summed (what `kvrelay status` shows): where a served step's
@@ -113,6 +123,7 @@ class Scheduler:
     _inflight: _InFlight | None = None
     _deferred: set[str] = field(default_factory=set)  # released while a launched step still uses them
     _budget_lock: threading.Lock = field(default_factory=threading.Lock)  # guards _budget (see module doc)
+    _forks: dict[str, "_ForkBudget"] = field(default_factory=dict)  # a fork group's choices -> their budget
     _grammar: ConstraintBatch | None = None  # structured outputs' mask thread, made on first use
 
     def __post_init__(self) -> None:
@@ -130,18 +141,24 @@ class Scheduler:
                 siblings: Sequence[str] = ()) -> dict[str, int]:
         """Commit the request's worst-case pages or raise AdmissionRefused with the reason. `siblings`:
         the other choices of an n > 1 request, reserved with it, all or none (they decode here, forked
-        from its KV). Each choice reserves its own worst case, as if it held the prompt alone: the pages
-        the choices share are counted n times, which over-reserves but never lets a choice that outlives
-        the others hold pages nobody's budget covers."""
+        from its KV, KVCache.fork). The prompt's whole pages of the full group are shared by every
+        choice, so they are counted once, in one choice's budget (the holder's; `release` hands them to
+        a choice still running when the holder ends first). The sliding group's shared pages leave the
+        window as the choices grow and are counted in each choice's window-capped worst case."""
         total = min(prompt_tokens + max_tokens, self.runner.max_context)
         need = self.pages_for(total)
         ids = [request_id, *siblings]
         k = len(ids)
+        shared = {g: 0 for g in GROUPS}
+        if siblings:
+            shared[FULL] = min(prompt_tokens, total) // self.runner.page_size
+        rest = {g: need[g] - shared[g] for g in GROUPS}  # a sibling's budget
+        group = {g: need[g] + (k - 1) * rest[g] for g in GROUPS}
         cap = self.capacity
         for g in GROUPS:
-            if k * need[g] > cap[g]:
+            if group[g] > cap[g]:
                 raise AdmissionRefused(
-                    f"request {request_id}: {k} x {total} tokens need {k * need[g]} {g} KV pages but this "
+                    f"request {request_id}: {k} x {total} tokens need {group[g]} {g} KV pages but this "
                     f"decode worker's pool has only {cap[g]}", retryable=False)
         if k > self.max_batch:
             raise AdmissionRefused(f"request {request_id}: {k} choices, more than this decode worker's batch "
@@ -154,12 +171,17 @@ class Scheduler:
                                        f"requests admitted)", retryable=True)
             used = self._reserved()
             for g in GROUPS:
-                if used[g] + k * need[g] > cap[g]:
+                if used[g] + group[g] > cap[g]:
                     raise AdmissionRefused(
-                        f"request {request_id}: out of KV pages, needs {k * need[g]} {g} pages and "
+                        f"request {request_id}: out of KV pages, needs {group[g]} {g} pages and "
                         f"{cap[g] - used[g]} of {cap[g]} are free", retryable=True)
-            for rid in ids:
-                self._budget[rid] = dict(need)
+            self._budget[request_id] = dict(need)
+            for rid in siblings:
+                self._budget[rid] = dict(rest)
+            if siblings:
+                fork = _ForkBudget(set(ids), shared, request_id)
+                for rid in ids:
+                    self._forks[rid] = fork
         return need
 
     def admission_load(self) -> tuple[int, int]:
@@ -185,6 +207,14 @@ class Scheduler:
         self._deferred.discard(request_id)
         with self._budget_lock:
             self._budget.pop(request_id, None)
+            fork = self._forks.pop(request_id, None)
+            if fork is not None:
+                fork.members.discard(request_id)
+                if fork.holder == request_id and fork.members:
+                    # The shared prompt pages stay while any choice holds them: so does their budget.
+                    fork.holder = min(fork.members)
+                    for g, n in fork.shared.items():
+                        self._budget[fork.holder][g] += n
         self._running.pop(request_id, None)
         if self.runner.has_sequence(request_id):
             self.runner.free(request_id)

@@ -377,3 +377,53 @@ def test_min_tokens_runs_past_an_early_stop_token(solo_runner, overlap):
     assert len(got) >= 6 and stop not in got[:6]
     assert sink["held"][-1].finish_reason in ("stop", "length")
     assert sched.stats().pages_in_use == {"full": 0, "sliding": 0}
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
+def test_fork_group_counts_the_shared_prompt_pages_once(solo_runner, overlap):
+    """Three choices of a 40-token prompt (10 whole pages of 4) growing to 48 tokens: 12 + 2 + 2 full
+    pages reserved, where three separate requests would need 36 of the pool's 20. The holder of the
+    shared pages' budget ends first; the budget moves to a choice still running, usage never exceeds the
+    reservations, and each choice decodes as a solo run."""
+    sched = Scheduler(new_runner(num_pages=20, page_size=4), max_batch=8, overlap=overlap)
+    prompt = prompt_of(40, 3)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    with pytest.raises(AdmissionRefused, match="7 x 48 tokens need 24 full KV pages but this decode worker's "
+                                               "pool has only 20") as e:
+        sched.reserve("x", 40, 8, tuple(f"x{i}" for i in range(6)))  # 12 + 6 x 2
+    assert not e.value.retryable
+    assert sched.stats().pages_reserved == {"full": 0, "sliding": 0}
+    sched.reserve("p", 40, 8, ("c1", "c2"))
+    assert sched.stats().pages_reserved["full"] == 16
+    with pytest.raises(AdmissionRefused, match="out of KV pages"):
+        sched.reserve("other", 20, 8)  # 7 full pages: 4 are left
+    logits = sched.runner.prefill("p", prompt)
+    (tok, _), = sched.runner.sample(logits, [params], [0])
+    sink: dict[str, list[TokenOutput]] = {}
+    for rid in ("p", "c1", "c2"):
+        if rid != "p":
+            sched.runner.fork_sequence("p", rid)
+        sink[rid] = [TokenOutput(tok, None, None)]
+        sched.join(rid, params, tok, 1, sink[rid].append)
+    sched.step()
+    sched.abort("p")  # the holder ends first
+    run_to_end(sched)
+    want = solo(solo_runner, prompt, params)
+    assert [t.token_id for t in sink["c1"]] == [t.token_id for t in sink["c2"]] == want
+    assert len(sink["p"]) <= 2  # aborted after one step (overlapped: its token may still be on the device)
+    s = sched.stats()
+    assert s.pages_reserved == {"full": 0, "sliding": 0} and s.pages_in_use == {"full": 0, "sliding": 0}
+
+
+def test_fork_group_budget_follows_whichever_choice_is_left():
+    sched = Scheduler(new_runner(num_pages=64, page_size=4), max_batch=4)
+    sched.reserve("p", 40, 8, ("c1", "c2"))
+    budget = lambda: {rid: b["full"] for rid, b in sched._budget.items()}  # noqa: E731
+    assert budget() == {"p": 12, "c1": 2, "c2": 2}
+    sched.release("p")
+    assert budget() == {"c1": 12, "c2": 2}
+    sched.release("c2")
+    sched.release("c2")  # idempotent: nothing moves twice
+    assert budget() == {"c1": 12}
+    sched.release("c1")
+    assert budget() == {} and sched._forks == {}
