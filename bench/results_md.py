@@ -251,8 +251,9 @@ def serve_section(col: Collection) -> list[str]:
 
 
 # ---- multi-turn serve ---------------------------------------------------------------------------------
-MULTITURN_MODES = ("off", "on", "on+host")
-MODE_NAMES = {"off": "cache off", "on": "cache on", "on+host": "cache on + host tier", "unknown": "cache ?"}
+MULTITURN_MODES = ("off", "on", "on+small", "on+host")
+MODE_NAMES = {"off": "cache off", "on": "cache on", "on+small": "cache on, small KV pool",
+              "on+host": "cache on + host tier, small KV pool", "unknown": "cache ?"}
 TARGET_RATIO_32K = 0.25  # issue 16: turn 2+ TTFT p50 with the cache <= 25% of cache off at 32k
 
 
@@ -323,7 +324,7 @@ def multiturn_section(col: Collection) -> list[str]:
                              _f(p.get("out_tok_s"), ",.0f"), r.source])
         out += _table(head, rows)
         off = runs.get("off")
-        cached_modes = [m for m in ("on", "on+host") if m in runs]
+        cached_modes = [m for m in ("on", "on+small", "on+host") if m in runs]
         if off is None or not cached_modes:
             out += ["No cache-off and cache-on pair of this workload yet: no ratio.", ""]
             continue

@@ -5,13 +5,16 @@
 #   Env: SWEEP (concurrencies), WAVES (requests per point = waves x concurrency), ONLY_SWEEP=1 (skip the
 #   solo and 64-stream runs), SKIP_SOLO=1 (skip the solo runs only).
 # MULTITURN=1 runs issue 16's multi-turn workload instead (bench/serve_multiturn.py: 8 conversations x 7
-#   turns over one 6k system prompt, prompts 8k..32k tokens, 256-token answers) against three fresh servers
-#   of CONFIG, written to $RESULTS/serve-LABEL-mt-{off,on,host}.yaml: prefix cache off, on
-#   (prefill.prefix_cache: true), on with the host tier (prefill.prefix_cache_host_gib: 16; skipped, and
-#   said so, when `kvrelay config check` refuses the key). Expected on one H200 with gpt-oss-20b: ~80 s
-#   start-up per server + ~45 s of workload with the cache off (~1.1M prompt tokens to prefill), ~20 s
-#   with it: ~6 min in all. MT_ARGS replaces the workload options (e.g. "--conversations 4 --turns 4
-#   --user-len 7936": 8k..32k in 4 turns).
+#   turns over one 6k system prompt, prompts 8k..32k tokens, 256-token answers, 2 s between a conversation's
+#   turns) against four fresh servers of CONFIG, written to $RESULTS/serve-LABEL-mt-{off,on,small,host}.yaml:
+#   prefix cache off; on (prefill.prefix_cache: true); on with a KV pool too small to keep every
+#   conversation (decode.kv_memory_fraction: $MT_SMALL_KV, default 0.03: ~3 GiB of an H200 next to 20b,
+#   where the 8 conversations' prefixes reach ~6 GiB, so idle ones are evicted); and that small pool with the
+#   host tier (prefill.prefix_cache_host_gib: 16), which is what the tier is for. Each server captures decode
+#   graphs up to batch 16 only (8 streams at most), which shortens its start-up. Expected on one H200 with
+#   gpt-oss-20b: ~4 x 60 s of start-up + ~45 s of workload with the cache off, ~20-30 s with it: ~6-7 min.
+#   MT_ARGS replaces the workload options (e.g. "--conversations 4 --turns 4 --user-len 7936": 8k..32k in
+#   4 turns); MT_MODES the modes (default "off on small host").
 # usage: bench/serve_h200.sh CONFIG LABEL [GPUS]     (run from the repo root, kvrelay importable)
 set -uo pipefail
 cfg=$1; label=$2; gpus=${3:-1}
@@ -38,18 +41,22 @@ stop() {  # LOG
 st() { kvrelay status "$1" --address "$ray" --json >"$out/serve-$label-$2-status.json" 2>/dev/null || true; }
 
 if [ -n "${MULTITURN:-}" ]; then
-  mt_args=${MT_ARGS:---conversations 8 --turns 7 --system-len 6k --first-user-len 2k --user-len 3840 --answer-len 256 --stagger-s 2}
+  mt_args=${MT_ARGS:---conversations 8 --turns 7 --system-len 6k --first-user-len 2k --user-len 3840 --answer-len 256 --stagger-s 2 --think-s 2}
   rc=0
-  for mode in off on host; do
+  for mode in ${MT_MODES:-off on small host}; do
     mcfg="$out/serve-$label-mt-$mode.yaml"
-    python3 - "$cfg" "$mode" "$mcfg" <<'EOF'
+    python3 - "$cfg" "$mode" "$mcfg" "${MT_SMALL_KV:-0.03}" <<'EOF'
 import sys, yaml
-src, mode, dst = sys.argv[1:]
+src, mode, dst, small_kv = sys.argv[1:]
 with open(src) as f:
     topo = yaml.safe_load(f)
 prefill = topo.setdefault("prefill", {})
 prefill["prefix_cache"] = mode != "off"
 prefill.pop("prefix_cache_host_gib", None)
+decode = topo.setdefault("decode", {})
+decode["cuda_graph_batch_sizes"] = [b for b in decode.get("cuda_graph_batch_sizes") or [1, 2, 4, 8, 16] if b <= 16]
+if mode in ("small", "host"):
+    decode["kv_memory_fraction"] = float(small_kv)
 if mode == "host":
     prefill["prefix_cache_host_gib"] = 16
 with open(dst, "w") as f:
@@ -62,7 +69,7 @@ EOF
     fi
     log="$out/serve-$label-mt-$mode.log"
     start "$mcfg" "$log" || { rc=1; continue; }
-    [ "$mode" = host ] && pc=on+host || pc=$mode
+    case $mode in host) pc=on+host ;; small) pc=on+small ;; *) pc=$mode ;; esac
     # shellcheck disable=SC2086  # mt_args is a list of options
     python3 -m kvrelay.bench.serve_multiturn --base-url "$url" --gpus "$gpus" --topology "$mcfg" --out-dir "$out" \
       --label "$label-mt-$mode" --prefix-cache "$pc" $mt_args || rc=1

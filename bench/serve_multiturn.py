@@ -39,7 +39,7 @@ from kvrelay.bench import common as C
 from kvrelay.bench.serve import DEFAULT_TOKEN_RANGE, _gpu_name, parse_length, percentile, probe
 from kvrelay.bench.serve_client import RequestResult, one_request, request_body
 
-CACHE_MODES = ("off", "on", "on+host", "unknown")
+CACHE_MODES = ("off", "on", "on+small", "on+host", "unknown")  # on+small: the cache on a KV pool too small for every conversation
 # Common English words that are each one o200k token after a space (tests/cpu/test_bench_multiturn.py
 # checks): text prompts of n words are n tokens long.
 WORDS = tuple("""the of and to in is that for it as was with be by on not he this are or his from at which but

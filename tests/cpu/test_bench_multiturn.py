@@ -274,7 +274,7 @@ def test_results_md_sets_cache_on_against_off(tmp_path) -> None:
     assert "| 7 | 32,768 | 0.800 | 0.160 | 20% | 0.400 | 50% |" in text
     assert "| 2+ | 20,480 | 0.500 | 0.160 | 32% | 0.400 | 80% |" in text
     assert "Longest turn (32,768 tokens), cache on: TTFT p50 20% of cache off; target <= 25% at 32k: met." in text
-    assert "cache on + host tier: TTFT p50 50% of cache off; target <= 25% at 32k: not met." in text
+    assert "cache on + host tier, small KV pool: TTFT p50 50% of cache off; target <= 25% at 32k: not met." in text
     assert "9.000" not in text  # the older host-tier run is superseded
     used = results_md._used(col)
     assert used["mt-on.json"] == 8 and "mt-host-old.json" not in used
