@@ -15,7 +15,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvrelay.router import harmony, limits
 from kvrelay.router import metrics as router_metrics
 from kvrelay.router.auth import ApiKeys, install_http
+from kvrelay.router.body import OffLoopJsonRoute
 from kvrelay.router.completion_logprobs import echoed_prompt, legacy_top, vllm_prompt_logprobs
 from kvrelay.router.health import readiness
 from kvrelay.router.limits import RateLimiter
@@ -40,7 +41,7 @@ from kvrelay.router.types import (
     ToolCallStart,
     Usage,
 )
-from kvrelay.router.validation import ValidationError
+from kvrelay.router.validation import ValidationError, check_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
 
 def create_app(core: RouterCore, api_keys: ApiKeys | None = None, rate_limit: RateLimiter | None = None) -> FastAPI:
     app = FastAPI(title="kvrelay router", docs_url=None, redoc_url=None)
+    app.router.route_class = OffLoopJsonRoute  # big JSON bodies are decoded off the event loop
     # The middleware added last runs first: the key check, then the rate limit (only valid keys count).
     limits.install_http(app, rate_limit)
     install_http(app, api_keys or ApiKeys())
@@ -133,7 +135,7 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None, rate_limit: Ra
         if (bad := check_model(body.model)) is not None:
             return bad
         sampling = body.sampling()
-        prompts = await core.off_loop(_prompt_list, body.prompt)
+        prompts = await core.off_loop(_prompt_list, body.prompt, core.max_context, core.vocab_size)
         n = body.n or 1
         preps = []
         base = body.request_id or new_request_id("cmpl")  # the response's id, in every log line about it
@@ -192,23 +194,40 @@ def _fork(core: RouterCore, streams: list["_Stream"], n: int) -> None:
                 s.tokens = tokens
 
 
-def _prompt_list(prompt: Any) -> list[list[int]]:
-    """OpenAI's `prompt`: a string, token ids, or a list of either (a batch: one choice per prompt)."""
+def _prompt_list(prompt: Any, max_context: int | None = None, vocab_size: int | None = None) -> list[Sequence[int]]:
+    """OpenAI's `prompt`: a string, token ids, or a list of either (a batch: one choice per prompt). Token
+    ids may come as array('i') (router/body.py); ids longer than the context or outside the vocabulary
+    are refused before they become Python ints (4M ids: ~0.1 s of one call that holds the GIL, as long
+    again to free them)."""
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) > MAX_BATCH_PROMPTS:
             raise ValidationError("prompt", f"at most {MAX_BATCH_PROMPTS} prompts per request, got {len(prompt)}")
+        if max_context is not None and vocab_size is not None:
+            for i, p in enumerate(prompt):  # the field prepare_generate names for a batch's prompt
+                _check_ids(p, f"prompt[{i}]" if len(prompt) > 1 else "prompt", max_context, vocab_size)
         return [_prompt_ids(p) for p in prompt]
+    if max_context is not None and vocab_size is not None:
+        _check_ids(prompt, "prompt", max_context, vocab_size)
     return [_prompt_ids(prompt)]
 
 
-def _prompt_ids(prompt: Any) -> list[int]:
+def _check_ids(prompt: Any, field: str, max_context: int, vocab_size: int) -> None:
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)):
+        return  # text, or a nested list _prompt_ids refuses
+    if len(prompt) >= max_context:
+        raise ValidationError(field, f"prompt is {len(prompt)} tokens but the model context is {max_context} "
+                              "tokens (at least one token must remain for generation)")
+    check_token_ids(prompt, field, vocab_size)
+
+
+def _prompt_ids(prompt: Any) -> Sequence[int]:
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:
             raise ValidationError("prompt", f"one prompt expected here, got {len(prompt)}")
         prompt = prompt[0]
     if isinstance(prompt, str):
         return encode_prompt_text(prompt)
-    return list(prompt)
+    return tuple(prompt)  # a tuple: the garbage collector stops walking its ids after one pass, a list's never
 
 
 class _Stream(abc.ABC):

@@ -8,7 +8,7 @@ generic schema error.
 from __future__ import annotations
 
 import json
-from typing import Any, Optional, Union
+from typing import Any, ClassVar, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -214,6 +214,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
+    token_id_fields: ClassVar[tuple[str, ...]] = ("prompt",)  # router/body.py may hand these over as array('i')
     prompt: Union[str, list[int], list[str], list[list[int]]]
     logprobs: Optional[int] = None
     echo: bool = False

@@ -4,7 +4,8 @@ openai-harmony renders a conversation in one call that keeps the GIL the whole t
 message 0.4 s, 11k short messages 3.1 s); on a thread it would still stall the event loop, every other
 request and /health for that long. Conversations past a small size are therefore rendered by the same
 function in a spawned process (one, started on first use): the router's thread only waits on a pipe.
-Small ones, nearly all, render in-process as before (a round trip to the helper costs ~1 ms).
+Small ones, nearly all, render in-process as before (a round trip to the helper costs ~1 ms). The same
+process decodes big HTTP request bodies (router/body.py).
 """
 
 from __future__ import annotations
@@ -47,14 +48,26 @@ def _executor() -> concurrent.futures.ProcessPoolExecutor:
         return _pool
 
 
+def _forget_broken(fut: concurrent.futures.Future) -> None:
+    global _pool
+    if not fut.cancelled() and isinstance(fut.exception(), concurrent.futures.process.BrokenProcessPool):
+        with _lock:  # the helper died (killed, out of memory): the next big request starts a new one
+            _pool = None
+
+
+def submit(fn, *args) -> concurrent.futures.Future:
+    """`fn(*args)` in the helper process (fn and args picklable; router/body.py decodes big bodies here)."""
+    try:
+        fut = _executor().submit(fn, *args)
+    except concurrent.futures.process.BrokenProcessPool as e:
+        fut = concurrent.futures.Future()
+        fut.set_exception(e)
+    fut.add_done_callback(_forget_broken)
+    return fut
+
+
 def render_chat(req: ChatRequest, start_date: str) -> list[int]:
     """harmony.render_chat, in the helper process when the conversation is big (call from a thread)."""
     if not is_big(req):
         return harmony.render_chat(req, start_date)
-    try:
-        return _executor().submit(harmony.render_chat, req, start_date).result(timeout=RENDER_TIMEOUT_S)
-    except concurrent.futures.process.BrokenProcessPool:
-        global _pool
-        with _lock:  # the helper died (killed, out of memory): the next big request starts a new one
-            _pool = None
-        raise
+    return submit(harmony.render_chat, req, start_date).result(timeout=RENDER_TIMEOUT_S)

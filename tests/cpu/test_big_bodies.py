@@ -1,0 +1,171 @@
+"""Big request bodies are decoded off the event loop: with any body up to the accepted cap (32 MiB), /health
+keeps answering within 100 ms while the body is parsed and validated, invalid JSON is still named as such
+(400), and a body over the cap is refused (413). Real HTTP server on 127.0.0.1 (router/body.py)."""
+
+from __future__ import annotations
+
+import gc
+import http.client
+import json
+import random
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvrelay.router import harmony
+from kvrelay.router.limits import MAX_BODY_BYTES
+from kvrelay.router.scripted_engine import ScriptedEngineClient
+from kvrelay.router.server import BackgroundRouter
+
+harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
+MODEL = "m"
+MAX_CONTEXT = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def server():
+    reply = harmony.load_encoding().encode("<|channel|>final<|message|>ok<|return|>", allowed_special="all")
+    # token_delay_s: tokens come later, as from a real engine (a script that never waits would run all 96
+    # choices of a batch in one go of the event loop, which no real engine does)
+    engine = ScriptedEngineClient([reply], model_name=MODEL, max_context=MAX_CONTEXT, token_delay_s=0.001)
+    with BackgroundRouter(engine) as srv:
+        yield srv
+
+
+def _ids(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(200_000) for _ in range(n)]
+
+
+def _near_cap(obj_for, per_item_bytes: int) -> bytes:
+    """The biggest body of the shape `obj_for(n)` that stays under the cap (n scaled from a small one)."""
+    small = len(json.dumps(obj_for(1000)))
+    n = int(1000 * (MAX_BODY_BYTES - 64 * 1024) / small)
+    body = json.dumps(obj_for(n)).encode()
+    assert MAX_BODY_BYTES // 2 < len(body) <= MAX_BODY_BYTES, len(body)
+    return body
+
+
+def _post_watching_health(server, path: str, body: bytes) -> tuple[httpx.Response, list[float]]:
+    """POST `body` while /health is asked every 5 ms; the response and every /health round trip (s)."""
+    done = threading.Event()
+    result: dict = {}
+
+    def post() -> None:
+        try:
+            result["r"] = httpx.post(f"{server.http_url}{path}", content=body, timeout=120,
+                                     headers={"content-type": "application/json"})
+        finally:
+            done.set()
+
+    # As in test_pathological_input: what `kvrelay serve` does after start-up, so that a full collection
+    # of everything this pytest process accumulated does not pause whichever thread triggers it.
+    gc.collect()
+    gc.freeze()
+    t = threading.Thread(target=post)
+    t.start()
+    gaps = []
+    host, port = server.http_url.split("//")[1].rsplit(":", 1)
+    try:
+        while not done.is_set():
+            # A new connection each time: on a reused one every answer waits ~40 ms more here (the
+            # server's two writes meet the client's delayed ACK), which is not the event loop's doing.
+            t0 = time.perf_counter()
+            conn = http.client.HTTPConnection(host, int(port), timeout=10)
+            conn.request("GET", "/health")
+            assert conn.getresponse().status == 200
+            conn.close()
+            gaps.append(time.perf_counter() - t0)
+            time.sleep(0.005)
+    finally:
+        t.join()
+        gc.unfreeze()
+    return result["r"], gaps
+
+
+def test_a_prompt_of_token_ids_at_the_cap(server) -> None:
+    body = _near_cap(lambda n: {"model": MODEL, "prompt": _ids(n), "max_tokens": 1}, 8)
+    r, gaps = _post_watching_health(server, "/v1/completions", body)
+    assert r.status_code == 400, r.text[:300]  # ~4M ids: longer than the context
+    err = r.json()["error"]
+    assert err["param"] == "prompt" and f"model context is {MAX_CONTEXT} tokens" in err["message"]
+    assert len(gaps) >= 3 and max(gaps) < 0.1, " ".join(f"{g * 1e3:.0f}" for g in gaps)
+
+
+def test_a_batch_of_token_id_prompts_near_the_cap(server) -> None:
+    """96 prompts of 40k ids (~26 MiB), the last one with an id outside the vocabulary: decoded, every
+    prompt checked, the bad id named."""
+    prompts = [_ids(40_000, seed) for seed in range(96)]
+    prompts[-1][-7] = 1 << 40
+    body = json.dumps({"model": MODEL, "prompt": prompts, "max_tokens": 1}).encode()
+    assert len(body) > 20 << 20
+    r, gaps = _post_watching_health(server, "/v1/completions", body)
+    assert r.status_code == 400, r.text[:300]
+    err = r.json()["error"]
+    assert err["param"] == "prompt[95][39993]" and str(1 << 40) in err["message"], err
+    assert len(gaps) >= 3 and max(gaps) < 0.1, " ".join(f"{g * 1e3:.0f}" for g in gaps)
+
+
+def test_a_batch_of_token_id_prompts_is_served(server) -> None:
+    prompts = [_ids(40_000, seed) for seed in range(8)]  # ~2 MiB: decoded in the helper process too
+    body = json.dumps({"model": MODEL, "prompt": prompts, "max_tokens": 1}).encode()
+    r, gaps = _post_watching_health(server, "/v1/completions", body)
+    assert r.status_code == 200, r.text[:300]
+    out = r.json()
+    assert len(out["choices"]) == 8 and out["usage"]["prompt_tokens"] == 8 * 40_000
+    assert server.core.engine.prompts[-8:] == prompts  # the ids arrive as sent, in order
+    assert max(gaps) < 0.1, " ".join(f"{g * 1e3:.0f}" for g in gaps)
+
+
+def test_invalid_json_at_the_end_of_a_big_body_is_named(server) -> None:
+    body = _near_cap(lambda n: {"model": MODEL, "prompt": _ids(n), "max_tokens": 1}, 8)
+    bad = body[:-1] + b",}"  # a trailing comma: only the last characters are wrong
+    r, gaps = _post_watching_health(server, "/v1/completions", bad)
+    assert r.status_code == 400, r.text[:300]
+    err = r.json()["error"]
+    assert err["param"] == "body" and err["message"].startswith(f"body: not valid JSON at character {len(bad) - 1}")
+    assert len(gaps) >= 3 and max(gaps) < 0.1, " ".join(f"{g * 1e3:.0f}" for g in gaps)
+
+
+def test_a_million_tiny_messages_get_their_400_without_stalling(server) -> None:
+    body = _near_cap(lambda n: {"model": MODEL, "messages": [{"role": "user", "content": "hi"}] * n}, 32)
+    r, gaps = _post_watching_health(server, "/v1/chat/completions", body)
+    assert r.status_code == 400, r.text[:300]
+    assert r.json()["error"]["param"] == "messages"
+    assert len(gaps) >= 3 and max(gaps) < 0.1, " ".join(f"{g * 1e3:.0f}" for g in gaps)
+
+
+def test_small_bodies_are_parsed_as_before(server) -> None:
+    r = httpx.post(f"{server.http_url}/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 3
+    r = httpx.post(f"{server.http_url}/v1/completions", content=b'{"model": "m", "prompt": [1, 2,]}',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("body: not valid JSON at character 31")
+
+
+def test_a_body_over_the_cap_is_refused(server) -> None:
+    body = b'{"model": "m", "prompt": [' + b"1, " * (MAX_BODY_BYTES // 3) + b"1]}"
+    r = httpx.post(f"{server.http_url}/v1/completions", content=body, timeout=60,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_a_big_body_that_is_not_utf8_is_named(server) -> None:
+    body = b'{"model": "m", "prompt": "' + b"a " * (1 << 20) + b'\xff"}'
+    r = httpx.post(f"{server.http_url}/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("body: not valid JSON: not UTF-8 text")
+    assert f"position {len(body) - 3}" in r.json()["error"]["message"]
+
+
+def test_a_big_body_with_too_many_values_is_refused(server) -> None:
+    from kvrelay.router.body import MAX_JSON_VALUES
+
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(MAX_JSON_VALUES // 2)}}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]}
+    r = httpx.post(f"{server.http_url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text[:300]
+    assert f"more than {MAX_JSON_VALUES} JSON values" in r.json()["error"]["message"]
