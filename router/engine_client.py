@@ -51,6 +51,8 @@ class EngineClient(Protocol):
     `check_admission()`, which raises EngineOverloaded before a response starts when it would refuse.
     It may also expose `generate_batches` (same arguments): lists of the tokens that are ready at once,
     several when the consumer runs behind the engine; the router then writes each list as one chunk.
+    And `fork_batches(request_ids, prompt_ids, params_list)`: one such stream per choice of an n > 1
+    request, the prompt prefilled once (RouterCore.fork); without it each choice is its own request.
     """
 
     @property

@@ -124,6 +124,19 @@ def test_streamed_choices_each_have_their_index_and_finish(running):
     assert_no_pages_left(run)
 
 
+def test_echo_with_prompt_logprobs_on_every_choice(running):
+    """lm-eval's scoring request with n=2: the prompt's logprobs, computed once, come with each choice."""
+    run, server = running
+    body = dict(prompt=prompt_of(12, 7), max_tokens=1, temperature=0, echo=True, logprobs=1)
+    one = complete(server, run.client.model_name, **body)["choices"][0]
+    two = complete(server, run.client.model_name, n=2, **body)["choices"]
+    for c in two:
+        assert c["text"] == one["text"]
+        assert c["logprobs"]["tokens"] == one["logprobs"]["tokens"]
+        assert c["logprobs"]["token_logprobs"][1:] == pytest.approx(one["logprobs"]["token_logprobs"][1:], abs=1e-4)
+    assert_no_pages_left(run)
+
+
 def test_choices_that_end_on_their_first_token_leave_nothing(running):
     """max_tokens 1: every choice ends at the prefill, nothing is forked or pulled."""
     run, server = running
