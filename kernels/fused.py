@@ -72,3 +72,181 @@ def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q: int,
         _rotary_qk_kernel[(t, n_q + n_kv)](qkv, cos, sin, q, k, qkv.stride(0), cos.stride(0), n_q,
                                            HALF=half, BLOCK=triton.next_power_of_2(half))
     return q, k
+
+
+# ---------------------------------------------------------------------------------------------------
+# The residual stream between the big kernels: residual add (+ the MoE's combine) + RMSNorm (+ the 1x128
+# FP8 activation quantisation of the next GEMM's input), one launch instead of three or four.
+# ---------------------------------------------------------------------------------------------------
+FP8_MAX = 448.0
+_AMAX_FLOOR = 1e-12  # kernels.fp8 / fp8_gemm: an all-zero group still gets a finite scale
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, rows_ptr, xo_ptr, out_ptr, q_ptr, s_ptr, T, H, eps,
+                         s_x, s_dt, s_dk, s_xo, s_o, s_q, s_sm, s_sk,
+                         DELTA: tl.constexpr, K_SUM: tl.constexpr, ROWS: tl.constexpr, STORE_X: tl.constexpr,
+                         NORM: tl.constexpr, QUANT: tl.constexpr, N_GROUPS: tl.constexpr, BLOCK: tl.constexpr):
+    # One program per output row r (rows >= T only in QUANT mode: the GEMM's M padding, written as zeros
+    # with the floor scale, as kernels.fp8_gemm.quantize_act_1x128 writes them).
+    r = tl.program_id(0)
+    src = r
+    if ROWS:
+        src = tl.load(rows_ptr + tl.minimum(r, T - 1))
+    src = src.to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    # (offs * 0 + r): a vector row test; Triton's interpreter rejects a vector mask & a scalar condition
+    mask = (offs < H) & (offs * 0 + r < T)
+    x = tl.load(x_ptr + src * s_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if DELTA == 1:  # a finished bf16/fp32 delta [T, H]: torch's add (fp32 math, one rounding to x's dtype)
+        d = tl.load(d_ptr + src * s_dt + offs, mask=mask, other=0.0).to(tl.float32)
+        x = (x + d).to(x_ptr.dtype.element_ty).to(tl.float32)
+    if DELTA == 2:  # the MoE's weighted expert outputs fp32 [T, K, H]: kernels.moe's combine (fixed order,
+        acc = tl.zeros([BLOCK], tl.float32)  # rounded to bf16), then the residual add
+        for j in tl.static_range(K_SUM):
+            acc += tl.load(d_ptr + src * s_dt + j * s_dk + offs, mask=mask, other=0.0)
+        d = acc.to(tl.bfloat16).to(tl.float32)
+        x = (x + d).to(x_ptr.dtype.element_ty).to(tl.float32)
+    if STORE_X:
+        tl.store(xo_ptr + r.to(tl.int64) * s_xo + offs, x.to(xo_ptr.dtype.element_ty), mask=mask)
+    if NORM:
+        # exactly _rms_norm_kernel's math on the new residual row
+        inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
+        w = tl.load(w_ptr + offs, mask=offs < H, other=0.0).to(tl.float32)
+        y = (w * (x * inv)).to(x_ptr.dtype.element_ty)
+        if QUANT:
+            # exactly _quant_act_kernel's math on the rounded normed row, per 128-wide group
+            g = tl.reshape(y.to(tl.float32), [BLOCK // 128, 128])
+            scale = tl.maximum(tl.max(tl.abs(g), 1), 1e-12) / 448.0
+            qv = tl.minimum(tl.maximum(g / scale[:, None], -448.0), 448.0)
+            gi = tl.arange(0, BLOCK // 128)
+            col = gi[:, None] * 128 + tl.arange(0, 128)[None, :]
+            tl.store(q_ptr + r.to(tl.int64) * s_q + col, qv.to(q_ptr.dtype.element_ty), mask=col < N_GROUPS * 128)
+            tl.store(s_ptr + r * s_sm + gi * s_sk, scale, mask=gi < N_GROUPS)
+        else:
+            tl.store(out_ptr + r.to(tl.int64) * s_o + offs, y, mask=mask)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None, eps: float, *,
+                 quant_k: int | None = None, rows: torch.Tensor | None = None, store_x: bool = True):
+    """The residual stream's glue in one launch. x [T, H] (unit stride in H); delta None, a finished
+    [T, H] tensor (added as torch's `x + delta`), or the MoE's weighted expert outputs fp32 [T, k, H]
+    (summed over k in order and rounded to bf16 as kernels.moe's combine does, then added); then
+    RMSNorm with `weight` (None: no norm). Returns (new x or None, normed):
+    - new x [T, H] in x's dtype (None when store_x=False, or when delta is None: x is unchanged);
+    - normed [T, H] in x's dtype, or with quant_k set (the GEMM's K padded to 128) the 1x128 FP8
+      quantisation kernels.fp8_gemm.quantize_act_1x128(normed, quant_k) returns: (fp8 [Mp, Kp], scale
+      f32 [Mp, Kp/128] M-major, Mp = rows rounded up to 4), bit for bit; None when weight is None.
+    `rows` (int64 [R]): only those rows are normed and returned (the head's logit rows); needs
+    store_x=False. Each step is the unfused op's exact math; only the fp32 order of the sum of squares
+    may differ from the separate RMSNorm kernel on a GPU (the compiler picks the reduction tree)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    t, h = x.shape
+    if rows is not None and store_x:
+        raise ValueError("add_rms_norm: rows= selects output rows; the residual cannot be stored then")
+    if delta is None:
+        kind, k_sum, d = 0, 1, x
+        store_x = False
+    elif delta.dim() == 3:
+        if delta.shape[0] != t or delta.shape[2] != h or delta.dtype != torch.float32:
+            raise ValueError(f"add_rms_norm: MoE outputs must be fp32 [{t}, k, {h}], got {list(delta.shape)} "
+                             f"{delta.dtype}")
+        kind, k_sum, d = 2, delta.shape[1], delta
+        if d.stride(-1) != 1:
+            d = d.contiguous()
+    else:
+        if tuple(delta.shape) != (t, h):
+            raise ValueError(f"add_rms_norm: delta {list(delta.shape)} does not match x {list(x.shape)}")
+        kind, k_sum, d = 1, 1, delta if delta.stride(-1) == 1 else delta.contiguous()
+    n_out = t if rows is None else rows.shape[0]
+    x_new = torch.empty_like(x) if store_x else None
+    norm = weight is not None
+    block = triton.next_power_of_2(max(h, 128))
+    out = q = s = None
+    grid = n_out
+    if norm and quant_k is not None:
+        kp = quant_k
+        if kp % 128 or kp < h:
+            raise ValueError(f"add_rms_norm: quant_k {kp} must be a multiple of 128 and >= {h}")
+        block = max(block, triton.next_power_of_2(kp))
+        grid = -(-n_out // 4) * 4
+        q = torch.empty(grid, kp, dtype=torch.float8_e4m3fn, device=x.device)
+        s = torch.empty(kp // 128, grid, dtype=torch.float32, device=x.device).t()
+    elif norm:
+        out = torch.empty(n_out, h, dtype=x.dtype, device=x.device)
+    if grid:
+        dummy = x
+        _add_rms_norm_kernel[(grid,)](
+            x, d, weight if norm else dummy, rows if rows is not None else dummy,
+            x_new if x_new is not None else dummy, out if out is not None else dummy,
+            q if q is not None else dummy, s if s is not None else dummy, n_out, h, eps,
+            x.stride(0), d.stride(0), d.stride(1) if kind == 2 else 0,
+            x_new.stride(0) if x_new is not None else 0, out.stride(0) if out is not None else 0,
+            q.stride(0) if q is not None else 0, s.stride(0) if s is not None else 0,
+            s.stride(1) if s is not None else 0,
+            DELTA=kind, K_SUM=k_sum, ROWS=rows is not None, STORE_X=x_new is not None, NORM=norm,
+            QUANT=q is not None, N_GROUPS=(quant_k or 128) // 128, BLOCK=block)
+    return x_new, ((q, s) if q is not None else out)
+
+
+# ---------------------------------------------------------------------------------------------------
+# q/k rotary + the KV-cache write: one launch instead of three (rotary, then two index_put for K and V)
+# ---------------------------------------------------------------------------------------------------
+@triton.jit
+def _rotary_kv_write_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, pool_ptr, pages_ptr, offsets_ptr,
+                            stride_qkv, stride_cs, n_q, n_kv, s_pg, s_kv, s_off, s_head,
+                            HALF: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    head = tl.program_id(1)  # 0..n_q-1 are query heads, then the kv heads
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HALF
+    row = qkv_ptr + t.to(tl.int64) * stride_qkv
+    src = row + head * 2 * HALF
+    x1 = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + t * stride_cs + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * stride_cs + offs, mask=mask, other=0.0).to(tl.float32)
+    ty = q_ptr.dtype.element_ty
+    # _rotary_qk_kernel's math, rounded to the activation dtype as its stores round
+    r1 = (x1 * c - x2 * s).to(ty)
+    r2 = (x2 * c + x1 * s).to(ty)
+    if head < n_q:
+        dst = q_ptr + (t.to(tl.int64) * n_q + head) * 2 * HALF
+        tl.store(dst + offs, r1, mask=mask)
+        tl.store(dst + HALF + offs, r2, mask=mask)
+    else:
+        kvh = head - n_q
+        page = tl.load(pages_ptr + t).to(tl.int64)
+        off = tl.load(offsets_ptr + t).to(tl.int64)
+        dst = pool_ptr + page * s_pg + off * s_off + kvh * s_head
+        pty = pool_ptr.dtype.element_ty
+        tl.store(dst + offs, r1.to(pty), mask=mask)
+        tl.store(dst + HALF + offs, r2.to(pty), mask=mask)
+        v = row + (n_q + n_kv + kvh) * 2 * HALF
+        tl.store(dst + s_kv + offs, tl.load(v + offs, mask=mask, other=0.0).to(pty), mask=mask)
+        tl.store(dst + s_kv + HALF + offs, tl.load(v + HALF + offs, mask=mask, other=0.0).to(pty), mask=mask)
+
+
+def rotary_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q: int, n_kv: int, head_dim: int,
+                    pool: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """rotary_qk + kernels.reference.write_kv in one launch: qkv [T, (n_q + 2 n_kv) * head_dim], tables
+    [T, head_dim/2], a layer pool [num_pages, 2, page_size, n_kv, head_dim] (unit stride in head_dim),
+    pages/offsets [T] (int) -> rotated q [T, n_q, head_dim] (new); rotated K and V stored at
+    pool[pages[t], 0/1, offsets[t]] in the pool's dtype (rounded to qkv's dtype first, as the unfused
+    path rounds). Rows sharing one (page, offset) (graph padding on the scratch page) race, as index_put's do."""
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    if pool.dim() != 5 or pool.shape[1] != 2 or pool.shape[3] != n_kv or pool.shape[4] != head_dim \
+            or pool.stride(-1) != 1:
+        raise ValueError(f"rotary_kv_write: pool {list(pool.shape)} is not [pages, 2, page, {n_kv}, {head_dim}]")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    t = qkv.shape[0]
+    q = torch.empty((t, n_q, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if t:
+        half = head_dim // 2
+        _rotary_kv_write_kernel[(t, n_q + n_kv)](
+            qkv, cos, sin, q, pool, pages, offsets, qkv.stride(0), cos.stride(0), n_q, n_kv,
+            pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3),
+            HALF=half, BLOCK=triton.next_power_of_2(half))
+    return q

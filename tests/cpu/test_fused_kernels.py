@@ -50,3 +50,104 @@ def test_fused_kernels_interpreted() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     res = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-3000:] + res.stderr[-3000:]
+
+
+GLUE = textwrap.dedent("""
+    import torch, triton
+    from kvrelay.kernels import fused, fp8, fp8_gemm, moe
+    from kvrelay.kernels.reference import apply_rotary, rotary_cos_sin, write_kv, yarn_inv_freq
+
+    def bits(t):
+        return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+    def same(a, b, what):
+        assert a.shape == b.shape and a.dtype == b.dtype, (what, a.shape, b.shape, a.dtype, b.dtype)
+        assert a.stride() == b.stride(), (what, a.stride(), b.stride())
+        assert torch.equal(bits(a), bits(b)), (what, (a.float() - b.float()).abs().max())
+
+    def interp_add(a, b):
+        # torch's bf16 `a + b` (fp32 sum, one rounding) with the interpreter's fp32->bf16 cast, which
+        # truncates where the GPU (and torch) round to nearest even; the GPU test compares with torch's add
+        s = a.float() + b.float()
+        return (s.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+
+    g = torch.Generator().manual_seed(0)
+    eps = 1e-5
+    for t, h, k in [(1, 2880, 4), (5, 200, 4), (3, 128, 2), (6, 64, 1)]:
+        kp = -(-h // 128) * 128
+        x = (torch.randn(t, h, generator=g) * 3).to(torch.bfloat16)
+        w = torch.rand(h, generator=g) + 0.5
+        dl = (torch.randn(t, h, generator=g) * 2).to(torch.bfloat16)
+        y = torch.randn(t, k, h, generator=g) * 2  # the MoE's weighted expert outputs (fp32)
+        # the unfused GPU chain: combine kernel, torch add, RMSNorm kernel, activation quantiser
+        comb = torch.empty(t, h, dtype=torch.bfloat16)
+        moe._combine_kernel[(t, triton.cdiv(h, 1024))](y, comb, h, K_TOP=k, BLOCK=1024)
+        for delta, added in [(None, x), (dl, interp_add(x, dl)), (y, interp_add(x, comb))]:
+            chain_n = fused.rms_norm(added, w, eps)
+            chain_q, chain_s = fp8_gemm.quantize_act_1x128(chain_n, kp)
+            x_new, normed = fused.add_rms_norm(x, delta, w, eps)
+            if delta is None:
+                assert x_new is None
+            else:
+                same(x_new, added, ("x", t, h))
+            same(normed, chain_n, ("normed", t, h))
+            x_new2, (q, s) = fused.add_rms_norm(x, delta, w, eps, quant_k=kp)
+            same(q, chain_q, ("q", t, h))
+            same(s, chain_s, ("scale", t, h))
+            # the torch quantiser of kernels.fp8 (the CPU model's) gives the same scales; its fp8 bytes are
+            # compared on the GPU (tests/gpu/test_fused_gpu.py): the interpreter's fp32->e4m3 cast does not
+            # round to nearest even as the hardware's (and torch's) does
+            rq, rs = fp8.quantize_act_1x128(chain_n)
+            assert torch.equal(s[:t], rs), (t, h)
+            assert (s[t:] == 1e-12 / 448.0).all() and not bits(q[t:]).any() and not bits(q[:, h:]).any()
+            # float32 reference of the whole chain
+            x32 = x.float() + (0 if delta is None else (delta.float() if delta.dim() == 2 else y.sum(1)))
+            ref = w * x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+            assert ((normed.float() - ref).abs() <= ref.abs() * 2 ** -7 + 0.02).all(), (t, h)
+            assert torch.allclose(s[:t], ref.view(t, -1, 128).abs().amax(-1) / 448.0, rtol=2 ** -7) if h % 128 == 0 else True
+            if delta is not None:  # dropping the residual add would not pass
+                assert not ((fused.rms_norm(x, w, eps).float() - ref).abs() <= ref.abs() * 2 ** -7 + 0.02).all()
+            # the head's form: a few rows, no residual written
+            rows = torch.tensor([t - 1, 0][: t], dtype=torch.int64)
+            none, picked = fused.add_rms_norm(x, delta, w, eps, rows=rows, store_x=False)
+            assert none is None
+            same(picked, chain_n[rows], ("rows", t, h))
+        # add only (no norm): the residual after the last layer
+        x_new, nothing = fused.add_rms_norm(x, y, None, eps)
+        assert nothing is None
+        same(x_new, interp_add(x, comb), ("add only", t, h))
+
+    # rotary + KV write against rotary_qk + write_kv on a random, non-zero pool
+    for t, nq, nkv, d, page in [(1, 64, 8, 64, 16), (5, 6, 2, 32, 4), (4, 3, 1, 16, 2)]:
+        qkv = torch.randn(t, (nq + 2 * nkv) * d, generator=g).to(torch.bfloat16)
+        inv, conc = yarn_inv_freq(d, 150000.0, 32.0, 4096, beta_fast=32.0, beta_slow=1.0)
+        pos = torch.randint(0, 5000, (t,), generator=g)
+        cos, sin = rotary_cos_sin(pos, inv, conc, torch.bfloat16)
+        # a group pool [layers, pages, 2, page, kv heads, d]; the layer's view is not at offset 0
+        group = torch.randn(2, 6, 2, page, nkv, d, generator=g).to(torch.bfloat16)
+        slots = torch.randperm(6 * page, generator=g)[:t]
+        pages, offsets = slots // page, slots % page
+        want_pool = group.clone()
+        q0, k0 = fused.rotary_qk(qkv, cos, sin, nq, nkv, d)
+        v0 = qkv[:, (nq + nkv) * d:].view(t, nkv, d)
+        write_kv(want_pool[1], k0, v0, pages, offsets)
+        got = fused.rotary_kv_write(qkv, cos, sin, nq, nkv, d, group[1], pages, offsets)
+        same(got, q0, ("q", t, nq))
+        assert torch.equal(group, want_pool), (t, nq, "pool")
+        # float32 reference of the rotation of what landed in the cache
+        kref = apply_rotary(qkv[:, nq * d:(nq + nkv) * d].float().view(t, nkv, d), cos.float(), sin.float())
+        assert torch.allclose(group[1][pages, 0, offsets].float(), kref, rtol=2 ** -7, atol=1e-2)
+        assert torch.equal(group[1][pages, 1, offsets], v0)
+        assert not torch.allclose(group[1][pages, 0, offsets].float(), qkv[:, nq * d:(nq + nkv) * d].float().view(t, nkv, d),
+                                  rtol=2 ** -7, atol=1e-2)
+    print("ok")
+""")
+
+
+def test_glue_kernels_interpreted() -> None:
+    """add_rms_norm and rotary_kv_write (kernels/fused.py) equal, bit for bit under the interpreter, the
+    unfused GPU chain they replace (combine kernel, torch add, RMSNorm kernel, activation quantiser;
+    rotary kernel + write_kv), and stay within rounding of float32 references."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", GLUE], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-3000:] + res.stderr[-3000:]
