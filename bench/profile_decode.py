@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -72,28 +73,36 @@ def main(argv: list[str] | None = None) -> dict:
         runner.decode(sids, tokens)
         if cuda:
             torch.cuda.synchronize()
-    # Self device time is non-zero only for the kernels themselves (an aten op's time is its kernels').
+    # On CUDA only the device's own events (kernels, memcpy/memset): the aten op that launched a kernel
+    # carries its kernels' time as "self device time" too, and counting both (as this did until
+    # 2026-12-01) doubled every cuBLAS/aten kernel in the launch count and the kernel time.
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"
-    events = [e for e in prof.key_averages() if (getattr(e, attr, 0) or 0) > 0]
+    events = [e for e in prof.key_averages() if (getattr(e, attr, 0) or 0) > 0
+              and (not cuda or e.device_type.name == "CUDA")]
     events.sort(key=lambda e: getattr(e, attr), reverse=True)
     total_us = sum(getattr(e, attr) for e in events)
     rows = [{"kernel": e.key[:90], "calls": e.count, "total_us": round(getattr(e, attr), 1),
              "share": round(getattr(e, attr) / total_us, 3) if total_us else 0.0} for e in events[: args.top]]
     kind = "graph" if args.graphs else "eager"
+    launches = sum(e.count for e in events)
     print(f"{args.model} {args.quant} decode batch {args.batch} context {args.context}: {kind} step "
           f"{wall_ms:.2f} ms wall ({host_ms:.2f} ms on the host until queued), {total_us / 1e3:.2f} ms of kernel "
-          f"time in {sum(e.count for e in events)} launches (model built in {build_s:.1f} s)")
+          f"time in {launches} launches, {launches / cfg.num_hidden_layers:.1f} per layer "
+          f"(model built in {build_s:.1f} s)")
     print(f"{'kernel':90s} {'calls':>6s} {'us':>9s} {'share':>6s}")
     for r in rows:
         print(f"{r['kernel']:90s} {r['calls']:6d} {r['total_us']:9.1f} {r['share']:6.1%}")
     result = {"env": env_info(args.device, "kvrelay.bench.profile_decode", argv), "wall_ms": wall_ms,
               "host_ms": host_ms, "graphs": args.graphs,
-              "kernel_ms": total_us / 1e3, "launches": sum(e.count for e in events), "top": rows,
+              "kernel_ms": total_us / 1e3, "launches": launches,
+              "launches_per_layer": launches / cfg.num_hidden_layers, "fused": os.environ.get("KVRELAY_FUSED") != "0",
+              "top": rows,
               "batch": args.batch, "context": args.context, "model": args.model, "quant": args.quant}
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        name = f"profile-decode-{args.model}-b{args.batch}{'-graph' if args.graphs else ''}.json"
+        name = (f"profile-decode-{args.model}-b{args.batch}{'-graph' if args.graphs else ''}"
+                f"{'' if result['fused'] else '-unfused'}.json")
         (out / name).write_text(json.dumps(result, indent=1))
     return result
 

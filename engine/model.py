@@ -36,26 +36,73 @@ class Block:
         self.mlp_norm = RMSNorm(weights, f"block.{layer}.mlp.norm.scale", eps, device)
         self.mlp = MoE(weights, cfg, layer, shard=shard, quant=quant, device=device, dtype=dtype)
 
+        # GPU: the glue between the big kernels fused (kernels/fused.py): residual add (with the previous
+        # block's MoE combine) + RMSNorm + the QKV GEMM's FP8 activation quantisation in one launch,
+        # rotary + KV write in one, residual add + RMSNorm before the MoE in one. Same math, fewer launches
+        # (a batch-1 decode step is launch-bound).
+        self.fused = select.fuse_glue(device)
+        self.eps = eps
+
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                 batch: BatchLayout, attn: BatchAttention) -> torch.Tensor:
-        q = self.attention_in(x, cos, sin, cache, batch)
+                 batch: BatchLayout, attn: BatchAttention, delta: torch.Tensor | None = None):
+        """The residual stream (x, delta) through this block: x plus a `delta` still to be added (the
+        previous block's MoE outputs, uncombined, on the fused path; None otherwise) -> the same pair
+        after this block. `add_delta` finishes a pair into the residual stream."""
+        x, q = self.residual_attention_in(x, delta, cos, sin, cache, batch)
         group = cache.layer_group(self.layer)
         o = attn.run(q, cache.layer_pool(self.layer), group, self.attn.sinks, self.attn.sm_scale,
                      self.attn.window)
-        return self.attention_out(x, o)
+        return self.attention_out_deferred(x, o)
 
     # The two halves around the attention kernel (a piecewise CUDA graph replays them, engine/cuda_graph.py).
     def attention_in(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                      batch: BatchLayout) -> torch.Tensor:
         """Norm, QKV, rotary and the KV-cache write for this layer's new tokens: q [T, Hq, D]."""
-        group = cache.layer_group(self.layer)
-        return self.attn.project_in(self.attn_norm(x), cos, sin, cache.layer_pool(self.layer),
-                                    batch.write_pages[group], batch.write_offsets[group])
+        return self.residual_attention_in(x, None, cos, sin, cache, batch)[1]
 
     def attention_out(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, then the MoE half of the block: the block's output."""
-        x = x + self.shard.all_reduce(self.attn.project_out(o))
-        return x + self.shard.all_reduce(self.mlp(self.mlp_norm(x)))
+        return self.add_delta(*self.attention_out_deferred(x, o))
+
+    def residual_attention_in(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor,
+                              sin: torch.Tensor, cache: KVCache, batch: BatchLayout):
+        """(x + delta, q): the residual stream finished, then attention_in on it."""
+        group = cache.layer_group(self.layer)
+        pool, pages, offsets = cache.layer_pool(self.layer), batch.write_pages[group], batch.write_offsets[group]
+        if not self.fused:
+            x = self.add_delta(x, delta)
+            return x, self.attn.project_in(self.attn_norm(x), cos, sin, pool, pages, offsets)
+        from kvrelay.kernels.fused import add_rms_norm
+
+        kp = self.attn.qkv.quant_k
+        x_new, h = add_rms_norm(x, delta, self.attn_norm.scale, self.eps, quant_k=kp)
+        x = x if x_new is None else x_new
+        if kp is None:
+            return x, self.attn.project_in(h, cos, sin, pool, pages, offsets)
+        return x, self.attn.project_in_quantized(*h, x.shape[0], x.dtype, cos, sin, pool, pages, offsets)
+
+    def attention_out_deferred(self, x: torch.Tensor, o: torch.Tensor):
+        """attention_out as (x, delta) with the MoE's outputs left uncombined in delta where the next
+        kernel can sum them (fused path, one rank); (block output, None) otherwise."""
+        a = self.shard.all_reduce(self.attn.project_out(o))
+        if not self.fused:
+            x = x + a
+            return x + self.shard.all_reduce(self.mlp(self.mlp_norm(x))), None
+        from kvrelay.kernels.fused import add_rms_norm
+
+        x, h = add_rms_norm(x, a, self.mlp_norm.scale, self.eps)
+        if self.shard.world_size == 1 and self.mlp.gpu is not None:
+            return x, self.mlp.uncombined(h)
+        return x, self.shard.all_reduce(self.mlp(h))
+
+    def add_delta(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        if delta is None:
+            return x
+        if delta.dim() == 2 and not self.fused:
+            return x + delta
+        from kvrelay.kernels.fused import add_rms_norm
+
+        return add_rms_norm(x, delta, None, self.eps)[0]
 
 
 class GptOss:
@@ -87,6 +134,7 @@ class GptOss:
         self.rotary = YarnRotary(cfg, device=device, dtype=dtype)
         self.blocks = [Block(weights, cfg, i, quant=quant, **common) for i in range(cfg.num_hidden_layers)]
         self.norm = RMSNorm(weights, "norm.scale", cfg.rms_norm_eps, device)
+        self.fused_head = select.fuse_glue(self.device)
         self.unembedding = Unembedding(weights, cfg, **common)
 
     def make_attention(self, page_size: int, **gpu_kwargs) -> BatchAttention:
@@ -110,17 +158,26 @@ class GptOss:
         if plan:
             attn.plan(batch)
         x, cos, sin = self.embed(ids, batch.positions)
+        delta = None
         for block in self.blocks:
-            x = block(x, cos, sin, cache, batch, attn)
-        return self.head(x, None if all_logits else batch.logit_rows)
+            x, delta = block(x, cos, sin, cache, batch, attn, delta)
+        return self.head(x, None if all_logits else batch.logit_rows, delta)
 
     def embed(self, ids: torch.Tensor, positions: torch.Tensor):
         """Token embeddings [T, hidden] and the rotary tables of the tokens' positions."""
         cos, sin = self.rotary(positions)
         return self.embedding(ids), cos, sin
 
-    def head(self, x: torch.Tensor, logit_rows: torch.Tensor | None) -> torch.Tensor:
-        """Final norm and unembedding of `logit_rows` of x (every row when None): fp32 logits."""
+    def head(self, x: torch.Tensor, logit_rows: torch.Tensor | None, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """Final norm and unembedding of `logit_rows` of x + delta (every row when None): fp32 logits.
+        On the fused path one kernel adds the last block's MoE outputs and norms only the logit rows."""
+        if self.fused_head:
+            from kvrelay.kernels.fused import add_rms_norm
+
+            return self.unembedding(add_rms_norm(x, delta, self.norm.scale, self.norm.eps, rows=logit_rows,
+                                                 store_x=False)[1]).float()
+        if delta is not None:
+            x = self.blocks[-1].add_delta(x, delta)
         if logit_rows is not None:
             x = x[logit_rows]
         return self.unembedding(self.norm(x)).float()

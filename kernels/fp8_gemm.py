@@ -196,12 +196,16 @@ class Fp8BlockLinear:
         self._choice[bucket] = min(times, key=times.get)
         return self._choice[bucket]
 
+    def run_quantized(self, xq: torch.Tensor, sx: torch.Tensor, m: int) -> torch.Tensor:
+        """The product of an input already quantised as quantize_act_1x128(x, self.kp) returns it (e.g. by
+        kernels.fused.add_rms_norm): [m, N] bf16, the M padding rows dropped."""
+        return self._run(self._pick(m, xq, sx), xq, sx)[:m]
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.k)
         xq, sx = quantize_act_1x128(x2, self.kp)
-        y = self._run(self._pick(x2.shape[0], xq, sx), xq, sx)[: x2.shape[0]]  # drop the M padding rows
-        return y.reshape(*lead, self.n)
+        return self.run_quantized(xq, sx, x2.shape[0]).reshape(*lead, self.n)
 
 
 def fp8_block_linear(x, w_fp8, w_scale, bias=None, backend: str = "cublas"):

@@ -209,7 +209,7 @@ def _combine_kernel(y, out, Ndim, K_TOP: tl.constexpr, BLOCK: tl.constexpr):
 
 
 def _moe_gemv(x, ids, route_w, ex: MoEWeights, alpha, limit, block_n1=32, block_n2=16, block_k=512,
-              num_warps=4, num_stages=3):
+              num_warps=4, num_stages=3, combine=True):
     t, k = ids.shape
     two_i, h = ex.w1.shape[1], ex.hidden
     inter = two_i // 2
@@ -229,6 +229,8 @@ def _moe_gemv(x, ids, route_w, ex: MoEWeights, alpha, limit, block_n1=32, block_
         act, ids_flat, route_w.reshape(-1), ex.w2, s2, ex.b2, y, inter, h, act.stride(0),
         ex.w2.stride(0), ex.w2.stride(1), s2.stride(0), s2.stride(1), ex.b2.stride(0), y.stride(0),
         FP8=ex.fp8, BLOCK_N=block_n2, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+    if not combine:
+        return y.view(t, k, h)
     out = torch.empty(t, h, dtype=torch.bfloat16, device=x.device)
     _combine_kernel[(t, triton.cdiv(h, 1024))](y, out, h, K_TOP=k, BLOCK=1024, num_warps=4)
     return out
@@ -450,7 +452,7 @@ def grouped_config(n_pairs: int, num_experts: int, hidden: int | None = None, in
 
 
 def _moe_grouped(x, ids, route_w, ex: MoEWeights, alpha, limit, block_m=None, block_n=None, num_warps=None,
-                 num_stages=None, *, config: GroupedConfig | None = None):
+                 num_stages=None, *, config: GroupedConfig | None = None, combine: bool = True):
     """The grouped expert path under `config` (default: grouped_config for this shape and device). The
     block_m/block_n/num_warps/num_stages overrides (bench.kernels' side-by-side configs) apply to both
     GEMMs with the knobs off, i.e. the original kernel."""
@@ -479,7 +481,7 @@ def _moe_grouped(x, ids, route_w, ex: MoEWeights, alpha, limit, block_m=None, bl
     y = torch.empty(n_pairs, h, dtype=torch.float32, device=x.device)
     _grouped_gemm(aa, as_, ex.w2, ex.s2, ex.b2, route_w.reshape(-1), y, sorted_ids, block_expert, n_pairs, 1, h,
                   ex.w2.shape[2], ex.fp8, False, alpha, limit, block_m, config.w2)
-    return y.view(t, k, h).sum(1).to(torch.bfloat16)
+    return y.view(t, k, h).sum(1).to(torch.bfloat16) if combine else y.view(t, k, h)
 
 
 def _moe_torch_grouped(x, ids, route_w, ex: MoEWeights, alpha, limit):
@@ -508,16 +510,22 @@ GEMV_MAX_PAIRS = 32
 
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, ex: MoEWeights, *,
-                path: str = "auto", alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
-    """Expert mixture for given routing. x [T, H] bf16; ids [T, k]; route_w [T, k] -> [T, H] bf16."""
+                path: str = "auto", alpha: float = 1.702, limit: float = 7.0, combine: bool = True) -> torch.Tensor:
+    """Expert mixture for given routing. x [T, H] bf16; ids [T, k]; route_w [T, k] -> [T, H] bf16.
+    combine=False (gemv and grouped paths): the weighted expert outputs fp32 [T, k, H] before their sum,
+    for a caller that fuses the combine into its next kernel (kernels.fused.add_rms_norm)."""
     if path == "auto":
         path = "gemv" if ids.numel() <= GEMV_MAX_PAIRS else "grouped"
     if x.shape[0] == 0:
+        if not combine:
+            return torch.empty(0, ids.shape[1], ex.hidden, dtype=torch.float32, device=x.device)
         return torch.empty(0, ex.hidden, dtype=torch.bfloat16, device=x.device)
     if path == "gemv":
-        return _moe_gemv(x, ids, route_w, ex, alpha, limit)
+        return _moe_gemv(x, ids, route_w, ex, alpha, limit, combine=combine)
     if path == "grouped":
-        return _moe_grouped(x, ids, route_w, ex, alpha, limit)
+        return _moe_grouped(x, ids, route_w, ex, alpha, limit, combine=combine)
+    if not combine:
+        raise ValueError(f"MoE path {path} always combines")
     if path == "torch":
         return _moe_torch_grouped(x, ids, route_w, ex, alpha, limit)
     raise ValueError(f"unknown MoE path {path}")

@@ -48,6 +48,13 @@ def use_gpu_kernels(device) -> bool:
     return _device(device).type == "cuda"
 
 
+def fuse_glue(device) -> bool:
+    """True when the model runs the fused residual/norm/quantisation and rotary/KV-write kernels
+    (kernels/fused.py) between the big kernels: wherever the GPU kernels run, unless
+    `KVRELAY_FUSED=0` (A/B runs: the unfused GPU chain computes the same math in more launches)."""
+    return use_gpu_kernels(device) and _device(device).type != "meta" and os.environ.get("KVRELAY_FUSED") != "0"
+
+
 def attention_backend(device, head_dim: int | None = None) -> str:
     dev = _device(device)
     forced = os.environ.get("KVRELAY_ATTENTION")

@@ -54,6 +54,7 @@ class Attention:
         from kvrelay.kernels import select
 
         self.fused_rotary = select.use_gpu_kernels(device) and torch.device(device).type != "meta"
+        self.fused_write = select.fuse_glue(device)  # rotary + the KV-cache write in one launch
 
     def __call__(
         self,
@@ -76,8 +77,24 @@ class Attention:
         """QKV projection, rotary, and the new K/V rows written to the cache; returns q [T, Hq, D].
         Split from the attention kernel itself so a piecewise CUDA graph can hold everything but the
         attention (whose plan depends on the ragged batch) - engine/cuda_graph.py."""
+        return self.rotate_and_write(self.qkv(x), cos, sin, pool, write_pages, write_offsets)
+
+    def project_in_quantized(self, xq: torch.Tensor, sx: torch.Tensor, m: int, dtype: torch.dtype,
+                             cos: torch.Tensor, sin: torch.Tensor, pool: torch.Tensor, write_pages: torch.Tensor,
+                             write_offsets: torch.Tensor) -> torch.Tensor:
+        """project_in of m rows whose normed input arrives already FP8-quantised for the QKV GEMM
+        (kernels.fused.add_rms_norm with quant_k=self.qkv.quant_k)."""
+        return self.rotate_and_write(self.qkv.run_quantized(xq, sx, m, dtype), cos, sin, pool, write_pages,
+                                     write_offsets)
+
+    def rotate_and_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: torch.Tensor,
+                         write_pages: torch.Tensor, write_offsets: torch.Tensor) -> torch.Tensor:
+        """qkv [T, (Hq + 2 Hkv) D] (bias included) -> q [T, Hq, D]; rotated K and V written to the cache."""
         h, d = self.heads, self.head_dim
-        qkv = self.qkv(x)
+        if self.fused_write:
+            from kvrelay.kernels.fused import rotary_kv_write
+
+            return rotary_kv_write(qkv, cos, sin, h.num_q, h.num_kv, d, pool, write_pages, write_offsets)
         q, k, v = qkv.split([h.num_q * d, h.num_kv * d, h.num_kv * d], dim=-1)
         if self.fused_rotary:  # GPU: q and k rotated in one Triton launch (decode steps are launch-bound)
             from kvrelay.kernels.fused import rotary_qk

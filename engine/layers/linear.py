@@ -90,6 +90,17 @@ class Linear:
                 # Keep one copy of the weight: the kernel's (K padded to 128) is the one held.
                 self.weight = self._gpu.w[:, : self.in_features]
 
+    @property
+    def quant_k(self) -> int | None:
+        """K padded to 128 when this layer runs the GPU FP8 GEMM (its input may come pre-quantised,
+        `run_quantized`), else None."""
+        return self._gpu.kp if self._gpu is not None else None
+
+    def run_quantized(self, xq: torch.Tensor, sx: torch.Tensor, m: int, dtype: torch.dtype) -> torch.Tensor:
+        """The GPU FP8 product of m rows quantised as kernels.fp8_gemm.quantize_act_1x128(x, quant_k)
+        would quantise them: self(x) without the quantisation launch; `dtype` is x's."""
+        return self._gpu.run_quantized(xq, sx, m).to(dtype)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant == "bf16":
             return F.linear(x, self.weight, self.bias)

@@ -55,7 +55,7 @@ class MoE:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] (already normed) -> this rank's partial output (its experts' share)."""
         if self.gpu is not None:
-            return self._gpu_forward(x)
+            return self._gpu_forward(x).to(x.dtype)
         gate, experts = route_topk(self.router(x), self.top_k)
         out = torch.zeros_like(x)
         local = experts - self.e0
@@ -69,7 +69,12 @@ class MoE:
             out[tokens] += y * gate[tokens, slot, None]
         return out
 
-    def _gpu_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def uncombined(self, x: torch.Tensor) -> torch.Tensor:
+        """GPU only: the weighted expert outputs fp32 [T, k, hidden] before their sum; kernels.fused.
+        add_rms_norm sums them (as kernels.moe's combine does) inside the next residual add."""
+        return self._gpu_forward(x, combine=False)
+
+    def _gpu_forward(self, x: torch.Tensor, combine: bool = True) -> torch.Tensor:
         """Routing and experts on the GPU kernels: no host sync, so a decode step can be graph-captured."""
         from kvrelay.kernels import moe as kmoe
 
@@ -82,7 +87,7 @@ class MoE:
             mine = (local >= 0) & (local < n_local)
             experts = torch.where(mine, local, torch.zeros_like(local))
             gate = torch.where(mine, gate, torch.zeros_like(gate))
-        return kmoe.moe_experts(x, experts, gate, self.gpu, alpha=self.alpha, limit=self.limit).to(x.dtype)
+        return kmoe.moe_experts(x, experts, gate, self.gpu, alpha=self.alpha, limit=self.limit, combine=combine)
 
 
 def _gpu_experts(w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, quant: str):

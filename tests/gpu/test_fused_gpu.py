@@ -1,0 +1,211 @@
+"""The decode step's fused glue kernels (kernels/fused.py: add_rms_norm, rotary_kv_write) on the GPU,
+against the unfused GPU chain they replace and float32 references, and the whole model with them
+(the default on CUDA) against the same model with KVRELAY_FUSED=0.
+
+Bit-for-bit checks use inputs on a coarse grid (multiples of 1/8, small): every sum of squares and
+residual add is then exact in fp32 whatever order the GPU reduces in, so fused and unfused must agree
+to the bit; random inputs are compared with float32 references and within one bf16 step of the chain.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_refs import poison_allocator
+
+pytestmark = pytest.mark.gpu
+
+EPS = 1e-5
+
+
+def _cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    return torch.device("cuda")
+
+
+def _bits(t):
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _chain(x, delta, w, kp):
+    """The unfused GPU path: kernels.moe's combine (for fp32 [T, k, H] deltas), torch's add, the RMSNorm
+    kernel, the FP8 activation quantiser."""
+    import triton
+
+    from kvrelay.kernels import fp8_gemm, fused, moe
+
+    if delta is None:
+        added = x
+    elif delta.dim() == 3:
+        t, k, h = delta.shape
+        comb = torch.empty(t, h, dtype=torch.bfloat16, device=x.device)
+        moe._combine_kernel[(t, triton.cdiv(h, 1024))](delta, comb, h, K_TOP=k, BLOCK=1024)
+        added = x + comb
+    else:
+        added = x + delta
+    normed = fused.rms_norm(added, w, EPS)
+    return added, normed, fp8_gemm.quantize_act_1x128(normed, kp)
+
+
+def _inputs(t, h, k, dev, gen, grid: bool):
+    if grid:  # multiples of 1/8: exact sums (see module docstring)
+        x = (torch.randint(-32, 33, (t, h), generator=gen) / 8).bfloat16().to(dev)
+        dl = (torch.randint(-32, 33, (t, h), generator=gen) / 8).bfloat16().to(dev)
+        y = (torch.randint(-8, 9, (t, k, h), generator=gen) / 8).float().to(dev)
+    else:
+        x = (torch.randn(t, h, generator=gen) * 3).bfloat16().to(dev)
+        dl = (torch.randn(t, h, generator=gen) * 2).bfloat16().to(dev)
+        y = (torch.randn(t, k, h, generator=gen) * 2).to(dev)
+    w = (torch.rand(h, generator=gen) + 0.5).to(dev)
+    return x, dl, y, w
+
+
+@pytest.mark.parametrize("t,h", [(1, 2880), (4, 2880), (64, 2880), (3, 200), (2, 128)])
+def test_add_rms_norm_equals_unfused_chain_bit_for_bit(t, h):
+    from kvrelay.kernels.fp8 import quantize_act_1x128 as ref_quant
+    from kvrelay.kernels.fused import add_rms_norm
+
+    dev = _cuda()
+    g = torch.Generator().manual_seed(t * 7 + h)
+    kp = -(-h // 128) * 128
+    x, dl, y, w = _inputs(t, h, 4, dev, g, grid=True)
+    for delta in (None, dl, y):
+        added, normed, (cq, cs) = _chain(x, delta, w, kp)
+        poison_allocator(1 << 24)
+        x_new, got = add_rms_norm(x, delta, w, EPS)
+        assert (x_new is None) == (delta is None)
+        if delta is not None:
+            assert torch.equal(x_new, added)
+        assert torch.equal(got, normed)
+        poison_allocator(1 << 24)
+        _, (q, s) = add_rms_norm(x, delta, w, EPS, quant_k=kp)
+        assert q.shape == cq.shape and s.shape == cs.shape and s.stride() == cs.stride()
+        assert torch.equal(_bits(q), _bits(cq)) and torch.equal(s, cs)
+        # the torch quantiser (the CPU model's) gives the same bytes and scales on the real rows
+        rq, rs = ref_quant(normed)
+        assert torch.equal(_bits(q[:t, :h]), _bits(rq)) and torch.equal(s[:t], rs)
+        rows = torch.tensor([t - 1, 0][:t], dtype=torch.int64, device=dev)
+        none, picked = add_rms_norm(x, delta, w, EPS, rows=rows, store_x=False)
+        assert none is None and torch.equal(picked, normed[rows])
+    x_new, nothing = add_rms_norm(x, y, None, EPS)
+    assert nothing is None and torch.equal(x_new, _chain(x, y, w, kp)[0])
+
+
+@pytest.mark.parametrize("t,h", [(1, 2880), (16, 2880), (300, 2880), (5, 200)])
+def test_add_rms_norm_random_inputs_against_float32(t, h):
+    from kvrelay.kernels.fp8 import dequantize_act_1x128
+    from kvrelay.kernels.fused import add_rms_norm
+
+    dev = _cuda()
+    g = torch.Generator().manual_seed(t + h)
+    kp = -(-h // 128) * 128
+    x, dl, y, w = _inputs(t, h, 4, dev, g, grid=False)
+    for delta in (dl, y):
+        x32 = x.float() + (delta.float() if delta.dim() == 2 else delta.sum(1))
+        ref = w * x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + EPS)
+        added, normed, _ = _chain(x, delta, w, kp)
+        x_new, got = add_rms_norm(x, delta, w, EPS)
+        assert torch.equal(x_new, added)  # elementwise: exact on the GPU
+        # the sum of squares may reduce in another order: at most one bf16 step from the RMSNorm kernel
+        step = normed.float().abs().clamp_min(1e-30) * 2 ** -7
+        assert ((got.float() - normed.float()).abs() <= step).all()
+        assert ((got.float() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-2).all()
+        _, (q, s) = add_rms_norm(x, delta, w, EPS, quant_k=kp)
+        deq = dequantize_act_1x128(q[:t, :h], s[:t])
+        # e4m3 keeps 3 mantissa bits: within 1/16 relative, plus the group's smallest step near zero
+        tol = ref.abs() * 2 ** -4 + s[:t].repeat_interleave(128, -1)[:, :h] * 2 ** -6 + 1e-2
+        assert ((deq - ref).abs() <= tol).all()
+        if delta.dim() == 3:  # the combine is load-bearing: leaving out an expert's output must fail
+            x_bad, _ = add_rms_norm(x, delta[:, :3].contiguous(), w, EPS)
+            assert not torch.allclose(x_bad.float(), x32, atol=0.1)
+
+
+@pytest.mark.parametrize("t,nq,nkv,d,page", [(1, 64, 8, 64, 16), (7, 64, 8, 64, 16), (33, 6, 2, 32, 4)])
+def test_rotary_kv_write_equals_rotary_then_write_kv(t, nq, nkv, d, page):
+    from kvrelay.kernels.fused import rotary_kv_write, rotary_qk
+    from kvrelay.kernels.reference import apply_rotary, rotary_cos_sin, write_kv, yarn_inv_freq
+
+    dev = _cuda()
+    g = torch.Generator().manual_seed(t + nq)
+    qkv = torch.randn(t, (nq + 2 * nkv) * d, generator=g).bfloat16().to(dev)
+    inv, conc = yarn_inv_freq(d, 150000.0, 32.0, 4096, beta_fast=32.0, beta_slow=1.0)
+    cos, sin = rotary_cos_sin(torch.randint(0, 100000, (t,), generator=g).to(dev), inv, conc, torch.bfloat16)
+    n_pages = -(-t // page) + 3
+    pools = torch.randn(2, n_pages, 2, page, nkv, d, generator=g).bfloat16().to(dev)  # a group pool
+    slots = torch.randperm(n_pages * page, generator=g)[:t].to(dev)
+    pages, offsets = slots // page, slots % page
+    want = pools.clone()
+    q0, k0 = rotary_qk(qkv, cos, sin, nq, nkv, d)
+    v0 = qkv[:, (nq + nkv) * d:].view(t, nkv, d)
+    write_kv(want[1], k0, v0, pages, offsets)
+    poison_allocator(1 << 22)
+    q = rotary_kv_write(qkv, cos, sin, nq, nkv, d, pools[1], pages, offsets)
+    torch.cuda.synchronize()
+    assert torch.equal(q, q0) and torch.equal(pools, want)
+    kref = apply_rotary(qkv[:, nq * d:(nq + nkv) * d].float().view(t, nkv, d), cos.float(), sin.float())
+    assert torch.allclose(pools[1][pages, 0, offsets].float(), kref, rtol=2 ** -7, atol=1e-2)
+
+
+@pytest.mark.parametrize("quant", ["bf16", "fp8-block128"])
+def test_model_fused_equals_unfused(quant, monkeypatch):
+    """The model on CUDA (graphs on) with the fused glue against the same weights with KVRELAY_FUSED=0:
+    the same tokens fed to both, logits within bf16 rounding of each other at every step, top-1 equal
+    except at near-ties; and the fused decode step launches fewer kernels."""
+    from kvrelay.engine.config import PRESETS
+    from kvrelay.engine.layers.linear import TensorDictWeights
+    from kvrelay.engine.runner import Runner
+    from kvrelay.engine.weights import canonical_shapes, open_weights
+
+    dev = _cuda()
+    cfg = PRESETS["tiny"].replace(
+        name="tiny-attn64", head_dim=64, num_attention_heads=64, num_key_value_heads=8, hidden_size=256,
+        intermediate_size=256, sliding_window=128, num_hidden_layers=4, initial_context_length=4096,
+        max_context=4096)
+    dummy = open_weights(None, cfg, dummy=True, seed=5)
+    w = TensorDictWeights({n: dummy.get(n, device="cpu") for n in canonical_shapes(cfg)})
+    runners = {}
+    for fused in (True, False):
+        monkeypatch.setenv("KVRELAY_FUSED", "1" if fused else "0")
+        runners[fused] = Runner(cfg, w, device=dev, quant=quant, page_size=16, kv_tokens=8192,
+                                cuda_graph_batch_sizes=(1, 2, 4))
+    monkeypatch.delenv("KVRELAY_FUSED")
+    assert runners[True].model.blocks[0].fused and not runners[False].model.blocks[0].fused
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (5, 140, 37)]
+    feed = torch.randint(0, cfg.vocab_size, (8, 3), generator=g).tolist()
+    logits = {}
+    for fused, r in runners.items():
+        steps = [r.prefill_batch([(i, p) for i, p in enumerate(prompts)])]
+        for toks in feed:
+            steps.append(r.decode([0, 1, 2], toks))
+        logits[fused] = steps
+    agree = total = 0
+    for a, b in zip(logits[True], logits[False]):
+        rel = float((a.float() - b.float()).norm() / b.float().norm())
+        assert rel < 2e-2, rel
+        top2 = torch.topk(b.float(), 2, dim=-1).values
+        near_tie = (top2[:, 0] - top2[:, 1]) < 0.05 * b.float().abs().max()
+        same = a.argmax(-1) == b.argmax(-1)
+        assert (same | near_tie).all()
+        agree += int(same.sum())
+        total += same.numel()
+    assert agree >= 0.9 * total
+
+    # fewer launches per decode step (eager, so each kernel shows up in the profiler)
+    from torch.profiler import ProfilerActivity, profile
+
+    counts = {}
+    for fused, r in runners.items():
+        r.graph_replay = False
+        r.decode([0, 1, 2], [1, 2, 3])
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            r.decode([0, 1, 2], [4, 5, 6])
+            torch.cuda.synchronize()
+        counts[fused] = sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
+        r.graph_replay = True
+    print(f"{quant}: kernels per decode step fused {counts[True]}, unfused {counts[False]}")
+    # per layer: 4 fewer launches in the residual/norm/quant glue and 2 in rotary + KV write (bf16: 3 + 2)
+    assert counts[True] <= counts[False] - cfg.num_hidden_layers * 5
