@@ -71,6 +71,7 @@ class HostKVStore:
     def save(self, group: str, pages: list[int], slots: list[int]) -> None:
         """Device pages -> host slots (queued on the current stream)."""
         pool, host = self.pools[group], self.host[group]
+        slots, pages = map(list, zip(*sorted(zip(slots, pages)))) if slots else ([], [])
         for i in range(0, len(pages), _BATCH):
             p, s = pages[i: i + _BATCH], slots[i: i + _BATCH]
             staged = pool.index_select(1, self._index(p)).transpose(0, 1).contiguous()  # slot-major, on device
@@ -80,6 +81,8 @@ class HostKVStore:
     def load(self, group: str, slots: list[int], pages: list[int]) -> None:
         """Host slots -> device pages (queued on the current stream)."""
         pool, host = self.pools[group], self.host[group]
+        # In slot order: a chain went to host tail first, so its slots run backwards from its head.
+        slots, pages = map(list, zip(*sorted(zip(slots, pages)))) if slots else ([], [])
         for i in range(0, len(pages), _BATCH):
             p, s = pages[i: i + _BATCH], slots[i: i + _BATCH]
             staged = torch.empty((len(p), *pool[:, 0].shape), dtype=pool.dtype, device=self.device)

@@ -175,11 +175,24 @@ class PrefixCache:
             if all(chain[j].sliding is not None for j in range(first, k)):
                 device_best = k
                 break
-        for k in range(len(chain), device_best, -1):
-            first = first_live_page(SLIDING, k * ps, ps, self.window)
-            if all(chain[j].sliding is not None or chain[j].host_sliding is not None for j in range(first, k)) \
-                    and self._restore(chain[:k], first):
-                return self._hit(chain, k, first, (k - device_best) * ps)
+        if len(chain) > device_best:  # longer boundaries need pages from the host tier
+            fa, sa = self.allocators[FULL], self.allocators[SLIDING]
+            on_host, alone = [0], [0]  # per prefix of the chain: full pages in host, device ones only cached
+            for b in chain:
+                on_host.append(on_host[-1] + (b.full is None))
+                alone.append(alone[-1] + (b.full is not None and fa.refs(b.full) == 1))
+            for k in range(len(chain), device_best, -1):
+                first = first_live_page(SLIDING, k * ps, ps, self.window)
+                window = chain[first:k]
+                if not all(b.sliding is not None or b.host_sliding is not None for b in window):
+                    continue
+                # Room for the host pages, in what is free or evictable once the hit shares its own
+                # (cheap here: the chain may be thousands of blocks long and k falls one by one).
+                s_need = sum(b.sliding is None for b in window)
+                s_alone = sum(b.sliding is not None and sa.refs(b.sliding) == 1 for b in window)
+                if (on_host[k] <= fa.num_free + fa.evictable - alone[k]
+                        and s_need <= sa.num_free + sa.evictable - s_alone and self._restore(chain[:k], first)):
+                    return self._hit(chain, k, first, (k - device_best) * ps)
         if device_best:
             return self._hit(chain, device_best, first_live_page(SLIDING, device_best * ps, ps, self.window), 0)
         return None
