@@ -124,6 +124,7 @@ class Sweep:
         self.compiles = 0
         self.skipped: list[dict] = []
         self.pool = None
+        self.done_points = 0
 
     def left(self) -> float:
         return self.budget - (time.perf_counter() - self.t0)
@@ -174,18 +175,16 @@ class Sweep:
         k = (shape.hidden, shape.inter, gemm, bm, cfg)
         if k not in self.checked:
             self._spend()
-            err = None
+            hint = None
             if self.pool is not None:
-                err = self.pool.wait((shape.hidden, shape.inter, gemm, bm, cfg.label()),
-                                     timeout_s=max(5.0, min(120.0, self.left() - 5)))
+                hint = self.pool.wait((shape.hidden, shape.inter, gemm, bm, cfg.label()),
+                                      timeout_s=max(5.0, min(120.0, self.left() - 5)))
             self.compiles += 1
-            if err:
-                self.checked[k] = (False, None, f"compile failed: {err}")
-                return self.checked[k]
-            try:
+            try:  # a worker's error is only a hint (its environment may be at fault): this process decides
                 self.checked[k] = self.checks[(shape.hidden, shape.inter)].check(gemm, bm, cfg)
             except Exception as exc:  # noqa: BLE001 - a config that does not compile or launch is recorded
-                self.checked[k] = (False, None, f"{type(exc).__name__}: {str(exc)[:160]}")
+                self.checked[k] = (False, None, f"{type(exc).__name__}: {str(exc)[:160]}"
+                                   + (f" (worker: {hint[:80]})" if hint else ""))
         return self.checked[k]
 
     def measure(self, shape: Shape, tokens: int, gemm: str, bm: int, cfg: GemmConfig, phase: int) -> dict:
@@ -211,9 +210,10 @@ class Sweep:
         return row
 
     # -- the whole run --
-    def run(self) -> None:
+    def run(self, checkpoint=None) -> None:
         """Points in priority order; each point's knob phase runs after the next point's tile phase, so
-        its compiles (queued when its tile phase ended) are ready by then."""
+        its compiles (queued when its tile phase ended) are ready by then. `checkpoint()` runs after each
+        knob phase (the caller saves what there is: a run killed from outside still leaves it)."""
         self.pool = S.CompilePool(self.args.jobs) if self.cuda and self.args.jobs > 0 else None
         try:
             heur = {(s.model, t): MC.heuristic_config(t * s.top_k, s.experts) for s, t in self.points}
@@ -223,29 +223,46 @@ class Sweep:
                     for g in GEMMS:
                         self.submit(s, g, bm, c)
             pending = None
-            for s, t in self.points:
-                h = heur[(s.model, t)]
-                for g in GEMMS:
-                    self.measure(s, t, g, h.block_m, getattr(h, g), phase=0)
-                for bm, c in self.phase1(s, t):
-                    for g in GEMMS:
-                        self.measure(s, t, g, bm, c, phase=1)
-                knobs = {g: self.phase2(s, t, g) for g in GEMMS}
-                for g, cands in knobs.items():
-                    for bm, c in cands:
-                        self.submit(s, g, bm, c)
+            for s, t in self.points + [(None, None)]:
+                knobs = None
+                if s is not None:
+                    knobs = self._guarded(s, t, self._tile_phase, s, t, heur[(s.model, t)])
                 if pending:
-                    self._knob_phase(*pending)
-                pending = (s, t, knobs)
-            if pending:
-                self._knob_phase(*pending)
+                    self._guarded(pending[0], pending[1], self._knob_phase, *pending)
+                    if checkpoint is not None:
+                        checkpoint()
+                pending = (s, t, knobs) if knobs else None
         except BudgetSpent:
             self.skipped.append({"reason": f"budget of {self.budget:.0f} s spent", "at_s": round(self.budget, 1)})
         finally:
             if self.pool is not None:
                 self.pool.close()
 
+    def _guarded(self, s: Shape, t: int, fn, *args):
+        """fn(*args); anything but the budget running out is recorded against the point and the run goes on."""
+        try:
+            return fn(*args)
+        except BudgetSpent:
+            raise
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory building one point's problem
+            self.skipped.append({"model": s.model, "tokens": t, "reason": f"{type(exc).__name__}: {str(exc)[:200]}"})
+            print(f"{s.model} {t} tokens: {type(exc).__name__}: {exc}", flush=True)
+            return None
+
+    def _tile_phase(self, s: Shape, t: int, h: GroupedConfig) -> dict:
+        for g in GEMMS:
+            self.measure(s, t, g, h.block_m, getattr(h, g), phase=0)
+        for bm, c in self.phase1(s, t):
+            for g in GEMMS:
+                self.measure(s, t, g, bm, c, phase=1)
+        knobs = {g: self.phase2(s, t, g) for g in GEMMS}
+        for g, cands in knobs.items():
+            for bm, c in cands:
+                self.submit(s, g, bm, c)
+        return knobs
+
     def _knob_phase(self, s: Shape, t: int, knobs: dict) -> None:
+        self.done_points += 1
         for g, cands in knobs.items():
             for bm, c in cands:
                 self.measure(s, t, g, bm, c, phase=2)
@@ -338,24 +355,47 @@ def main(argv: list[str] | None = None) -> dict:
     sweep = Sweep(args, _shapes(args.models), C.parse_ints(args.tokens), device)
     print(f"tune_moe on {gpu}: {len(sweep.points)} points, budget {args.budget_s:.0f} s, "
           f"{'explicit' if sweep.explicit else 'default'} space, TMA {'on' if sweep.tma else 'off'}", flush=True)
-    sweep.run()
-    points = sweep.summary()
-    if points:
-        print_table(points)
     env = C.env_info(device, "kvrelay.bench.tune_moe", argv)
     stem = f"tune-moe-{C.slug(gpu)}-{C.stamp()}"
-    payload = {"kind": "tune-moe", "env": env, "ceilings": CEIL, "gpu": gpu,
-               "args": {k: v for k, v in vars(args).items()}, "wall_s": round(time.perf_counter() - sweep.t0, 1),
-               "checked_configs": sweep.compiles, "points": points, "measurements": sweep.rows,
-               "skipped": sweep.skipped, "space": S.describe(), "config_file": None}
-    if points and not args.no_config:
-        path = S.write_config(args.config_out, gpu, sweep.shapes, points, env, stem)
-        payload["config_file"] = str(path)
-        print(f"config: {path}")
-    fig = plot(points) if points else None
-    files = C.save_result(args.out, stem, payload, fig)
-    print(f"results: {files}  ({payload['wall_s']} s, {sweep.compiles} configs compiled and checked"
-          + (f"; {sweep.skipped[0]['reason']}" if sweep.skipped else "") + ")")
+
+    def save(final: bool) -> dict:
+        points = sweep.summary()
+        payload = {"kind": "tune-moe", "env": env, "ceilings": CEIL, "gpu": gpu, "args": dict(vars(args)),
+                   "wall_s": round(time.perf_counter() - sweep.t0, 1), "complete": final,
+                   "checked_configs": sweep.compiles, "points": points, "measurements": sweep.rows,
+                   "skipped": sweep.skipped, "space": S.describe(), "config_file": None}
+        if points and not args.no_config:
+            try:
+                payload["config_file"] = str(S.write_config(args.config_out, gpu, sweep.shapes, points, env, stem))
+            except Exception as exc:  # noqa: BLE001 - the result JSON still holds every winner
+                payload["config_error"] = f"{type(exc).__name__}: {exc}"
+                print(f"config not written: {payload['config_error']}", flush=True)
+        fig = None
+        if final and points:
+            try:
+                fig = plot(points)
+            except Exception as exc:  # noqa: BLE001
+                print(f"plot failed: {exc}", flush=True)
+        payload["files"] = C.save_result(args.out, stem, payload, fig)
+        return payload
+
+    def checkpoint():
+        try:
+            save(final=False)
+        except Exception as exc:  # noqa: BLE001 - the final save tries again
+            print(f"checkpoint not saved: {exc}", flush=True)
+
+    sweep.run(checkpoint)
+    payload = save(final=True)
+    if payload["points"]:
+        try:
+            print_table(payload["points"])
+        except Exception as exc:  # noqa: BLE001
+            print(f"table failed: {exc}", flush=True)
+    if payload["config_file"]:
+        print(f"config: {payload['config_file']}")
+    print(f"results: {payload['files']}  ({payload['wall_s']} s, {sweep.compiles} configs compiled and checked"
+          + "".join(f"; {x['reason']}" for x in sweep.skipped) + ")")
     return payload
 
 

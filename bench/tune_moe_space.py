@@ -250,6 +250,10 @@ class CompilePool:
             return None
         self.done += 1
         self.failed += bool(err)
+        if self.failed == self.done >= 4:
+            print(f"compile pool dropped: its first {self.done} compiles all failed ({err}); compiling in line",
+                  flush=True)
+            self.ok = False
         return err
 
     def close(self) -> None:

@@ -232,16 +232,25 @@ def test_tuner_end_to_end_interpreted(tmp_path):
     assert [r for r in res["measurements"] if r["tokens"] == 64 and r["block_m"] == 32]
     assert payload["points"] == res["points"]
 
-    # a kernel that writes nothing fails the check and is never measured or selected
-    real = moe._grouped_gemm
+    # a kernel that writes nothing fails the check and is never measured or selected; a point that cannot
+    # be built (say, out of memory) is recorded and the others go on
+    real, real_problem = moe._grouped_gemm, S.Problem
     mp = pytest.MonkeyPatch()
     mp.setattr(moe, "_grouped_gemm", lambda *a, **kw: None if a[-1].block_n == 64 else real(*a, **kw))
-    bad = tune_moe.main(argv[:-1] + ["16x64-w4-s2;16x128-w4-s2-g2", "--no-config", "--tokens", "16",
+
+    def problem(ex, tokens, *a):
+        if tokens == 24:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return real_problem(ex, tokens, *a)
+    mp.setattr(S, "Problem", problem)
+    bad = tune_moe.main(argv[:-1] + ["16x64-w4-s2;16x128-w4-s2-g2", "--no-config", "--tokens", "16,24",
                                      "--check-tokens", "4"])
     mp.undo()
     failed = [r for r in bad["measurements"] if r["config"]["block_n"] == 64]
     assert failed and all(r["ms"] is None and "check failed" in r["note"] for r in failed)
+    assert [p["tokens"] for p in bad["points"]] == [16]
     assert all(p["best"]["config"]["w1"]["block_n"] == 128 for p in bad["points"])
+    assert [x for x in bad["skipped"] if x.get("tokens") == 24 and "out of memory" in x["reason"]]
 
     spent = tune_moe.main(argv[:-2] + ["--budget-s", "0", "--no-config", "--out", str(tmp_path / "spent")])
     assert spent["points"] == [] and "budget" in spent["skipped"][0]["reason"]
