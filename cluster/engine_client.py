@@ -18,6 +18,9 @@ on a healthy pair and continues without a gap or a repeat. When no pair is live 
 waits up to `resume_timeout_s` for the supervisor's replacement (cluster/supervisor.py swaps it in with
 `replace_worker`) and resumes there; past that bound it fails with `EngineUnavailable` (HTTP 503 /
 an in-band error event / gRPC UNAVAILABLE). New requests wait for a live pair the same way.
+
+The pool this client routes over (live workers, the prefill pick, decode reservations, deaths and
+replacements) is cluster/worker_pool.py; what it measures per request, cluster/request_metrics.py.
 """
 
 from __future__ import annotations
@@ -27,64 +30,38 @@ import collections
 import contextlib
 import dataclasses
 import itertools
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import asdict, dataclass, field
-
-from prometheus_client import Counter, Histogram
+from dataclasses import dataclass, field
 
 from kvrelay.cluster import cache_metrics
-from kvrelay.cluster.admission import AdmissionQueue, AdmissionTimeout
+from kvrelay.cluster.admission import AdmissionQueue
 from kvrelay.cluster.fork_group import ForkGroup
-from kvrelay.cluster.routing import KV_AWARE, POLICIES, PrefixIndex, block_hashes, rank
+from kvrelay.cluster.request_metrics import (
+    KV_BYTES,
+    KV_TRANSFER_S,
+    PREFILL_S,
+    PREFILLS,
+    PREFIX_HITS,
+    PREFIX_QUERIES,
+    REQUESTS,
+    RETRIES,
+    ClusterTokenOutput,
+    RequestMetrics,
+    _Acc,
+    request_metrics,
+)
+from kvrelay.cluster.routing import KV_AWARE, POLICIES, PrefixIndex, block_hashes
+from kvrelay.cluster.worker_pool import WorkerPool, _NoLiveWorker, _Retry, _Worker
 from kvrelay.transfer.handle import KVLayoutMismatch, KVTransferError
 from kvrelay.engine.sampling import SamplingParams, TokenOutput, token_set
 from kvrelay.router.engine_client import EngineUnavailable, flatten
-from kvrelay.workers.logs import request_extra
 
 log = logging.getLogger("kvrelay.requests")
 
-_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
-# vLLM's request_queue_time_seconds and request_prefill_time_seconds; time to first token and inter-token
-# latency are the router's (router/metrics.py), measured for every engine client alike.
-QUEUE_S = Histogram("kvrelay_request_queue_time_seconds", "Admission wait + prefill queue per request",
-                    buckets=_BUCKETS)
-PREFILL_S = Histogram("kvrelay_request_prefill_time_seconds", "Prefill forward + first token per request",
-                      buckets=_BUCKETS)
-KV_TRANSFER_S = Histogram("kvrelay_kv_transfer_seconds", "NIXL READ of a request's KV", buckets=_BUCKETS)
-KV_BYTES = Counter("kvrelay_kv_transfer_bytes", "KV bytes moved prefill -> decode")
-REQUESTS = Counter("kvrelay_requests", "Finished requests", ["outcome"])
-# vLLM's prefix_cache_queries / prefix_cache_hits, both in tokens: hits / queries is the hit rate.
-PREFIX_QUERIES = Counter("kvrelay_prefix_cache_queries", "Prompt tokens looked up in a prefill worker's prefix cache")
-PREFIX_HITS = Counter("kvrelay_prefix_cache_hits", "Prompt tokens a prefix cache supplied instead of a prefill")
-# One per prefill run (a request's first attempt, each re-prefill): a request with n choices counts one.
-PREFILLS = Counter("kvrelay_prefills", "Prompt prefills run (n choices of one prompt share one)")
-RETRIES = Counter("kvrelay_request_retries", "Requests re-prefilled on another worker pair, by cause", ["cause"])
-
 
 __all__ = ["DisaggregatedEngineClient", "EngineUnavailable", "RequestMetrics", "ClusterTokenOutput"]
-
-
-class _Retry(Exception):
-    """An attempt failed in a way a fresh attempt on other workers can fix. `cause` labels the
-    re-prefill in /metrics (kvrelay_request_retries{cause=...}); `worker` is the one that failed (the
-    re-prefill is counted against it in `kvrelay status`)."""
-
-    def __init__(self, message: str, cause: str, worker: "_Worker | None" = None):
-        super().__init__(message)
-        self.cause = cause
-        self.role = worker.role if worker is not None else ""
-        self.rank = worker.rank if worker is not None else -1
-
-
-class _NoLiveWorker(_Retry):
-    """No live worker of a role right now (they died, replacements are loading): wait for one, within
-    the resume bound, then try again. Nothing was prefilled for it, so it is no re-prefill."""
-
-    def __init__(self, message: str):
-        super().__init__(message, "")
 
 
 class _Aborted(Exception):
@@ -102,67 +79,7 @@ class _Channel:
     worker: object = None  # the _Worker it streams from
 
 
-@dataclass(frozen=True)
-class RequestMetrics:
-    request_id: str
-    prompt_tokens: int
-    output_tokens: int
-    queue_s: float  # waiting for decode admission and for the prefill worker
-    prefill_s: float
-    kv_bytes: int
-    kv_transfer_s: float
-    ttft_s: float  # from the request reaching the engine client to its first token here
-    tpot_s: float  # mean gap between output tokens after the first
-    decode_tokens_per_s: float
-    retries: int
-    prefill_worker: int
-    decode_worker: int
-    cached_tokens: int = 0  # prompt tokens the prefill worker's prefix cache supplied (first attempt)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    def timings(self) -> dict[str, float | int]:
-        """The TTFT breakdown clients see (HTTP `kvrelay_timings`): queue + prefill compute + delivery =
-        TTFT; the KV handoff happens after the first token and delays only the second."""
-        return {"queue_s": self.queue_s, "prefill_compute_s": self.prefill_s, "kv_handoff_s": self.kv_transfer_s,
-                "kv_bytes": self.kv_bytes, "ttft_s": self.ttft_s,
-                "delivery_s": max(0.0, self.ttft_s - self.queue_s - self.prefill_s), "tpot_s": self.tpot_s}
-
-
-@dataclass(frozen=True)
-class ClusterTokenOutput(TokenOutput):
-    """A TokenOutput; the final one of a stream also carries the request's metrics."""
-
-    metrics: RequestMetrics | None = None
-
-
-@dataclass
-class _Worker:
-    role: str
-    rank: int
-    actor: object
-    queued_tokens: int = 0  # prefill: prompt tokens this client has in flight there
-    last_pick: float = 0.0
-    dead: bool = False
-
-
-@dataclass
-class _Acc:
-    """Running totals for one request across attempts."""
-
-    queue_s: float = 0.0
-    prefill_s: float = 0.0
-    kv_bytes: int = 0
-    kv_transfer_s: float = 0.0
-    retries: int = 0
-    prefill_worker: int = -1
-    decode_worker: int = -1
-    cached_tokens: int = 0
-    times: list[float] = field(default_factory=list)  # perf_counter of each streamed token
-
-
-class DisaggregatedEngineClient:
+class DisaggregatedEngineClient(WorkerPool):
     Aborted = _Aborted  # what `_next` raises once the worker reports a request aborted (cluster/fork_group.py)
 
     def __init__(self, prefill_actors: Sequence[object], decode_actors: Sequence[object], *,
@@ -489,203 +406,14 @@ class DisaggregatedEngineClient:
             out.append(TokenOutput(token, logprob, reason, top))
         return out
 
-    async def _alive(self, worker: _Worker) -> bool:
-        try:
-            await asyncio.wait_for(asyncio.wrap_future(worker.actor.health.remote().future()), timeout=5.0)
-            return True
-        except Exception:
-            self._mark_dead(worker)
-            return False
-
-    # ---- the pool: deaths, replacements ------------------------------------------------------
-    def _mark_dead(self, w: _Worker) -> None:
-        """Route nothing more to `w` and tell the supervisor (once per worker object). Colocated, the
-        prefill and decode entries of a rank are one actor: both go."""
-        pair = [w]
-        if self.colocated:
-            other = (self.decode if w.role == "prefill" else self.prefill)[w.rank]
-            if other.actor is w.actor:
-                pair.append(other)
-        newly = [x for x in pair if not x.dead]
-        for x in pair:
-            x.dead = True
-        if self.prefix_index is not None and (w.role == "prefill" or self.colocated):
-            self.prefix_index.forget(w.rank)  # the index is per prefill role; a replacement starts empty
-        if newly and self.on_worker_dead is not None:
-            try:
-                self.on_worker_dead(w.role, w.rank)
-            except Exception as e:  # the supervisor's own checks find it anyway
-                log.warning("telling the supervisor of %s %d failed: %r", w.role, w.rank, e)
-
-    def replace_worker(self, role: str, rank: int, actor: object) -> None:
-        """Swap a replacement actor into the pool (thread-safe: one list item assignment per role; the
-        event loop sees either the dead entry or the new one). Requests waiting for a live pair pick it
-        up; attempts still holding the old entry keep seeing it dead."""
-        roles = ("prefill", "decode") if self.colocated or role == "colocated" else (role,)
-        for r in roles:
-            pool = self.prefill if r == "prefill" else self.decode
-            pool[rank] = _Worker(r, rank, actor)
-
-    def _missing_role(self) -> str | None:
-        """The role with no live worker (None when a live pair exists)."""
-        if self.colocated:
-            live = any(not p.dead and not d.dead for p, d in zip(self.prefill, self.decode))
-            return None if live else "colocated"
-        for role, pool in (("prefill", self.prefill), ("decode", self.decode)):
-            if all(w.dead for w in pool):
-                return role
-        return None
-
-    async def _until_live(self, request_id: str, deadline: float) -> None:
-        """Return once a live prefill + decode pair exists; EngineUnavailable at `deadline`, or at once
-        when no supervisor replaces dead workers (nothing would come back). Polled: this only runs while
-        every worker of a role is down (a replacement loads its weights meanwhile)."""
-        while (role := self._missing_role()) is not None:
-            if self._draining:
-                raise EngineUnavailable("the cluster is shutting down; not accepting new requests")
-            dead = ", ".join(f"{r} {i}" for r, i in self.dead_workers())
-            if self.on_worker_dead is None:
-                raise EngineUnavailable(f"request {request_id}: no live {role} worker (down: {dead}; "
-                                        "no supervisor replaces them)")
-            if time.monotonic() >= deadline:
-                raise EngineUnavailable(f"request {request_id}: no live {role} worker within "
-                                        f"{self.resume_timeout_s:g} s (router.resume_timeout_s; down: {dead}; "
-                                        "replacements are starting)",
-                                        retry_after_s=max(1, min(30, round(self.resume_timeout_s / 4))))
-            await asyncio.sleep(0.05)
-
-    # ---- placement ---------------------------------------------------------------------------
-    def _pick_prefill(self, hashes: Sequence[int] = (), prompt_tokens: int = 0) -> _Worker:
-        live = [w for w in self.prefill if not w.dead]
-        if not live:
-            raise _NoLiveWorker("no live prefill worker")
-        if self.policy == "round-robin":
-            w = live[next(self._turn) % len(live)]
-        elif self.prefix_index is not None:  # kv-aware: least queued + uncached prompt work
-            w = self._rank_by_prefix(live, live, hashes, prompt_tokens)[0]
-            self.prefix_index.record(w.rank, hashes)
-        else:  # least-loaded: fewest prompt tokens in flight, then the longest unused
-            w = min(live, key=lambda w: (w.queued_tokens, w.last_pick))
-        w.last_pick = time.monotonic()
-        return w
-
-    def check_admission(self) -> None:
-        """EngineOverloaded now if the admission line is full (the router asks before it answers)."""
-        self.admission.check()
-
-    def _rank_by_prefix(self, candidates: list, prefills: list, hashes: Sequence[int], prompt_tokens: int) -> list:
-        """`candidates` by cluster/routing.rank; `prefills[i]` is the prefill role of candidates[i]."""
-        idx = self.prefix_index
-        return rank(candidates, prompt_tokens, [idx.matched_tokens(p.rank, hashes) for p in prefills],
-                    [p.queued_tokens for p in prefills], [p.last_pick for p in prefills])
-
-    async def _reserve(self, attempt_id: str, prompt_tokens: int, max_tokens: int,
-                       hashes: Sequence[int] = (), siblings: Sequence[str] = ()) -> _Worker:
-        """Reserve pages on the decode worker with the most free budget (for `siblings` too, on the same
-        worker: the other choices of a fork group); when none has room, wait in line
-        (cluster/admission.py)."""
-        reasons: list[str] = []
-
-        async def try_once() -> _Worker | None:
-            live = sum(not w.dead for w in self.decode)
-            if live > 1 and self.policy != "round-robin":
-                async with self._admit_lock:  # each ranking sees the reservations made before it
-                    return await self._try_reserve(attempt_id, prompt_tokens, max_tokens, reasons, hashes, siblings)
-            return await self._try_reserve(attempt_id, prompt_tokens, max_tokens, reasons, hashes, siblings)
-
-        try:
-            return await self.admission.admit(try_once, self.admission_timeout_s)
-        except AdmissionTimeout:
-            raise EngineUnavailable(f"request {attempt_id}: no decode worker admitted it within "
-                                    f"{self.admission_timeout_s:g} s ({'; '.join(reasons)})") from None
-
-    async def _try_reserve(self, attempt_id: str, prompt_tokens: int, max_tokens: int,
-                           reasons: list[str], hashes: Sequence[int] = (),
-                           siblings: Sequence[str] = ()) -> _Worker | None:
-        import ray
-
-        from kvrelay.workers.messages import AdmissionRefused
-
-        live = [w for w in self.decode if not w.dead]
-        if not live:
-            raise _NoLiveWorker("no live decode worker")
-        if self.colocated and self.prefix_index is not None and len(live) > 1:
-            # kv-aware, colocated: the decode worker is the prefill worker, so rank by the prompt's
-            # cached prefix there against its queued prompt tokens; a full one refuses and the next is tried.
-            ranked = [(0, 0, w) for w in self._rank_by_prefix(live, [self.prefill[w.rank] for w in live],
-                                                              hashes, prompt_tokens)]
-        elif len(live) == 1 or self.policy == "round-robin":
-            # Nothing to rank (or no ranking wanted): skip the load round trips, try in turn.
-            k = next(self._turn) % len(live)
-            ranked = [(0, 0, w) for w in live[k:] + live[:k]]
-        else:  # least-loaded: most free KV budget, then fewest admitted requests
-            loads = await asyncio.gather(*(self._load(w) for w in live))
-            ranked = sorted((ld for ld in loads if ld is not None), key=lambda x: (-x[0], x[1], x[2].rank))
-        reasons.clear()
-        for _, _, w in ranked:
-            try:
-                if siblings:
-                    await w.actor.reserve.remote(attempt_id, prompt_tokens, max_tokens, tuple(siblings))
-                else:
-                    await w.actor.reserve.remote(attempt_id, prompt_tokens, max_tokens)
-                if self.colocated and self.prefix_index is not None:
-                    self.prefix_index.record(w.rank, hashes)
-                    self.prefill[w.rank].last_pick = time.monotonic()
-                return w
-            except ray.exceptions.RayActorError:
-                self._mark_dead(w)
-            except ray.exceptions.RayTaskError as e:
-                cause = e.cause if isinstance(e.cause, AdmissionRefused) else None
-                if cause is None:
-                    raise
-                if not cause.retryable:
-                    raise cause from None
-                reasons.append(f"decode {w.rank}: {cause.reason}")
-        return None
-
-    async def _load(self, w: _Worker):
-        import ray
-
-        try:
-            free, admitted = await w.actor.load.remote()
-            return free, admitted, w
-        except ray.exceptions.RayActorError:
-            self._mark_dead(w)
-            return None
-
     # ---- metrics, draining -------------------------------------------------------------------
     def _metrics(self, request_id: str, prompt_tokens: int, t0: float, acc: _Acc) -> RequestMetrics:
-        n = len(acc.times)
-        ttft = acc.times[0] - t0
-        span = acc.times[-1] - acc.times[0]
-        tpot = span / (n - 1) if n > 1 else 0.0
-        m = RequestMetrics(
-            request_id=request_id, prompt_tokens=prompt_tokens, output_tokens=n, queue_s=acc.queue_s,
-            prefill_s=acc.prefill_s, kv_bytes=acc.kv_bytes, kv_transfer_s=acc.kv_transfer_s, ttft_s=ttft,
-            tpot_s=tpot, decode_tokens_per_s=(n - 1) / span if span > 0 else 0.0, retries=acc.retries,
-            prefill_worker=acc.prefill_worker, decode_worker=acc.decode_worker, cached_tokens=acc.cached_tokens)
-        QUEUE_S.observe(m.queue_s)
-        log.info("request %s metrics %s", request_id, m.to_json(), extra=request_extra(request_id))
-        return m
-
-    def dead_workers(self) -> list[tuple[str, int]]:
-        return [(w.role, w.rank) for w in self.prefill + self.decode if w.dead]
+        return request_metrics(request_id, prompt_tokens, t0, acc)
 
     @property
     def draining(self) -> bool:
         """Shutting down: not ready for new requests (/health/ready)."""
         return self._draining
-
-    async def gauges(self) -> dict:
-        """What /metrics reads at scrape time (router/metrics.refresh): the admission line's length and
-        each live decode worker's share of KV pages in use."""
-        live = [w for w in self.decode if not w.dead]
-        stats = await asyncio.gather(*(w.actor.status.remote() for w in live), return_exceptions=True)
-        usage = {}
-        for w, st in zip(live, stats):
-            if not isinstance(st, BaseException) and sum(st.pages_total.values()):
-                usage[f"decode-{w.rank}"] = sum(st.pages_in_use.values()) / sum(st.pages_total.values())
-        return {"waiting": self.admission.waiting, "kv_cache_usage": usage}
 
     async def drain(self, timeout_s: float) -> bool:
         """Refuse new requests and wait for the in-flight ones; True if all finished in time."""
