@@ -110,6 +110,18 @@ def test_colocated_prefix_cache_equals_llm_generate(reference):
         again = ray.get(run.cluster.decode[0].counters.remote(), timeout=30)
         written = len(prompt) + len(answer) - 1  # the last answer token was never fed back
         assert again["cached_tokens"] - after["cached_tokens"] == min(written, len(turn) - 1) // 16 * 16 > 60
+        # n choices behind a cached prefix: the forked sequences share pages the cache holds too; each
+        # choice is the solo run, and afterwards only the cache holds pages.
+        prompt = SYSTEM + prompt_of(9, 13)
+        body = {"model": run.client.model_name, "prompt": prompt, "max_tokens": 12, "temperature": 0, "n": 3,
+                "return_token_ids": True}
+        r = httpx.post(f"{server.http_url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert [c["token_ids"] for c in r.json()["choices"]] == [solo(reference, prompt, 12)] * 3
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
+        assert_no_pages_left(run)
+        pc = next(r for r in run.cluster.statuses() if r["role"] == "colocated")["prefix_cache"]
+        assert pc["evictable_pages"] == pc["cached_pages"]
 
 
 def test_split_prefix_cache_equals_llm_generate(reference):

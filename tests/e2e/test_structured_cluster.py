@@ -76,3 +76,11 @@ def test_random_weights_answer_valid_json_and_tool_calls_on_the_cluster(colocate
                 assert call.function.name == "forecast"
                 jsonschema.validate(json.loads(call.function.arguments), TOOL)
             assert free.result().usage.completion_tokens == 12  # random weights: no JSON, no stop
+        # n choices from one prefill: each first token sampled under its own constraint, each decode
+        # row forked from the prompt's KV with its own grammar state.
+        r = client.chat.completions.create(model=model, messages=MESSAGES, response_format=rf, max_tokens=80, n=3,
+                                           seed=7, temperature=1.0, extra_body={"max_reasoning_tokens": 6})
+        assert [c.index for c in r.choices] == [0, 1, 2]
+        for c in r.choices:
+            assert c.finish_reason == "stop"
+            jsonschema.validate(json.loads(c.message.content), SCHEMA)
