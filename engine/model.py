@@ -50,8 +50,9 @@ class Block:
         after this block. `add_delta` finishes a pair into the residual stream."""
         x, q = self.residual_attention_in(x, delta, cos, sin, cache, batch)
         group = cache.layer_group(self.layer)
+        # fused path: a FlashInfer decode leaves the sink to the output projection's quantisation kernel
         o = attn.run(q, cache.layer_pool(self.layer), group, self.attn.sinks, self.attn.sm_scale,
-                     self.attn.window)
+                     self.attn.window, defer_sink=self.fused)
         return self.attention_out_deferred(x, o)
 
     # The two halves around the attention kernel (a piecewise CUDA graph replays them, engine/cuda_graph.py).
@@ -81,9 +82,10 @@ class Block:
             return x, self.attn.project_in(h, cos, sin, pool, pages, offsets)
         return x, self.attn.project_in_quantized(*h, x.shape[0], x.dtype, cos, sin, pool, pages, offsets)
 
-    def attention_out_deferred(self, x: torch.Tensor, o: torch.Tensor):
+    def attention_out_deferred(self, x: torch.Tensor, o):
         """attention_out as (x, delta) with the MoE's outputs left uncombined in delta where the next
-        kernel can sum them (fused path, one rank); (block output, None) otherwise."""
+        kernel can sum them (fused path, one rank); (block output, None) otherwise. `o`: the attention
+        output, or its SinkPending (Attention.project_out)."""
         a = self.shard.all_reduce(self.attn.project_out(o))
         if not self.fused:
             x = x + a

@@ -250,3 +250,51 @@ def rotary_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q
             pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3),
             HALF=half, BLOCK=triton.next_power_of_2(half))
     return q
+
+
+# ---------------------------------------------------------------------------------------------------
+# FlashInfer decode's exact sink correction + the output projection's 1x128 FP8 quantisation: one launch
+# instead of two (kernels.attention.apply_sink_correction in place, then quantize_act_1x128)
+# ---------------------------------------------------------------------------------------------------
+@triton.jit
+def _sink_quant_kernel(out_ptr, lse_ptr, sinks_ptr, q_ptr, s_ptr, B, n_cols, s_ob, s_oh, s_lb, s_q, s_sm, s_sk,
+                       HEAD_DIM: tl.constexpr):
+    # One program per (row, 128-wide K block), rows >= B (M padding) written as zeros with the floor scale.
+    b = tl.program_id(0)
+    kb = tl.program_id(1)
+    c = kb * 128 + tl.arange(0, 128)
+    ok = (c < n_cols) & (c * 0 + b < B)
+    h = c // HEAD_DIM
+    l2 = tl.load(lse_ptr + b * s_lb + h, mask=ok, other=0.0)
+    s = tl.load(sinks_ptr + h, mask=ok, other=0.0).to(tl.float32)
+    # _sink_correction_kernel's factor and its rounded in-place store, then _quant_act_kernel's math
+    f = 1.0 / (1.0 + tl.exp(s - l2 * 0.6931471805599453))
+    o = tl.load(out_ptr + b.to(tl.int64) * s_ob + h * s_oh + c % HEAD_DIM, mask=ok, other=0.0).to(tl.float32)
+    v = (o * f).to(out_ptr.dtype.element_ty).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(v), 0), 1e-12) / 448.0
+    qv = tl.minimum(tl.maximum(v / scale, -448.0), 448.0)
+    tl.store(q_ptr + b.to(tl.int64) * s_q + c, qv.to(q_ptr.dtype.element_ty))
+    tl.store(s_ptr + b * s_sm + kb * s_sk, scale)
+
+
+def sink_correct_quantize(out: torch.Tensor, lse_log2: torch.Tensor, sinks: torch.Tensor, quant_k: int):
+    """Attention output without its sink [B, H, D] (FlashInfer decode, unit stride in D), its log2
+    log-sum-exp [B, H] and the sinks [H] -> the sink-corrected output flattened to [B, H*D] and quantised
+    for the output projection, exactly as apply_sink_correction followed by
+    kernels.fp8_gemm.quantize_act_1x128(., quant_k) computes it: (fp8 [Bp, Kp], scale f32 [Bp, Kp/128]
+    M-major, Bp = B rounded up to 4). `out` itself is left as it is."""
+    b, n_heads, d = out.shape
+    if out.stride(-1) != 1:
+        out = out.contiguous()
+    lse = lse_log2.contiguous()
+    n_cols = n_heads * d
+    if quant_k % 128 or quant_k < n_cols:
+        raise ValueError(f"sink_correct_quantize: quant_k {quant_k} must be a multiple of 128 and >= {n_cols}")
+    bp = -(-b // 4) * 4
+    q = torch.empty(bp, quant_k, dtype=torch.float8_e4m3fn, device=out.device)
+    s = torch.empty(quant_k // 128, bp, dtype=torch.float32, device=out.device).t()
+    if bp:
+        _sink_quant_kernel[(bp, quant_k // 128)](out, lse, sinks, q, s, b, n_cols, out.stride(0), out.stride(1),
+                                                 lse.stride(0), q.stride(0), s.stride(0), s.stride(1),
+                                                 HEAD_DIM=d, num_warps=1)
+    return q, s

@@ -3,6 +3,7 @@ sliding window on even layers, output projection with bias. Sharded by query hea
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -107,9 +108,35 @@ class Attention:
         write_kv(pool, k, v.view(-1, h.num_kv, d), write_pages, write_offsets)
         return q
 
-    def project_out(self, o: torch.Tensor) -> torch.Tensor:
-        """The attention output [T, Hq, D] through the output projection: [T, hidden] (not reduced)."""
+    def project_out(self, o) -> torch.Tensor:
+        """The attention output [T, Hq, D] through the output projection: [T, hidden] (not reduced).
+        `o` may also be a `SinkPending` (GpuAttention.run(defer_sink=True)): the sink correction then
+        runs fused with the FP8 GEMM's activation quantisation (kernels.fused.sink_correct_quantize)."""
+        if isinstance(o, SinkPending):
+            kp = self.out.quant_k
+            if kp is None:
+                o = o.apply()
+            else:
+                from kvrelay.kernels.fused import sink_correct_quantize
+
+                xq, sx = sink_correct_quantize(o.out, o.lse, o.sinks, kp)
+                return self.out.run_quantized(xq, sx, o.out.shape[0], o.out.dtype)
         return self.out(o.reshape(-1, self.heads.num_q * self.head_dim))
+
+
+@dataclass
+class SinkPending:
+    """A decode attention output still without its sink (FlashInfer decode): out [B, Hq, D], the log2
+    log-sum-exp [B, Hq] and the sinks [Hq]; `apply` corrects out in place (kernels/attention.py)."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    sinks: torch.Tensor
+
+    def apply(self) -> torch.Tensor:
+        from kvrelay.kernels.attention import apply_sink_correction
+
+        return apply_sink_correction(self.out, self.lse, self.sinks)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -132,7 +159,9 @@ class BatchAttention:
         """A graph-size batch refilled in place (engine/cuda_graph.DecodeGraphBuffers): nothing to plan."""
         self.batch = batch
 
-    def run(self, q, pool, group, sinks, sm_scale, window):
+    def run(self, q, pool, group, sinks, sm_scale, window, defer_sink: bool = False):
+        """-> the attention output [T, Hq, D]; a backend may answer defer_sink=True with a SinkPending
+        (the output projection applies the sink then), this one never does."""
         return self.fn(q, pool, self.batch.qo_indptr, self.batch.kv[group], sinks, sm_scale, window)
 
 
@@ -206,12 +235,14 @@ class GpuAttention(BatchAttention):
             fi.plan_decode(batch.host["kv_indptr"][g], batch.kv[g].kv_indices[: used[g]],
                            batch.host["kv_last_page_len"][g])
 
-    def run(self, q, pool, group, sinks, sm_scale, window):
+    def run(self, q, pool, group, sinks, sm_scale, window, defer_sink: bool = False):
         from kvrelay.kernels import triton_attention as ta
 
         kv = self.batch.kv[group]
         if self.batch.is_decode:
             if group in self.fi:
+                if defer_sink:
+                    return SinkPending(*self.fi[group].decode_nosink(q, pool), sinks)
                 return self.fi[group].decode(q, pool, sinks)
             return ta.sink_decode(q, pool, sinks, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len,
                                   sm_scale=sm_scale, window=window)

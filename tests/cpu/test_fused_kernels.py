@@ -140,14 +140,37 @@ GLUE = textwrap.dedent("""
         assert torch.equal(group[1][pages, 1, offsets], v0)
         assert not torch.allclose(group[1][pages, 0, offsets].float(), qkv[:, nq * d:(nq + nkv) * d].float().view(t, nkv, d),
                                   rtol=2 ** -7, atol=1e-2)
+
+    # FlashInfer decode's sink correction + the output projection's quantisation against the two kernels
+    from kvrelay.kernels.attention import apply_sink_correction
+    for b, heads, d in [(1, 64, 64), (3, 8, 16), (5, 4, 32), (2, 3, 64)]:
+        kp = -(-heads * d // 128) * 128
+        out = torch.randn(b, heads, d, generator=g).to(torch.bfloat16)
+        lse = torch.randn(b, heads, generator=g) * 3
+        sinks = torch.randn(heads, generator=g) * 2
+        keep = out.clone()
+        q, s = fused.sink_correct_quantize(out, lse, sinks, kp)
+        assert torch.equal(out, keep)  # the attention output is read, not corrected in place
+        fixed = apply_sink_correction(out.clone(), lse, sinks)
+        cq, cs = fp8_gemm.quantize_act_1x128(fixed.reshape(b, heads * d), kp)
+        same(q, cq, ("sink q", b, heads))
+        same(s, cs, ("sink scale", b, heads))
+        ref = out.float() * torch.sigmoid(lse * 0.6931471805599453 - sinks)[..., None]
+        rs = ref.reshape(b, -1)
+        rs = torch.nn.functional.pad(rs, (0, kp - rs.shape[1])).view(b, -1, 128).abs().amax(-1).clamp_min(1e-12) / 448
+        assert torch.allclose(s[:b], rs, rtol=2 ** -6), (b, heads)
+        # the sink is load-bearing: the uncorrected output's scales differ
+        _, s_raw = fp8_gemm.quantize_act_1x128(out.reshape(b, heads * d), kp)
+        assert not torch.allclose(s_raw[:b], s[:b], rtol=2 ** -6)
     print("ok")
 """)
 
 
 def test_glue_kernels_interpreted() -> None:
-    """add_rms_norm and rotary_kv_write (kernels/fused.py) equal, bit for bit under the interpreter, the
-    unfused GPU chain they replace (combine kernel, torch add, RMSNorm kernel, activation quantiser;
-    rotary kernel + write_kv), and stay within rounding of float32 references."""
+    """add_rms_norm, rotary_kv_write and sink_correct_quantize (kernels/fused.py) equal, bit for bit
+    under the interpreter, the unfused GPU chain they replace (combine kernel, torch add, RMSNorm kernel,
+    activation quantiser; rotary kernel + write_kv; sink correction kernel + activation quantiser), and
+    stay within rounding of float32 references."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     res = subprocess.run([sys.executable, "-c", GLUE], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-3000:] + res.stderr[-3000:]

@@ -148,6 +148,37 @@ def test_rotary_kv_write_equals_rotary_then_write_kv(t, nq, nkv, d, page):
     assert torch.allclose(pools[1][pages, 0, offsets].float(), kref, rtol=2 ** -7, atol=1e-2)
 
 
+@pytest.mark.parametrize("b,heads,d", [(1, 64, 64), (4, 64, 64), (64, 64, 64), (3, 8, 16), (2, 3, 64)])
+def test_sink_correct_quantize_equals_correction_then_quantiser(b, heads, d):
+    from kvrelay.kernels.attention import apply_sink_correction
+    from kvrelay.kernels.fp8 import dequantize_act_1x128, quantize_act_1x128 as ref_quant
+    from kvrelay.kernels.fp8_gemm import quantize_act_1x128
+    from kvrelay.kernels.fused import sink_correct_quantize
+
+    dev = _cuda()
+    g = torch.Generator().manual_seed(b * heads + d)
+    kp = -(-heads * d // 128) * 128
+    out = torch.randn(b, heads, d, generator=g).bfloat16().to(dev)
+    lse = (torch.randn(b, heads, generator=g) * 3).to(dev)
+    sinks = (torch.randn(heads, generator=g) * 2).to(dev)
+    keep = out.clone()
+    poison_allocator(1 << 22)
+    q, s = sink_correct_quantize(out, lse, sinks, kp)
+    assert torch.equal(out, keep)
+    fixed = apply_sink_correction(out.clone(), lse, sinks)
+    cq, cs = quantize_act_1x128(fixed.reshape(b, -1), kp)
+    assert q.shape == cq.shape and s.stride() == cs.stride()
+    assert torch.equal(_bits(q), _bits(cq)) and torch.equal(s, cs)  # elementwise: exact on the GPU
+    rq, rs = ref_quant(fixed.reshape(b, -1))
+    assert torch.equal(_bits(q[:b, : heads * d]), _bits(rq)) and torch.equal(s[:b], rs)
+    ref = (out.float() * torch.sigmoid(lse * 0.6931471805599453 - sinks)[..., None]).reshape(b, -1)
+    deq = dequantize_act_1x128(q[:b, : heads * d], s[:b])
+    tol = ref.abs() * 2 ** -4 + s[:b].repeat_interleave(128, -1)[:, : heads * d] * 2 ** -6 + 1e-3
+    assert ((deq - ref).abs() <= tol).all()
+    raw = out.float().reshape(b, -1)
+    assert not ((deq - raw).abs() <= raw.abs() * 2 ** -4 + 1e-3).all()  # the sink was applied
+
+
 @pytest.mark.parametrize("quant", ["bf16", "fp8-block128"])
 def test_model_fused_equals_unfused(quant, monkeypatch):
     """The model on CUDA (graphs on) with the fused glue against the same weights with KVRELAY_FUSED=0:
@@ -207,5 +238,8 @@ def test_model_fused_equals_unfused(quant, monkeypatch):
         counts[fused] = sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
         r.graph_replay = True
     print(f"{quant}: kernels per decode step fused {counts[True]}, unfused {counts[False]}")
-    # per layer: 4 fewer launches in the residual/norm/quant glue and 2 in rotary + KV write (bf16: 3 + 2)
-    assert counts[True] <= counts[False] - cfg.num_hidden_layers * 5
+    # per layer: rotary + KV write 3 -> 1; bf16: norm, add, norm, combine, add 5 -> 2; fp8: with the QKV
+    # quantisation 6 -> 2, and with FlashInfer decode the sink correction + O quantisation 2 -> 1
+    fi = runners[True].model.attention_backend == "flashinfer"
+    saved = 5 if quant == "bf16" else (7 if fi else 6)
+    assert counts[True] <= counts[False] - cfg.num_hidden_layers * saved
