@@ -7,8 +7,9 @@ bounded space is swept in two phases: tiles (block_m x block_n, warps, stages) w
 the knobs (group_m program order for L2 reuse, unmasked clamped loads, TMA weight tiles) on the best
 tiles of each point. block_m is pruned by the rows each expert gets. Each compiled candidate is checked
 once against a float32 torch reference (NaN-poisoned outputs, relative error < 1e-2) before it is timed
-(triton.testing.do_bench: median, L2 flushed between runs). Inputs are random (never zero: zeros run
-faster on tensor cores) and routing is skewed as a trained router's is (a per-expert logit bias).
+(calls back to back in a CUDA graph, median of 5 replays; --timer bench: triton.testing.do_bench).
+Inputs are random (never zero: zeros run faster on tensor cores) and routing is skewed as a trained
+router's is (a per-expert logit bias).
 
 Prints per point the best config against today's heuristic (TFLOP/s, TB/s of expert weights, share of
 the H200 ceilings of bench/kernels.py); writes bench/results/tune-moe-<gpu>-<stamp>.json (+ .png) with
@@ -53,8 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "e.g. '64x128-w8-s3;64x128-w8-s3-g8-clamp' (applied to both GEMMs, no knob phase)")
     p.add_argument("--top", type=int, default=3, help="phase-1 winners per point and GEMM that get the knobs")
     p.add_argument("--jobs", type=int, default=8, help="worker processes compiling ahead (0: compile in line)")
-    p.add_argument("--warmup-ms", type=float, default=5.0)
-    p.add_argument("--rep-ms", type=float, default=25.0)
+    p.add_argument("--timer", default="graph", choices=["graph", "bench"], help="graph: calls back to back in a "
+                   "CUDA graph (default); bench: triton.testing.do_bench with L2 flushes")
+    p.add_argument("--warmup-ms", type=float, default=5.0, help="do_bench's warm-up (--timer bench)")
+    p.add_argument("--rep-ms", type=float, default=20.0, help="GPU time to spend timing one config")
     p.add_argument("--check-tokens", type=int, default=64, help="tokens of the reference-check problem")
     p.add_argument("--skew", type=float, default=0.7, help="std of the per-expert routing-logit bias")
     p.add_argument("--device", default="cuda")
@@ -197,7 +200,8 @@ class Sweep:
         if ok:
             self._spend()
             try:
-                ms = S.time_ms(prob.launcher(gemm, bm, cfg), self.cuda, self.args.warmup_ms, self.args.rep_ms)
+                ms = S.time_ms(prob.launcher(gemm, bm, cfg), self.cuda, self.args.warmup_ms, self.args.rep_ms,
+                               self.args.timer)
             except Exception as exc:  # noqa: BLE001
                 note = f"{type(exc).__name__}: {str(exc)[:160]}"
         row = {"model": shape.model, "tokens": tokens, "n_pairs": prob.n_pairs, "gemm": gemm, "phase": phase,

@@ -1,0 +1,37 @@
+"""bench/tune_moe.py on the GPU, small: compiles in worker processes, the float32 check of every config,
+CUDA-graph timing, the TMA knob, and a table that the engine's grouped_config then serves from."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def test_tuner_small_sweep_on_gpu(tmp_path, monkeypatch, capsys):
+    from kvrelay.bench import tune_moe
+    from kvrelay.kernels import moe, moe_configs
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    cands = "16x128-w4-s4;64x128-w8-s3-g8-clamp" + (";64x128-w4-s4-g8-clamp-tma" if moe.tma_available() else "")
+    payload = tune_moe.main(["--models", "gpt-oss-20b", "--tokens", "64,4096", "--candidates", cands, "--jobs", "2",
+                             "--budget-s", "240", "--out", str(tmp_path), "--config-out", str(tmp_path) + "/"])
+    out = capsys.readouterr().out
+    assert "graph timing failed" not in out and "compile pool dropped" not in out, out[-3000:]
+    assert [p["tokens"] for p in payload["points"]] == [4096, 64] and payload["complete"]
+    bad = [r for r in payload["measurements"] if r["ms"] is None]
+    assert not bad, bad
+    for p in payload["points"]:
+        assert p["best"]["ms"] <= p["heuristic"]["ms"] * 1.001  # the heuristic is in the pool it picks from
+    table = tmp_path / moe_configs.file_name(torch.cuda.get_device_name())
+    assert json.loads(table.read_text())["shapes"]["E32_H2880_I2880"]["buckets"].keys() == {"256", "16384"}
+    monkeypatch.setenv(moe_configs.ENV_DIR, str(tmp_path))
+    moe_configs.clear_cache()
+    served = moe.grouped_config(16384, 32, 2880, 2880, device="cuda")
+    assert served.source.endswith("E32_H2880_I2880/16384")
+    assert served.to_json() == payload["points"][0]["best"]["config"]
+    moe_configs.clear_cache()
