@@ -172,11 +172,11 @@ def test_a_disconnect_mid_stream_frees_every_choice_and_the_prompt_pages_are_sha
     assert_no_pages_left(run, timeout_s=30)
 
 
-def retries() -> float:
+def retries(*causes: str) -> float:
     from prometheus_client import REGISTRY
 
     return sum(REGISTRY.get_sample_value("kvrelay_request_retries_total", {"cause": c}) or 0.0
-               for c in ("decode_died", "decode_unresponsive"))
+               for c in causes or ("decode_died", "decode_unresponsive"))
 
 
 SUPERVISED = """
@@ -188,9 +188,11 @@ device: cpu
 """
 
 
-def test_each_choice_resumes_on_its_own_after_the_decode_worker_dies():
+def test_each_choice_resumes_on_its_own_after_a_worker_dies(monkeypatch):
     """n=3 seeded choices decoding from one fork; the decode worker is SIGKILLed. Each choice is
-    re-prefilled alone (prompt + its own tokens) on the replacement and ends as its undisturbed run."""
+    re-prefilled alone (prompt + its own tokens) on the replacement and ends as its undisturbed run.
+    Then the prefill worker dies as the group's one prefill is sent to it: each choice is prefilled on
+    its own on the replacement, again ending as its undisturbed run."""
     import os
     import signal
     import threading
@@ -229,4 +231,23 @@ def test_each_choice_resumes_on_its_own_after_the_decode_worker_dies():
         assert not t.is_alive() and errors == []
         assert [got[j] for j in range(3)] == want
         assert retries() - before == 3  # each choice re-prefilled once, on its own
+        assert_no_pages_left(run, timeout_s=30)
+
+        client = run.client
+        real_pick = client._pick_prefill
+        killed = []
+
+        def pick_and_kill(*args, **kwargs):
+            w = real_pick(*args, **kwargs)
+            if not killed:
+                pid = next(r for r in run.cluster.statuses() if r["role"] == "prefill")["pid"]
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            return w
+
+        monkeypatch.setattr(client, "_pick_prefill", pick_and_kill)
+        before = retries("prefill_died")
+        out = complete(server, "tiny", **{k: v for k, v in body.items() if k != "model"})
+        assert [c["token_ids"] for c in out["choices"]] == want
+        assert killed and retries("prefill_died") - before == 3
         assert_no_pages_left(run, timeout_s=30)
