@@ -298,3 +298,47 @@ def sink_correct_quantize(out: torch.Tensor, lse_log2: torch.Tensor, sinks: torc
                                                  lse.stride(0), q.stride(0), s.stride(0), s.stride(1),
                                                  HEAD_DIM=d, num_warps=1)
     return q, s
+
+
+# ---------------------------------------------------------------------------------------------------
+# The MoE router's logits at decode sizes: one GEMV launch. cuBLAS ran it as a split-K GEMM plus its
+# reduction kernel (two launches, ~4 + 2 us at batch 1 on the H200, bench/results/profile-decode-*).
+# ---------------------------------------------------------------------------------------------------
+ROUTER_GEMV_MAX_TOKENS = 64  # above this cuBLAS's GEMM is the better kernel
+
+
+@triton.jit
+def _router_gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, E, K, s_xt, s_we, s_ot, HAS_BIAS: tl.constexpr,
+                        BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0)
+    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_ok = offs_e < E
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_E], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = k0 + offs_k < K
+        xv = tl.load(x_ptr + t.to(tl.int64) * s_xt + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        wt = tl.load(w_ptr + offs_e[:, None].to(tl.int64) * s_we + k0 + offs_k[None, :],
+                     mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(wt * xv[None, :], 1)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_e, mask=e_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * s_ot + offs_e, acc.to(out_ptr.dtype.element_ty), mask=e_ok)
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for the router: x [T, H], weight [E, H], bias [E] -> [T, E] in x's dtype;
+    bf16 products summed in fp32, the bias added in fp32, one rounding (cuBLAS's math; only the order
+    of the fp32 sum differs)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    t, h = x.shape
+    e = weight.shape[0]
+    out = torch.empty(t, e, dtype=x.dtype, device=x.device)
+    if t:
+        block_e = 4
+        _router_gemv_kernel[(t, triton.cdiv(e, block_e))](
+            x, weight, bias if bias is not None else weight, out, e, h, x.stride(0), weight.stride(0),
+            out.stride(0), HAS_BIAS=bias is not None, BLOCK_E=block_e, BLOCK_K=1024)
+    return out

@@ -20,6 +20,7 @@ class MoE:
         # The router is tiny and decides which experts run: it stays bf16 and replicated.
         self.router = Linear(weights.get(p + "gate.weight", dtype=dtype, device=device),
                              weights.get(p + "gate.bias", dtype=dtype, device=device))
+        self.fused_router = select.fuse_glue(device)
         n_experts = self.num_experts = cfg.num_experts
         if getattr(shard, "expert_parallel", True):
             self.e0, self.e1 = shard.span(n_experts, "num_experts")
@@ -76,9 +77,13 @@ class MoE:
 
     def _gpu_forward(self, x: torch.Tensor, combine: bool = True) -> torch.Tensor:
         """Routing and experts on the GPU kernels: no host sync, so a decode step can be graph-captured."""
-        from kvrelay.kernels import moe as kmoe
+        from kvrelay.kernels import fused, moe as kmoe
 
-        gate, experts = kmoe.route_topk(self.router(x), self.top_k)
+        if self.fused_router and x.shape[0] <= fused.ROUTER_GEMV_MAX_TOKENS:
+            logits = fused.router_logits(x, self.router.weight, self.router.bias)  # one launch, not cuBLAS's two
+        else:
+            logits = self.router(x)
+        gate, experts = kmoe.route_topk(logits, self.top_k)
         n_local = self.e1 - self.e0
         if n_local < self.num_experts:
             # Expert parallel: pairs routed to another rank's experts get weight 0 (and a valid local

@@ -162,6 +162,19 @@ GLUE = textwrap.dedent("""
         # the sink is load-bearing: the uncorrected output's scales differ
         _, s_raw = fp8_gemm.quantize_act_1x128(out.reshape(b, heads * d), kp)
         assert not torch.allclose(s_raw[:b], s[:b], rtol=2 ** -6)
+
+    # the router's logits GEMV against float32 (one bf16 step: the interpreter truncates its rounding)
+    for t, e, h in [(1, 32, 2880), (5, 128, 2880), (3, 8, 100)]:
+        x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+        w = (torch.randn(e, h, generator=g) * h ** -0.5).to(torch.bfloat16)
+        bias = torch.randn(e, generator=g).to(torch.bfloat16)
+        for bb in (bias, None):
+            got = fused.router_logits(x, w, bb)
+            ref = x.float() @ w.float().T + (0 if bb is None else bb.float())
+            assert got.shape == (t, e) and got.dtype == torch.bfloat16
+            assert ((got.float() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-3).all(), (t, e, h)
+        assert not ((fused.router_logits(x, w, None).float() - (x.float() @ w.float().T + bias.float())).abs()
+                    <= 1e-2).all()  # the bias is load-bearing
     print("ok")
 """)
 
@@ -170,7 +183,7 @@ def test_glue_kernels_interpreted() -> None:
     """add_rms_norm, rotary_kv_write and sink_correct_quantize (kernels/fused.py) equal, bit for bit
     under the interpreter, the unfused GPU chain they replace (combine kernel, torch add, RMSNorm kernel,
     activation quantiser; rotary kernel + write_kv; sink correction kernel + activation quantiser), and
-    stay within rounding of float32 references."""
+    stay within rounding of float32 references; router_logits within one bf16 step of float32."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     res = subprocess.run([sys.executable, "-c", GLUE], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-3000:] + res.stderr[-3000:]
