@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--candidates", default=None, help="explicit space instead of the default, ';'-separated, "
                    "e.g. '64x128-w8-s3;64x128-w8-s3-g8-clamp' (applied to both GEMMs, no knob phase)")
     p.add_argument("--top", type=int, default=3, help="phase-1 winners per point and GEMM that get the knobs")
-    p.add_argument("--jobs", type=int, default=8, help="worker processes compiling ahead (0: compile in line)")
+    p.add_argument("--jobs", type=int, default=None, help="worker processes compiling ahead (default 8 on a GPU, "
+                   "0 = compile in line, the default on CPU where the interpreter compiles nothing)")
     p.add_argument("--timer", default="graph", choices=["graph", "bench"], help="graph: calls back to back in a "
                    "CUDA graph (default); bench: triton.testing.do_bench with L2 flushes")
     p.add_argument("--warmup-ms", type=float, default=5.0, help="do_bench's warm-up (--timer bench)")
@@ -218,7 +219,12 @@ class Sweep:
         """Points in priority order; each point's knob phase runs after the next point's tile phase, so
         its compiles (queued when its tile phase ended) are ready by then. `checkpoint()` runs after each
         knob phase (the caller saves what there is: a run killed from outside still leaves it)."""
-        self.pool = S.CompilePool(self.args.jobs) if self.cuda and self.args.jobs > 0 else None
+        jobs = self.args.jobs if self.args.jobs is not None else (8 if self.cuda else 0)
+        if jobs > 0:
+            try:
+                self.pool = S.CompilePool(jobs)
+            except Exception as exc:  # noqa: BLE001 - e.g. no semaphores in a sandbox: compile in line
+                print(f"no compile pool ({type(exc).__name__}: {exc}); compiling in line", flush=True)
         try:
             heur = {(s.model, t): MC.heuristic_config(t * s.top_k, s.experts) for s, t in self.points}
             for s, t in self.points:  # every tile-phase compile up front: the pool works ahead

@@ -270,7 +270,11 @@ class CompilePool:
 
     def submit(self, key: tuple, job: tuple) -> None:
         if self.ok and key not in self.futures:
-            self.futures[key] = self.pool.apply_async(_warm, (job,))
+            try:
+                self.futures[key] = self.pool.apply_async(_warm, (job,))
+            except Exception as exc:  # noqa: BLE001 - a broken pool: compile in line from here on
+                print(f"compile pool dropped ({type(exc).__name__}: {exc}); compiling in line", flush=True)
+                self.ok = False
 
     def wait(self, key: tuple, timeout_s: float) -> str | None:
         """The compile error of `key`, or None (compiled, or not compiled here: the parent compiles it)."""
@@ -295,7 +299,10 @@ class CompilePool:
     def close(self) -> None:
         print(f"compile pool: {self.done} configs ({self.failed} failed) in {self.n} processes, "
               f"{time.perf_counter() - self.t0:.0f} s", flush=True)
-        self.pool.terminate()
+        try:
+            self.pool.terminate()
+        except Exception as exc:  # noqa: BLE001 - results are in hand; a pool that will not stop is not fatal
+            print(f"compile pool did not terminate cleanly: {exc}", flush=True)
 
 
 # ---- the config file ------------------------------------------------------------------------------------
