@@ -8,6 +8,9 @@ Activations are bf16; RMSNorm and the attention softmax run in fp32 (docs: gpt-o
 The same forward serves prefill (many tokens per sequence) and decode (one per sequence): a ragged batch
 of new tokens is appended to the paged KV cache and attends over it, as `BatchLayout` describes.
 Weights come only through `WeightGetter.get`, sliced by `Shard`, so TP/EP need no changes here.
+On the GPU the glue between the big kernels runs fused (kernels/fused.py; KVRELAY_FUSED=0 turns it off):
+the MoE's combine, the residual add, RMSNorm and the next FP8 GEMM's activation quantisation are one
+launch, so a block hands the next one (x, delta) with its MoE outputs not yet summed.
 """
 
 from __future__ import annotations
@@ -43,17 +46,14 @@ class Block:
         self.fused = select.fuse_glue(device)
         self.eps = eps
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                 batch: BatchLayout, attn: BatchAttention, delta: torch.Tensor | None = None):
-        """The residual stream (x, delta) through this block: x plus a `delta` still to be added (the
-        previous block's MoE outputs, uncombined, on the fused path; None otherwise) -> the same pair
-        after this block. `add_delta` finishes a pair into the residual stream."""
-        x, q = self.residual_attention_in(x, delta, cos, sin, cache, batch)
-        group = cache.layer_group(self.layer)
-        # fused path: a FlashInfer decode leaves the sink to the output projection's quantisation kernel
-        o = attn.run(q, cache.layer_pool(self.layer), group, self.attn.sinks, self.attn.sm_scale,
-                     self.attn.window, defer_sink=self.fused)
-        return self.attention_out_deferred(x, o)
+    # The residual stream between blocks is a pair (x, delta): x plus a `delta` still to be added (the
+    # previous block's MoE outputs, uncombined, on the fused path; None otherwise). GptOss.forward runs a
+    # block as residual_attention_in -> attend -> attention_out_deferred; `add_delta` finishes a pair.
+    def attend(self, q: torch.Tensor, cache: KVCache, attn: BatchAttention):
+        """The attention kernel of this layer on q; on the fused path a FlashInfer decode leaves the sink
+        to the output projection's quantisation kernel (a SinkPending)."""
+        return attn.run(q, cache.layer_pool(self.layer), cache.layer_group(self.layer), self.attn.sinks,
+                        self.attn.sm_scale, self.attn.window, defer_sink=self.fused)
 
     # The two halves around the attention kernel (a piecewise CUDA graph replays them, engine/cuda_graph.py).
     def attention_in(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
@@ -162,7 +162,11 @@ class GptOss:
         x, cos, sin = self.embed(ids, batch.positions)
         delta = None
         for block in self.blocks:
-            x, delta = block(x, cos, sin, cache, batch, attn, delta)
+            x, q = block.residual_attention_in(x, delta, cos, sin, cache, batch)
+            # summed into x: drop the MoE outputs (fp32 [T, k, hidden], 377 MB for an 8k-token prefill)
+            # before this block's MoE allocates its own
+            delta = None
+            x, delta = block.attention_out_deferred(x, block.attend(q, cache, attn))
         return self.head(x, None if all_logits else batch.logit_rows, delta)
 
     def embed(self, ids: torch.Tensor, positions: torch.Tensor):
