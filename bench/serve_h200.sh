@@ -8,8 +8,10 @@
 #   turns over one 6k system prompt, prompts 8k..32k tokens, 256-token answers, 2 s between a conversation's
 #   turns) against four fresh servers of CONFIG, written to $RESULTS/serve-LABEL-mt-{off,on,small,host}.yaml:
 #   prefix cache off; on (prefill.prefix_cache: true); on with a KV pool too small to keep every
-#   conversation (decode.kv_memory_fraction: $MT_SMALL_KV, default 0.03: ~3 GiB of an H200 next to 20b,
-#   where the 8 conversations' prefixes reach ~6 GiB, so idle ones are evicted); and that small pool with the
+#   conversation (decode.kv_memory_fraction: $MT_SMALL_KV, default 0.1: ~11 GiB of an H200 next to 20b,
+#   ~174k positions, where the 8 conversations' prefixes reach ~262k, so idle ones are evicted; a pool must
+#   hold one whole request, so these two modes also cap model.max_context at $MT_SMALL_CTX, default 40960,
+#   above the workload's 32k + answer); and that small pool with the
 #   host tier (prefill.prefix_cache_host_gib: 16), which is what the tier is for. Each server captures decode
 #   graphs up to batch 16 only (8 streams at most), which shortens its start-up. Expected on one H200 with
 #   gpt-oss-20b: ~4 x 60 s of start-up + ~45 s of workload with the cache off, ~20-30 s with it: ~6-7 min.
@@ -45,9 +47,9 @@ if [ -n "${MULTITURN:-}" ]; then
   rc=0
   for mode in ${MT_MODES:-off on small host}; do
     mcfg="$out/serve-$label-mt-$mode.yaml"
-    python3 - "$cfg" "$mode" "$mcfg" "${MT_SMALL_KV:-0.03}" <<'EOF'
+    python3 - "$cfg" "$mode" "$mcfg" "${MT_SMALL_KV:-0.1}" "${MT_SMALL_CTX:-40960}" <<'EOF'
 import sys, yaml
-src, mode, dst, small_kv = sys.argv[1:]
+src, mode, dst, small_kv, small_ctx = sys.argv[1:]
 with open(src) as f:
     topo = yaml.safe_load(f)
 prefill = topo.setdefault("prefill", {})
@@ -57,6 +59,8 @@ decode = topo.setdefault("decode", {})
 decode["cuda_graph_batch_sizes"] = [b for b in decode.get("cuda_graph_batch_sizes") or [1, 2, 4, 8, 16] if b <= 16]
 if mode in ("small", "host"):
     decode["kv_memory_fraction"] = float(small_kv)
+    topo["model"]["max_context"] = int(small_ctx)
+    prefill["max_prompt_tokens"] = min(int(small_ctx), prefill.get("max_prompt_tokens") or int(small_ctx))
 if mode == "host":
     prefill["prefix_cache_host_gib"] = 16
 with open(dst, "w") as f:
