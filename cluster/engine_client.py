@@ -84,9 +84,10 @@ class DisaggregatedEngineClient(WorkerPool):
 
     def __init__(self, prefill_actors: Sequence[object], decode_actors: Sequence[object], *,
                  model_name: str, max_context: int, vocab_size: int | None = None, max_retries: int = 2,
-                 admission_timeout_s: float = 60.0, stall_check_s: float = 10.0, colocated: bool = False,
+                 admission_timeout_s: float = 60.0, stall_check_s: float | None = None, colocated: bool = False,
                  policy: str = "least-loaded", max_waiting: int = 1024, resume_timeout_s: float = 120.0,
-                 on_worker_dead: Callable[[str, int], None] | None = None, page_size: int = 16):
+                 on_worker_dead: Callable[[str, int], None] | None = None, page_size: int = 16,
+                 worker_timeout_s: float = 30.0):
         self.prefill = [_Worker("prefill", i, a) for i, a in enumerate(prefill_actors)]
         self.decode = [_Worker("decode", i, a) for i, a in enumerate(decode_actors)]
         self._model_name = model_name
@@ -100,7 +101,10 @@ class DisaggregatedEngineClient(WorkerPool):
         self.on_worker_dead = on_worker_dead
         self.reprefills: collections.Counter[tuple[str, int, str]] = collections.Counter()  # (role, rank, cause)
         self.admission_timeout_s = admission_timeout_s
-        self.stall_check_s = stall_check_s
+        # router.worker_timeout_s: a worker that answers nothing for this long is hung (taken for dead).
+        # A call or a stream that has waited stall_check_s pings the worker, which has the rest to answer.
+        self.worker_timeout_s = worker_timeout_s
+        self.stall_check_s = stall_check_s if stall_check_s is not None else worker_timeout_s / 2
         # Colocated: prefill[i] and decode[i] are one actor, so a request's pair is always (i, i) and its
         # KV never leaves the GPU (decode_worker/colocated.py).
         self.colocated = colocated
@@ -218,8 +222,8 @@ class DisaggregatedEngineClient(WorkerPool):
         if active is not None:
             worker, attempt_id = active
             try:
-                await worker.actor.abort.remote(attempt_id)
-            except Exception as e:  # a dead worker has nothing left to abort
+                await asyncio.wait_for(worker.actor.abort.remote(attempt_id), self.worker_timeout_s)
+            except Exception as e:  # a dead (or hung) worker has nothing left to abort
                 log.info("abort of %s on decode %d: %r", request_id, worker.rank, e)
 
     # ---- one attempt on one (prefill, decode) pair -------------------------------------------
@@ -292,12 +296,12 @@ class DisaggregatedEngineClient(WorkerPool):
             self._active.pop(request_id, None)
             # Whatever went wrong, leave no pages behind on either side.
             if handle is not None and prefill is not None and not prefill.dead:
-                await _quietly(prefill.actor.release.remote(handle.lease_id))
+                await _quietly(prefill.actor.release.remote(handle.lease_id), self.worker_timeout_s)
             if not finished and not decode.dead:
-                await _quietly(decode.actor.abort.remote(attempt_id))
-                await _quietly(decode.actor.unreserve.remote(attempt_id))
+                await _quietly(decode.actor.abort.remote(attempt_id), self.worker_timeout_s)
+                await _quietly(decode.actor.unreserve.remote(attempt_id), self.worker_timeout_s)
             elif finished and not decode.dead:
-                await _quietly(decode.actor.unreserve.remote(attempt_id))
+                await _quietly(decode.actor.unreserve.remote(attempt_id), self.worker_timeout_s)
 
     async def _prefill_once(self, prefill: _Worker, attempt_id: str, prompt: list[int], params: SamplingParams,
                             done: int, forks: tuple[SamplingParams, ...] = ()):
@@ -306,9 +310,10 @@ class DisaggregatedEngineClient(WorkerPool):
 
         try:
             if forks:
-                res = await prefill.actor.prefill.remote(attempt_id, prompt, params, done, forks)
+                call = prefill.actor.prefill.remote(attempt_id, prompt, params, done, forks)
             else:
-                res = await prefill.actor.prefill.remote(attempt_id, prompt, params, done)
+                call = prefill.actor.prefill.remote(attempt_id, prompt, params, done)
+            res = await self._watched(prefill, call, "prefill_unresponsive")
         except ray.exceptions.RayActorError as e:
             self._mark_dead(prefill)
             raise _Retry(f"prefill worker {prefill.rank} died ({type(e).__name__})", "prefill_died",
@@ -362,10 +367,12 @@ class DisaggregatedEngineClient(WorkerPool):
 
         try:
             if children is not None:
-                return await decode.actor.start_group.remote(attempt_id, handle, generated, params, prefill.actor,
-                                                             channel_id, children, history, prompt_tokens)
-            return await decode.actor.start.remote(attempt_id, handle, first, generated, params, prefill.actor,
-                                                   channel_id, history, prompt_tokens)
+                call = decode.actor.start_group.remote(attempt_id, handle, generated, params, prefill.actor,
+                                                       channel_id, children, history, prompt_tokens)
+            else:
+                call = decode.actor.start.remote(attempt_id, handle, first, generated, params, prefill.actor,
+                                                 channel_id, history, prompt_tokens)
+            return await self._watched(decode, call, "decode_unresponsive")
         except ray.exceptions.RayActorError as e:
             self._mark_dead(decode)
             raise _Retry(f"decode worker {decode.rank} died ({type(e).__name__})", "decode_died", decode) from None
@@ -425,9 +432,10 @@ class DisaggregatedEngineClient(WorkerPool):
             return False
 
 
-async def _quietly(ref) -> None:
-    """Best-effort cleanup call: the worker may be gone, and the request is ending anyway."""
+async def _quietly(ref, timeout_s: float | None = None) -> None:
+    """Best-effort cleanup call: the worker may be gone (or hung: `timeout_s`), and the request is ending
+    anyway."""
     try:
-        await ref
+        await asyncio.wait_for(ref, timeout_s)
     except Exception as e:
         log.debug("cleanup call failed: %r", e)

@@ -101,7 +101,7 @@ class Cluster:
         them into `client`'s pool; returns it (stop it before `shutdown`)."""
         from kvrelay.cluster.supervisor import Supervisor
 
-        sup = Supervisor(self, client, **kwargs)
+        sup = Supervisor(self, client, **{"hung_after_s": self.topology.router.worker_timeout_s, **kwargs})
         sup.start()
         return sup
 
@@ -123,7 +123,8 @@ class Cluster:
             max_context=min(self.topology.model.max_context, cfg.max_context),
             vocab_size=cfg.vocab_size, colocated=self.topology.colocate, policy=self.topology.router.policy,
             max_waiting=self.topology.router.max_waiting_requests, page_size=self.topology.decode.page_size,
-            **{"resume_timeout_s": self.topology.router.resume_timeout_s, **kwargs})
+            **{"resume_timeout_s": self.topology.router.resume_timeout_s,
+               "worker_timeout_s": self.topology.router.worker_timeout_s, **kwargs})
 
     def statuses(self, timeout_s: float = 10.0) -> list[dict]:
         from kvrelay.cluster.status import collect

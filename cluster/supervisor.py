@@ -1,9 +1,11 @@
 """Supervision of the worker actors: a dead (or hung) worker is replaced in its own placement group.
 
 The router process runs one `Supervisor` next to its engine client. It learns of a death two ways: the
-engine client tells it at once when a call or a token channel fails with Ray's actor death
-(`on_worker_dead`), and every `check_every_s` it asks each worker's `health` (a worker that is dead, says
-it is unhealthy, or misses `misses` answers in a row of `health_timeout_s` each is replaced too). A
+engine client tells it at once when a call or a token channel fails with Ray's actor death, or when a
+worker stopped answering its calls (`on_worker_dead`), and every `check_every_s` it asks each worker's
+`health` (a worker that is dead, says it is unhealthy, misses `misses` answers in a row of
+`health_timeout_s` each, or has answered none for `hung_after_s` (router.worker_timeout_s) is replaced
+too: a hung worker, e.g. a stopped process, is killed first). A
 replacement is a new actor with the same name, options and topology in the dead one's placement group
 (cluster/serve.py `Cluster.start_worker`): its constructor reloads the weights, sizes the pool, starts its
 NIXL agent (and, at TP > 1, its follower ranks, which died with their owner). Once it answers `health`,
@@ -55,7 +57,8 @@ class WorkerState:
 
 class Supervisor:
     def __init__(self, cluster, client, *, check_every_s: float = 2.0, health_timeout_s: float = 10.0,
-                 misses: int = 3, startup_timeout_s: float = 600.0, max_backoff_s: float = 60.0):
+                 misses: int = 3, startup_timeout_s: float = 600.0, max_backoff_s: float = 60.0,
+                 hung_after_s: float = 30.0):
         from kvrelay.cluster import placement
 
         self.cluster = cluster
@@ -63,6 +66,7 @@ class Supervisor:
         self.check_every_s = check_every_s
         self.health_timeout_s = health_timeout_s
         self.misses = misses
+        self.hung_after_s = hung_after_s
         self.startup_timeout_s = startup_timeout_s
         self.max_backoff_s = max_backoff_s
         self._colocated = cluster.topology.colocate
@@ -78,6 +82,7 @@ class Supervisor:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._suspects: set[tuple[str, int]] = set()
+        self._answered = {k: time.monotonic() for k in self._slots}  # each worker's last health answer
         self._thread: threading.Thread | None = None
         self._published: str | None = None
         self._key = state_key(cluster.topology.ray.namespace)
@@ -149,11 +154,13 @@ class Supervisor:
         refs = {k: self._actor(k).health.remote() for k in keys}
         if not refs:
             return
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.health_timeout_s)
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs),
+                            timeout=min(self.health_timeout_s, self.hung_after_s))
         ready = set(ready)
         for key, ref in refs.items():
             reason = None
             if ref in ready:
+                self._answered[key] = time.monotonic()
                 try:
                     if not ray.get(ref):
                         reason = "its health check answered unhealthy"
@@ -164,8 +171,12 @@ class Supervisor:
             else:
                 st = self.states[key]
                 st.misses += 1
+                silent = time.monotonic() - self._answered[key]
                 if st.misses >= self.misses:
                     reason = f"no health answer in {st.misses} checks of {self.health_timeout_s:g} s"
+                elif silent >= self.hung_after_s:
+                    reason = (f"hung: no health answer for {silent:.0f} s "
+                              f"(router.worker_timeout_s {self.hung_after_s:g})")
                 elif key in suspects:  # the client gave up on it: do not wait for more misses
                     reason = "the engine client found it unresponsive"
             if reason is None:
@@ -239,6 +250,7 @@ class Supervisor:
                 with self._lock:
                     st = self.states[key]
                     st.state, st.since, st.restarts, st.misses = "healthy", time.time(), st.restarts + 1, 0
+                    self._answered[key] = time.monotonic()
                 RESTARTS.labels(key[0]).inc()
                 log.warning("%s is back: a replacement started in %.1f s (restart %d)", name,
                             time.monotonic() - t0, st.restarts)

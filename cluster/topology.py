@@ -97,6 +97,10 @@ class RouterSection:
     # replacement worker pair before it fails: HTTP 503 + Retry-After, or an in-band error on a started
     # stream / gRPC UNAVAILABLE. Covers a replacement's weight load on a one-pair topology.
     resume_timeout_s: float = 120.0
+    # Seconds a worker may go without answering (a health check, a call, a token for a request it holds)
+    # before it is taken for hung, as a stopped process or a stuck device call is: the supervisor kills
+    # and replaces it, and its requests resume as a dead worker's do (within resume_timeout_s).
+    worker_timeout_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -272,7 +276,8 @@ def _check(t: Topology, base_dir: Path) -> Topology:
                     ("decode.max_batch", t.decode.max_batch), ("decode.page_size", t.decode.page_size),
                     ("kv_transfer.lease_seconds", t.kv_transfer.lease_seconds),
                     ("router.max_waiting_requests", t.router.max_waiting_requests),
-                    ("router.resume_timeout_s", t.router.resume_timeout_s)]:
+                    ("router.resume_timeout_s", t.router.resume_timeout_s),
+                    ("router.worker_timeout_s", t.router.worker_timeout_s)]:
         pos(path, v)
     if not 0.0 < t.decode.kv_memory_fraction <= 0.95:
         raise TopologyError(f"decode.kv_memory_fraction: must be in (0, 0.95], got {t.decode.kv_memory_fraction}")

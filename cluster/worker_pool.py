@@ -5,8 +5,8 @@ replacement in).
 
 `WorkerPool` is the pool half of `DisaggregatedEngineClient` (cluster/engine_client.py), which sets
 the attributes it uses: `prefill`, `decode` (lists of `_Worker`), `colocated`, `policy`, `prefix_index`,
-`_turn`, `_admit_lock`, `admission`, `admission_timeout_s`, `on_worker_dead`, `resume_timeout_s` and
-`_draining`.
+`_turn`, `_admit_lock`, `admission`, `admission_timeout_s`, `on_worker_dead`, `resume_timeout_s`,
+`worker_timeout_s`, `stall_check_s` and `_draining`.
 """
 
 from __future__ import annotations
@@ -58,13 +58,31 @@ class WorkerPool:
     """The pool half of DisaggregatedEngineClient (see the module docstring for what it expects)."""
 
     async def _alive(self, worker: _Worker) -> bool:
-        """Does `worker` answer a health check? A worker that does not is marked dead."""
+        """Does `worker` answer a health check within what is left of router.worker_timeout_s after the
+        stall check? One that does not (dead, or hung: a stopped process) is marked dead."""
+        timeout = max(1.0, self.worker_timeout_s - self.stall_check_s)
         try:
-            await asyncio.wait_for(asyncio.wrap_future(worker.actor.health.remote().future()), timeout=5.0)
+            await asyncio.wait_for(asyncio.wrap_future(worker.actor.health.remote().future()), timeout=timeout)
             return True
         except Exception:
             self._mark_dead(worker)
             return False
+
+    async def _watched(self, worker: _Worker, call, cause: str):
+        """The result of the actor call `call` (an ObjectRef) on `worker`, however long it runs (a long
+        prompt's prefill, a queue), as long as the worker answers a health check every stall_check_s;
+        one that stops answering is hung: _Retry(`cause`), the call is left to fail with its actor."""
+        fut = asyncio.ensure_future(call)
+        try:
+            while True:
+                done, _ = await asyncio.wait({fut}, timeout=self.stall_check_s)
+                if done:
+                    return fut.result()
+                if not await self._alive(worker):
+                    raise _Retry(f"{worker.role} worker {worker.rank} stopped answering", cause, worker)
+        finally:
+            if not fut.done():
+                fut.cancel()
 
     # ---- the pool: deaths, replacements ------------------------------------------------------
     def _mark_dead(self, w: _Worker) -> None:
@@ -194,15 +212,18 @@ class WorkerPool:
         for _, _, w in ranked:
             try:
                 if siblings:
-                    await w.actor.reserve.remote(attempt_id, prompt_tokens, max_tokens, tuple(siblings))
+                    call = w.actor.reserve.remote(attempt_id, prompt_tokens, max_tokens, tuple(siblings))
                 else:
-                    await w.actor.reserve.remote(attempt_id, prompt_tokens, max_tokens)
+                    call = w.actor.reserve.remote(attempt_id, prompt_tokens, max_tokens)
+                await self._watched(w, call, "decode_unresponsive")
                 if self.colocated and self.prefix_index is not None:
                     self.prefix_index.record(w.rank, hashes)
                     self.prefill[w.rank].last_pick = time.monotonic()
                 return w
             except ray.exceptions.RayActorError:
                 self._mark_dead(w)
+            except _Retry:  # hung: marked dead, nothing reserved there that outlives it
+                pass
             except ray.exceptions.RayTaskError as e:
                 cause = e.cause if isinstance(e.cause, AdmissionRefused) else None
                 if cause is None:
@@ -216,10 +237,12 @@ class WorkerPool:
         import ray
 
         try:
-            free, admitted = await w.actor.load.remote()
+            free, admitted = await self._watched(w, w.actor.load.remote(), "decode_unresponsive")
             return free, admitted, w
         except ray.exceptions.RayActorError:
             self._mark_dead(w)
+            return None
+        except _Retry:  # hung (marked dead)
             return None
 
     def dead_workers(self) -> list[tuple[str, int]]:
@@ -229,7 +252,8 @@ class WorkerPool:
         """What /metrics reads at scrape time (router/metrics.refresh): the admission line's length and
         each live decode worker's share of KV pages in use."""
         live = [w for w in self.decode if not w.dead]
-        stats = await asyncio.gather(*(w.actor.status.remote() for w in live), return_exceptions=True)
+        stats = await asyncio.gather(*(asyncio.wait_for(w.actor.status.remote(), self.worker_timeout_s) for w in live),
+                                     return_exceptions=True)  # a hung worker must not hang the scrape
         usage = {}
         for w, st in zip(live, stats):
             if not isinstance(st, BaseException) and sum(st.pages_total.values()):

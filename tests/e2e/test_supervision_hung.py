@@ -1,0 +1,140 @@
+"""A hung worker (alive, but answering nothing: its process SIGSTOPped, found as an operator finds it in
+`kvrelay status --json`) on the single-pair topology: detected within router.worker_timeout_s, killed and
+replaced by the supervisor, and the requests in flight on it resume on the replacement by re-prefilling
+prompt + tokens already sent, so every stream equals its undisturbed greedy run. The stopped process is
+continued and killed in teardown whatever happens. After each test no KV page is left on any worker.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from test_cluster import assert_no_pages_left, prompt_of
+from test_supervision import _retries, completion, undisturbed, wait_states, worker_row
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
+
+WORKER_TIMEOUT_S = 4.0
+TOPOLOGY = f"""
+model: {{name: tiny, dummy: true, seed: 0, max_context: 2048}}
+prefill: {{workers: 1, max_prompt_tokens: 1024}}
+decode: {{workers: 1, max_batch: 32, page_size: 16}}
+router: {{host: 127.0.0.1, grpc_port: 0, http_port: 0, resume_timeout_s: 60, worker_timeout_s: {WORKER_TIMEOUT_S}}}
+device: cpu
+"""
+
+
+@pytest.fixture(scope="module")
+def running():
+    from conftest import serving
+
+    with serving(TOPOLOGY, supervise=True, check_every_s=0.5, health_timeout_s=5.0) as (run, server):
+        run.client.stall_check_s = WORKER_TIMEOUT_S / 2  # as `kvrelay serve` derives it (conftest sets 5 s)
+        yield run, server
+
+
+@pytest.fixture()
+def stopped():
+    """SIGSTOP a pid; in teardown SIGCONT and SIGKILL it (the supervisor should have killed it already)."""
+    pids: list[int] = []
+
+    def stop(pid: int) -> float:
+        pids.append(pid)
+        os.kill(pid, signal.SIGSTOP)
+        return time.monotonic()
+
+    yield stop
+    for pid in pids:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def _restarting_within(run, role: str, since: float, bound_s: float) -> float:
+    """Seconds from `since` until `kvrelay status` shows the worker restarting (at most `bound_s`)."""
+    while worker_row(run, role)["state"] != "restarting":
+        assert time.monotonic() - since < bound_s, f"{role} worker not taken for hung within {bound_s} s"
+        time.sleep(0.05)
+    return time.monotonic() - since
+
+
+def test_hung_decode_worker_is_replaced_and_its_requests_resume(running, reference, stopped):
+    run, server = running
+    jobs = [(prompt_of(20 + 3 * i, 200 + i), 120) for i in range(8)]
+    want = undisturbed(server.http_url, reference, jobs)
+    progress = [[] for _ in jobs]
+    before = _retries("decode_unresponsive") + _retries("decode_died")
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        futs = [pool.submit(completion, server.http_url, p, k, stream=i % 2 == 0, progress=progress[i])
+                for i, (p, k) in enumerate(jobs)]
+        deadline = time.monotonic() + 60
+        while not (all(progress[i] for i in range(0, 8, 2)) and worker_row(run, "decode")["running"] == 8):
+            assert time.monotonic() < deadline, "the 8 requests never ran together"
+            assert not any(f.done() for f in futs), "a request finished before the stop: make them longer"
+            time.sleep(0.02)
+        old_pid = worker_row(run, "decode")["pid"]
+        t_stop = stopped(old_pid)
+        # Detected within the timeout plus one supervision check (0.5 s) and its status round trip.
+        detected = _restarting_within(run, "decode", t_stop, WORKER_TIMEOUT_S + 3.0)
+        states = wait_states(run, "decode", restarts=1)
+        results = [f.result(timeout=120) for f in futs]
+    assert states[-1] == "healthy", states
+    for i, (res, w) in enumerate(zip(results, want)):
+        assert res["status"] == 200 and res["error"] is None, (i, res)
+        assert res["tokens"] == w and res["finish"] == "length", f"request {i}: {res['tokens']} != {w}"
+    assert _retries("decode_unresponsive") + _retries("decode_died") == before + 8
+    row = worker_row(run, "decode")
+    assert row["pid"] != old_pid and row["restarts"] == 1, row
+    why = run.supervisor.states[("decode", 0)].last_error
+    assert "hung" in why or "unresponsive" in why, why
+    print(f"hung decode worker taken for hung {detected:.1f} s after SIGSTOP")
+    assert_no_pages_left(run)
+
+
+def test_hung_prefill_worker_is_replaced_and_its_requests_resume(running, monkeypatch, stopped):
+    """SIGSTOP 20 ms after the first of 8 long prompts went to the prefill worker (the others queue behind
+    it): each prompt it held is prefilled again on the replacement."""
+    run, server = running
+    client = run.client
+    jobs = [(prompt_of(300 + 40 * i, 250 + i), 30) for i in range(8)]
+    want = undisturbed(server.http_url, None, jobs)
+    row = worker_row(run, "prefill")
+    pid, restarts = row["pid"], row["restarts"]
+    real_pick = client._pick_prefill
+    timers: list[threading.Timer] = []
+    t_stop: list[float] = []
+
+    def pick_and_stop_soon(*args, **kwargs):
+        w = real_pick(*args, **kwargs)
+        if not timers:
+            timers.append(threading.Timer(0.02, lambda: t_stop.append(stopped(pid))))
+            timers[0].start()
+        return w
+
+    monkeypatch.setattr(client, "_pick_prefill", pick_and_stop_soon)
+    before = {c: _retries(c) for c in ("prefill_unresponsive", "prefill_died", "kv_transfer")}
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        futs = [pool.submit(completion, server.http_url, p, k, stream=i % 2 == 1) for i, (p, k) in enumerate(jobs)]
+        deadline = time.monotonic() + 10
+        while not t_stop:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        detected = _restarting_within(run, "prefill", t_stop[0], WORKER_TIMEOUT_S + 3.0)
+        wait_states(run, "prefill", restarts=restarts + 1)
+        results = [f.result(timeout=120) for f in futs]
+    for i, (res, w) in enumerate(zip(results, want)):
+        assert res["status"] == 200 and res["tokens"] == w, (i, res)
+    counted = {c: _retries(c) - n for c, n in before.items()}
+    assert counted["prefill_unresponsive"] + counted["prefill_died"] >= 1, counted
+    row = worker_row(run, "prefill")
+    assert row["restarts"] == restarts + 1 and row["pid"] != pid, row
+    print(f"hung prefill worker taken for hung {detected:.1f} s after SIGSTOP; re-prefills {counted}")
+    assert_no_pages_left(run)
