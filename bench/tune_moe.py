@@ -27,7 +27,6 @@ import dataclasses
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from kvrelay.bench import common as C
 from kvrelay.bench import tune_moe_space as S
