@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "and still writes what it has")
     p.add_argument("--candidates", default=None, help="explicit space instead of the default, ';'-separated, "
                    "e.g. '64x128-w8-s3;64x128-w8-s3-g8-clamp' (applied to both GEMMs, no knob phase)")
-    p.add_argument("--top", type=int, default=3, help="phase-1 winners per point and GEMM that get the knobs")
+    p.add_argument("--top", type=int, default=2, help="phase-1 winners per point and GEMM that get the knobs")
     p.add_argument("--jobs", type=int, default=None, help="worker processes compiling ahead (default 8 on a GPU, "
                    "0 = compile in line, the default on CPU where the interpreter compiles nothing)")
     p.add_argument("--timer", default="graph", choices=["graph", "bench"], help="graph: calls back to back in a "

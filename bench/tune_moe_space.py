@@ -31,9 +31,10 @@ TILES: dict[int, tuple[tuple[int, int, int], ...]] = {
     64: ((128, 4, 4), (128, 8, 3), (128, 8, 4), (256, 8, 3), (64, 4, 4)),
     128: ((128, 8, 3), (128, 8, 4), (256, 8, 3), (128, 4, 3)),
 }
-# Phase 2, on each point's best phase-1 tiles: (group_m, masked, tma).
+# Phase 2, on each point's best phase-1 tiles: (group_m, masked, tma). A 20b prefill of 16k tokens gives each
+# expert ~32 M blocks of 64 rows: a group of 8 still reads every weight tile 4 times from HBM, 16 twice.
 KNOB_VARIANTS: tuple[tuple[int, bool, bool], ...] = ((8, True, False), (8, False, False), (8, False, True),
-                                                     (1, False, False))
+                                                     (16, False, True), (1, False, False))
 _CAND = re.compile(r"^(\d+)x(\d+)-w(\d+)-s(\d+)(?:-g(\d+))?(-clamp)?(-tma)?$")
 
 
