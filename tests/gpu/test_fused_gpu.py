@@ -29,6 +29,13 @@ def _bits(t):
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
+def _nearly_same_fp8(a, b):
+    """e4m3 tensors equal but for a rare element one step apart (at most 1 in 1000, 2 for small ones)."""
+    diff = a.float() != b.float()
+    assert int(diff.sum()) <= max(2, a.numel() // 1000), int(diff.sum())
+    assert ((a.float() - b.float()).abs() <= b.float().abs() * 2 ** -3 + 2 ** -9)[diff].all()
+
+
 def _chain(x, delta, w, kp):
     """The unfused GPU path: kernels.moe's combine (for fp32 [T, k, H] deltas), torch's add, the RMSNorm
     kernel, the FP8 activation quantiser."""
@@ -83,9 +90,11 @@ def test_add_rms_norm_equals_unfused_chain_bit_for_bit(t, h):
         _, (q, s) = add_rms_norm(x, delta, w, EPS, quant_k=kp)
         assert q.shape == cq.shape and s.shape == cs.shape and s.stride() == cs.stride()
         assert torch.equal(_bits(q), _bits(cq)) and torch.equal(s, cs)
-        # the torch quantiser (the CPU model's) gives the same bytes and scales on the real rows
+        # the torch quantiser (the CPU model's): the bounds of tests/gpu/test_fp8_gemm.py's check of the
+        # activation quantiser (Triton's fp32 division is not IEEE's, so a rare byte differs by one step)
         rq, rs = ref_quant(normed)
-        assert torch.equal(_bits(q[:t, :h]), _bits(rq)) and torch.equal(s[:t], rs)
+        assert torch.allclose(s[:t], rs, rtol=1e-6)
+        _nearly_same_fp8(q[:t, :h], rq)
         rows = torch.tensor([t - 1, 0][:t], dtype=torch.int64, device=dev)
         none, picked = add_rms_norm(x, delta, w, EPS, rows=rows, store_x=False)
         assert none is None and torch.equal(picked, normed[rows])
@@ -103,19 +112,24 @@ def test_add_rms_norm_random_inputs_against_float32(t, h):
     kp = -(-h // 128) * 128
     x, dl, y, w = _inputs(t, h, 4, dev, g, grid=False)
     for delta in (dl, y):
-        x32 = x.float() + (delta.float() if delta.dim() == 2 else delta.sum(1))
-        ref = w * x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + EPS)
+        d32 = delta.float() if delta.dim() == 2 else delta.sum(1)
+        x32 = x.float() + d32
         added, normed, _ = _chain(x, delta, w, kp)
         x_new, got = add_rms_norm(x, delta, w, EPS)
         assert torch.equal(x_new, added)  # elementwise: exact on the GPU
+        # float32: the new residual within its bf16 roundings (the combine's, then the add's)
+        assert ((x_new.float() - x32).abs() <= (d32.abs() + x32.abs()) * 2 ** -8 * 1.01 + 1e-6).all()
+        # the norm in float32 of that residual: ours is it rounded once to bf16
+        ref = w * x_new.float() * torch.rsqrt(x_new.float().pow(2).mean(-1, keepdim=True) + EPS)
+        assert ((got.float() - ref).abs() <= ref.abs() * 2 ** -8 * 1.01 + 1e-6).all()
         # the sum of squares may reduce in another order: at most one bf16 step from the RMSNorm kernel
         step = normed.float().abs().clamp_min(1e-30) * 2 ** -7
         assert ((got.float() - normed.float()).abs() <= step).all()
-        assert ((got.float() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-2).all()
         _, (q, s) = add_rms_norm(x, delta, w, EPS, quant_k=kp)
         deq = dequantize_act_1x128(q[:t, :h], s[:t])
-        # e4m3 keeps 3 mantissa bits: within 1/16 relative, plus the group's smallest step near zero
-        tol = ref.abs() * 2 ** -4 + s[:t].repeat_interleave(128, -1)[:, :h] * 2 ** -6 + 1e-2
+        # e4m3 keeps 3 mantissa bits: within 1/16 relative (+ the bf16 rounding before), plus the group's
+        # smallest step near zero
+        tol = ref.abs() * (2 ** -4 + 2 ** -7) + s[:t].repeat_interleave(128, -1)[:, :h] * 2 ** -6 + 1e-2
         assert ((deq - ref).abs() <= tol).all()
         if delta.dim() == 3:  # the combine is load-bearing: leaving out an expert's output must fail
             x_bad, _ = add_rms_norm(x, delta[:, :3].contiguous(), w, EPS)
@@ -169,11 +183,12 @@ def test_sink_correct_quantize_equals_correction_then_quantiser(b, heads, d):
     cq, cs = quantize_act_1x128(fixed.reshape(b, -1), kp)
     assert q.shape == cq.shape and s.stride() == cs.stride()
     assert torch.equal(_bits(q), _bits(cq)) and torch.equal(s, cs)  # elementwise: exact on the GPU
-    rq, rs = ref_quant(fixed.reshape(b, -1))
-    assert torch.equal(_bits(q[:b, : heads * d]), _bits(rq)) and torch.equal(s[:b], rs)
+    rq, rs = ref_quant(fixed.reshape(b, -1))  # the torch quantiser, within test_fp8_gemm.py's bounds
+    assert torch.allclose(s[:b], rs, rtol=1e-6)
+    _nearly_same_fp8(q[:b, : heads * d], rq)
     ref = (out.float() * torch.sigmoid(lse * 0.6931471805599453 - sinks)[..., None]).reshape(b, -1)
     deq = dequantize_act_1x128(q[:b, : heads * d], s[:b])
-    tol = ref.abs() * 2 ** -4 + s[:b].repeat_interleave(128, -1)[:, : heads * d] * 2 ** -6 + 1e-3
+    tol = ref.abs() * (2 ** -4 + 2 ** -7) + s[:b].repeat_interleave(128, -1)[:, : heads * d] * 2 ** -6 + 1e-3
     assert ((deq - ref).abs() <= tol).all()
     raw = out.float().reshape(b, -1)
     assert not ((deq - raw).abs() <= raw.abs() * 2 ** -4 + 1e-3).all()  # the sink was applied
