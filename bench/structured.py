@@ -331,4 +331,5 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_cli(main))
+    # measured = every engine asked for ran or was skipped as not installed, and the mask costs exist
+    raise SystemExit(run_cli(main, ok=lambda r: bool(r["engines"]) and bool(r.get("apply"))))
