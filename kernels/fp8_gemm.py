@@ -153,6 +153,13 @@ class Fp8BlockLinear:
     """A served FP8 linear layer: weights prepared once (K padded, cuBLAS scale layout built)."""
 
     BACKENDS = ("cublas", "triton")
+    # The Triton GEMM's tiles per backend name: (block_m, block_n, num_warps, num_stages). At decode sizes
+    # a 128x128 tile leaves most SMs idle (N=5120 is 40 programs) and cuBLAS reached only ~2 TB/s on the
+    # QKV/O projections at batch 1 (7 us for 14.7 MB, bench/results/profile-decode-*): 16-row tiles with
+    # narrow N spread the weight stream over every SM. They are timed, like the others, for M buckets up
+    # to SMALL_M only, and chosen only where measured faster.
+    TRITON_TILES = {"triton": (128, 128, 8, 4), "triton-m16n32": (16, 32, 4, 4), "triton-m16n64": (16, 64, 4, 4)}
+    SMALL_M = 64
 
     def __init__(self, w_fp8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
                  backend: str = "auto", choice_cache: dict[int, str] | None = None):
@@ -166,7 +173,7 @@ class Fp8BlockLinear:
         self.w_scale = w_scale.float().contiguous()
         self.sb_cols = cublas_column_scales(self.w_scale, n)
         self.bias = bias
-        if backend not in ("auto",) + self.BACKENDS:
+        if backend not in ("auto", "cublas", *self.TRITON_TILES):
             raise ValueError(f"unknown backend {backend}")
         self.backend = backend
         # M bucket -> backend. Layers of one shape may share one dict (`choice_cache`), so a model with
@@ -176,7 +183,9 @@ class Fp8BlockLinear:
     def _run(self, backend: str, xq, sx):
         if backend == "cublas":
             return cublas_fp8_gemm(xq, sx, self.w, self.sb_cols, self.bias)
-        return triton_fp8_gemm(xq, sx, self.w, self.w_scale, self.bias)
+        bm, bn, nw, ns = self.TRITON_TILES[backend]
+        return triton_fp8_gemm(xq, sx, self.w, self.w_scale, self.bias, block_m=bm, block_n=bn, num_warps=nw,
+                               num_stages=ns)
 
     def _pick(self, m: int, xq, sx) -> str:
         if self.backend != "auto":
@@ -187,7 +196,8 @@ class Fp8BlockLinear:
         if torch.cuda.is_current_stream_capturing():
             return "cublas"
         times = {}
-        for name in self.BACKENDS:
+        names = self.BACKENDS + (tuple(n for n in self.TRITON_TILES if n != "triton") if bucket <= self.SMALL_M else ())
+        for name in names:
             try:
                 times[name] = triton.testing.do_bench(lambda: self._run(name, xq, sx), warmup=5, rep=20,
                                                       return_mode="median")

@@ -225,3 +225,36 @@ def test_model_fused_path_interpreted() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     res = subprocess.run([sys.executable, "-c", MODEL], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and "ok" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+GEMM_TILES = textwrap.dedent("""
+    import torch
+    from kvrelay.kernels import fp8, fp8_gemm
+
+    g = torch.Generator().manual_seed(0)
+    for m, k, n in [(1, 300, 200), (4, 256, 96), (19, 130, 64)]:
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        w = torch.randn(n, k, generator=g) * 0.05
+        b = torch.randn(n, generator=g).to(torch.bfloat16)
+        wq, ws = fp8.quantize_weight_block128(w)
+        wd = fp8.dequantize_weight_block128(wq, ws, torch.float32)
+        for name in fp8_gemm.Fp8BlockLinear.TRITON_TILES:
+            lin = fp8_gemm.Fp8BlockLinear(wq, ws, b, backend=name)
+            xq, sx = fp8_gemm.quantize_act_1x128(x, lin.kp)
+            y = lin.run_quantized(xq, sx, m)
+            # float32 product of the same quantised operands (+ bias)
+            ref = (xq[:m, :k].float() * sx[:m].repeat_interleave(128, 1)[:, :k]) @ wd.T + b.float()
+            assert y.shape == (m, n) and y.dtype == torch.bfloat16
+            err = float((y.float() - ref).norm() / ref.norm())
+            assert err < 1e-2, (name, m, k, n, err)
+            assert float((y.float() - ref + b.float()).norm() / ref.norm()) > 5e-2  # the bias is in
+    print("ok")
+""")
+
+
+def test_fp8_gemm_decode_tiles_interpreted() -> None:
+    """The FP8 block GEMM's 16-row decode tiles (Fp8BlockLinear.TRITON_TILES) against float32 on the same
+    quantised operands, under the interpreter."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", GEMM_TILES], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]

@@ -1,4 +1,5 @@
-"""FP8 block GEMM with bias (cuBLAS blockwise and Triton) against the float32 dequantised product."""
+"""FP8 block GEMM with bias (cuBLAS blockwise, Triton with its prefill and decode tiles) against the float32
+dequantised product."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def _ref(xq, sx, wq, ws, bias, n):
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 2880, 5120), (37, 2880, 4096), (300, 4096, 2880), (129, 200, 333)])
-@pytest.mark.parametrize("backend", ["cublas", "triton"])
+@pytest.mark.parametrize("backend", ["cublas", "triton", "triton-m16n32", "triton-m16n64"])
 def test_fp8_block_linear(m, k, n, backend):
     from kvrelay.kernels.fp8 import fp8_block_linear_ref, quantize_weight_block128
     from kvrelay.kernels.fp8_gemm import Fp8BlockLinear, quantize_act_1x128
