@@ -169,7 +169,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         kp = quant_k
         if kp % 128 or kp < h:
             raise ValueError(f"add_rms_norm: quant_k {kp} must be a multiple of 128 and >= {h}")
-        block = max(block, triton.next_power_of_2(kp))
+        # at least two 128-wide groups per row: a [1, 128] group tile is a shape not worth risking
+        block = max(block, triton.next_power_of_2(kp), 256)
         grid = -(-n_out // 4) * 4
         q = torch.empty(grid, kp, dtype=torch.float8_e4m3fn, device=x.device)
         s = torch.empty(kp // 128, grid, dtype=torch.float32, device=x.device).t()
