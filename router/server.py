@@ -100,7 +100,11 @@ class RouterServer:
         await self._grpc.start()
 
         # We bind the HTTP socket ourselves so port 0 resolves before uvicorn starts serving.
-        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP. Without it a
+        # response written in two parts (headers, body; every SSE chunk) waits for the client's delayed
+        # ACK: measured 44 ms per request on a kept-alive connection, 0.2 ms with it.
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM,
+                             socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self._http_port_requested))
         self.http_port = sock.getsockname()[1]
