@@ -277,6 +277,8 @@ def env_info(device, module: str, argv: list[str] | None) -> dict[str, Any]:
         "command": " ".join(shlex.quote(a) for a in [sys.executable, "-m", module,
                                                       *(sys.argv[1:] if argv is None else argv)]),
         "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        # the engine's switches (KVRELAY_FUSED=0, KVRELAY_ATTENTION, ...): an A/B run is told apart by them
+        "kvrelay_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KVRELAY_")},
     }
 
 
