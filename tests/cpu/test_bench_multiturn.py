@@ -2,7 +2,7 @@
 prompts of one o200k token a word), the per-turn rows, the whole run against a fake server that keeps a
 prefix cache of what it was sent (ids answered with return_token_ids; a server without them gets text), and
 the RESULTS.md section (the cache-on / cache-off ratio at the same length). The run against the real CPU
-tiny cluster with the prefix cache on is tests/e2e/test_bench_multiturn.py."""
+tiny cluster with the prefix cache on is tests/e2e/test_bench_multiturn_cluster.py."""
 
 from __future__ import annotations
 
@@ -209,9 +209,14 @@ def test_against_a_fake_server(tmp_path, fake) -> None:
     # Turns 2+ start with the previous turn's prompt and answer: the fake's cache hits whole blocks of it.
     assert rows["2"]["cached_tokens_p50"] >= 64 and rows["3"]["cached_tokens_p50"] >= 92 // 16 * 16
     assert saved["prompt_len_mismatches"] == 0 and len(saved["requests"]) == 9
-    # What the server got: 1 format probe (auto) + 2 warmups + 9 turns; each conversation's prompt is the
-    # previous one + the answer the server sent + a new user message (ids: token for token).
-    turns = seen[3:] if with_ids else seen[2:]  # the text server refused the probe, which it did not keep
+    # What the server got: 1 format probe (auto) + 3 warmups (the longest length, then two turns of a
+    # conversation of its own, the second starting with the first's prompt + answer) + 9 turns; each
+    # conversation's prompt is the previous one + the answer the server sent + a new user message (ids:
+    # token for token).
+    warm = seen[1:4] if with_ids else seen[0:3]  # the text server refused the probe, which it did not keep
+    turns = seen[4:] if with_ids else seen[3:]
+    assert [len(b["_tokens"]) for b in warm] == [120, 64, 92]
+    assert warm[2]["_tokens"][:64] == warm[1]["_tokens"] and warm[1]["_tokens"][:48] != turns[0]["_tokens"][:48]
     assert len(turns) == 9
     by_conv: dict = {}
     for b in turns:

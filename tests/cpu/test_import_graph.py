@@ -167,3 +167,13 @@ def test_every_module_says_what_it_is_for():
     missing = [mod for mod, path in modules().items()
                if not mod.startswith(generated) and not ast.get_docstring(ast.parse(path.read_text()))]
     assert missing == []
+
+
+def test_test_files_have_unique_basenames():
+    """`make test` collects tests/cpu and tests/e2e in one pytest run, which imports test files by basename
+    (rootdir-relative, no packages): two files of one name stop the whole run at collection, as a helper's
+    tests/e2e/test_bench_multiturn.py beside tests/cpu/'s did on a clean clone."""
+    seen: dict[str, Path] = {}
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        assert path.name not in seen, f"{path} has the name of {seen[path.name]}"
+        seen[path.name] = path
