@@ -25,6 +25,7 @@ replacements) is cluster/worker_pool.py; what it measures per request, cluster/r
 
 from __future__ import annotations
 
+import array
 import asyncio
 import collections
 import contextlib
@@ -56,7 +57,7 @@ from kvrelay.cluster.routing import KV_AWARE, POLICIES, PrefixIndex, block_hashe
 from kvrelay.cluster.worker_pool import WorkerPool, _NoLiveWorker, _Retry, _Worker
 from kvrelay.transfer.handle import KVLayoutMismatch, KVTransferError
 from kvrelay.engine.sampling import SamplingParams, TokenOutput, token_set
-from kvrelay.router.engine_client import EngineUnavailable, flatten
+from kvrelay.router.engine_client import EngineUnavailable, engine_prompt, flatten
 
 log = logging.getLogger("kvrelay.requests")
 
@@ -144,7 +145,7 @@ class DisaggregatedEngineClient(WorkerPool):
         (cluster/fork_group.py). After that first attempt each choice stands alone: a failure re-prefills
         only that choice, with its prompt + its own tokens so far, as for any request."""
         params = [p.resolved() for p in params]
-        group = ForkGroup(self, list(request_ids), list(prompt_ids), params)
+        group = ForkGroup(self, list(request_ids), engine_prompt(prompt_ids), params)
         return [self.generate_batches(rid, prompt_ids, p, first_attempt=lambda acc, j=j: group.stream(j, acc))
                 for j, (rid, p) in enumerate(zip(request_ids, params))]
 
@@ -174,7 +175,7 @@ class DisaggregatedEngineClient(WorkerPool):
                     if first_attempt is not None:
                         attempt_stream, first_attempt = first_attempt(acc), None
                     else:
-                        attempt_stream = self._attempt(request_id, attempt, list(prompt_ids), streamed, params, acc)
+                        attempt_stream = self._attempt(request_id, attempt, engine_prompt(prompt_ids), streamed, params, acc)
                     async with contextlib.aclosing(attempt_stream) as batches:
                         async for outs in batches:
                             now = time.perf_counter()
@@ -232,7 +233,8 @@ class DisaggregatedEngineClient(WorkerPool):
         import ray
 
         attempt_id = request_id if attempt == 0 else f"{request_id}#retry{attempt}"
-        full = prompt + streamed
+        # An array('i') prompt stays one (router/engine_client.engine_prompt): Ray pickles it as bytes.
+        full = prompt + (array.array("i", streamed) if isinstance(prompt, array.array) else streamed)
         done = len(streamed)  # `streamed` grows as we yield; the attempt starts from this count
         remaining = params.max_tokens - done
         t_q = time.perf_counter()

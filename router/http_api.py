@@ -8,6 +8,7 @@ Response shapes follow the conventions in harmony-spec section 10: chain of thou
 from __future__ import annotations
 
 import abc
+import array
 import asyncio
 import contextlib
 import dataclasses
@@ -142,7 +143,7 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None, rate_limit: Ra
         for i, prompt in enumerate(prompts):
             # A batch's prompts are separate requests: their request ids get the prompt's index.
             rid, field = (base, "prompt") if len(prompts) == 1 else (f"{base}-{i}", f"prompt[{i}]")
-            req = GenerateRequest(tuple(prompt), sampling, rid)
+            req = GenerateRequest(prompt, sampling, rid)  # a tuple, or the array('i') it came as
             preps += _copies(await core.off_loop(lambda: core.prepare_generate(req, prompt_field=field, text=True)),
                              n)
         core.check_admission()
@@ -227,6 +228,8 @@ def _prompt_ids(prompt: Any) -> Sequence[int]:
         prompt = prompt[0]
     if isinstance(prompt, str):
         return encode_prompt_text(prompt)
+    if isinstance(prompt, array.array):
+        return prompt  # compact as router/body.py made it, up to the worker call (engine_prompt)
     return tuple(prompt)  # a tuple: the garbage collector stops walking its ids after one pass, a list's never
 
 

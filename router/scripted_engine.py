@@ -7,6 +7,7 @@ the real engine does, and records prompts and aborts so tests can assert on them
 
 from __future__ import annotations
 
+import array
 import asyncio
 import itertools
 from dataclasses import dataclass, field
@@ -55,7 +56,9 @@ class ScriptedEngineClient:
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[list[TokenOutput]]:
         """`batch` tokens per list: what a real engine hands over when the router runs behind."""
-        self.prompts.append(list(prompt_ids))
+        # As the router hands them over: an array('i') (a big body's ids) stays one, as a real engine
+        # client keeps it up to the worker call (router/engine_client.engine_prompt).
+        self.prompts.append(prompt_ids if isinstance(prompt_ids, array.array) else list(prompt_ids))
         self.params.append(params)
         stops = set(params.stop_token_ids)
         budget = min(params.max_tokens, self.max_context - len(prompt_ids))

@@ -10,6 +10,7 @@ KV pages are freed while the final chunk is still being written to the client.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import concurrent.futures
 import dataclasses
@@ -24,7 +25,7 @@ from openai_harmony import HarmonyError
 
 from kvrelay.engine.sampling import SamplingParams, TokenOutput
 from kvrelay.router import harmony, render_pool, structured, validation
-from kvrelay.router.engine_client import EngineClient, flatten, token_batches
+from kvrelay.router.engine_client import EngineClient, engine_prompt, flatten, token_batches
 from kvrelay.router.metrics import RequestTimer
 from kvrelay.router.parser import Detokenizer, HarmonyStreamParser, new_call_id
 from kvrelay.router.stop import StopStrings
@@ -39,6 +40,12 @@ def utc_today() -> str:
     return _dt.datetime.now(_dt.timezone.utc).date().isoformat()
 
 
+def _frozen_ids(ids: Sequence[int]) -> Sequence[int]:
+    """Prompt ids as a request keeps them: a tuple, or the array('i') a big body's ids came as (no 40k
+    int objects per prompt; router/engine_client.engine_prompt)."""
+    return ids if isinstance(ids, (tuple, array.array)) else tuple(ids)
+
+
 def new_request_id(prefix: str = "req") -> str:
     """A router-assigned request id; HTTP uses its response's prefix (chatcmpl-, cmpl-), so the `id` a
     client gets back is the id every log line about the request carries (workers/logs.py)."""
@@ -50,7 +57,7 @@ class Prepared:
     """A validated request, ready for the engine."""
 
     request_id: str
-    prompt_ids: tuple[int, ...]
+    prompt_ids: Sequence[int]  # a tuple, or array('i') for ids that came compact (router/body.py)
     params: SamplingParams
     chat: bool
     stop: tuple[str, ...] = ()  # stop strings; the engine only knows ids, so the router matches them
@@ -110,7 +117,7 @@ class RouterCore:
             req.sampling, prompt_len=len(req.prompt_token_ids), max_context=self.max_context,
             vocab_size=self.vocab_size,
         )
-        return Prepared(rid, tuple(req.prompt_token_ids), _engine_params(resolved, ()), chat=False,
+        return Prepared(rid, _frozen_ids(req.prompt_token_ids), _engine_params(resolved, ()), chat=False,
                         stop=resolved.stop, text=text or bool(resolved.stop))
 
     def check_admission(self) -> None:
@@ -166,7 +173,7 @@ class RouterCore:
         fork = getattr(self.engine, "fork_batches", None)
         if fork is None or len(preps) < 2:
             return [None] * len(preps)
-        return fork([p.request_id for p in preps], list(preps[0].prompt_ids), [p.params for p in preps])
+        return fork([p.request_id for p in preps], engine_prompt(preps[0].prompt_ids), [p.params for p in preps])
 
     async def stream_batches(self, prep: Prepared,
                              tokens: AsyncIterator[list[TokenOutput]] | None = None) -> AsyncIterator[list[TokenStep]]:
@@ -181,7 +188,7 @@ class RouterCore:
         produced = 0
         first = True
         if tokens is None:
-            tokens = token_batches(self.engine, prep.request_id, list(prep.prompt_ids), prep.params)
+            tokens = token_batches(self.engine, prep.request_id, engine_prompt(prep.prompt_ids), prep.params)
 
         async def release() -> None:
             nonlocal released

@@ -7,7 +7,7 @@ rendering and streaming live in one place (`service.RouterCore`) and cannot drif
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import Literal, Sequence, Union
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 CHANNELS = ("analysis", "commentary", "final")
@@ -93,7 +93,7 @@ class ChatRequest:
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    prompt_token_ids: tuple[int, ...]
+    prompt_token_ids: Sequence[int]  # a tuple, or array('i') (router/body.py)
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     request_id: str = ""
 

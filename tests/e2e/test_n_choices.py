@@ -70,6 +70,30 @@ def test_greedy_choices_equal_the_single_output_from_one_prefill(running):
     assert_no_pages_left(run)
 
 
+def test_a_big_batch_body_serves_what_each_prompt_gives_alone(running):
+    """A body over 256 KiB (padded with JSON whitespace) is decoded in the helper process and its token ids
+    stay array('i') through the engine client, the fork group and Ray into the workers
+    (router/engine_client.engine_prompt): every choice equals the prompt's own small-body request."""
+    from kvrelay.router.body import SMALL_BODY_BYTES
+
+    run, server = running
+    model = run.client.model_name
+    prompts = [prompt_of(300 + 7 * i, 40 + i) for i in range(4)]
+    opts = dict(max_tokens=6, temperature=0, ignore_eos=True, return_token_ids=True)
+    want = [complete(server, model, prompt=p, **opts)["choices"][0]["token_ids"] for p in prompts]
+    ids = ", ".join("[" + ("," + " " * 240).join(map(str, p)) + "]" for p in prompts)
+    body = ('{"model": %s, "n": 2, "prompt": [%s], %s}' % (json.dumps(model), ids, json.dumps(opts)[1:-1])).encode()
+    assert len(body) > SMALL_BODY_BYTES
+    r = httpx.post(f"{server.http_url}/v1/completions", content=body, timeout=120,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text[:300]
+    out = r.json()["choices"]
+    assert [c["index"] for c in out] == list(range(8))
+    assert [c["token_ids"] for c in out] == [w for w in want for _ in range(2)]
+    assert r.json()["usage"]["prompt_tokens"] == sum(map(len, prompts)), r.json()["usage"]
+    assert_no_pages_left(run)
+
+
 def test_seeded_choices_equal_separate_requests_with_consecutive_seeds(running):
     """vLLM gives choice j of a seeded request the seed + j; so did our per-choice path before the fork."""
     run, server = running
