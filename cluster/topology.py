@@ -53,10 +53,11 @@ class PrefillSection:
     chunk_tokens: int = 8192  # prompt tokens per prefill forward: queued prompts batched, long ones chunked
     # Keep the KV of whole prompt pages (and the sliding window before each page boundary) for later
     # prompts that start with the same tokens, which then skip that part of the prefill (engine/
-    # prefix_cache.py); evicted, least recently used first, whenever the pages are wanted. tp 1 only.
+    # prefix_cache.py); evicted, least recently used first, whenever the pages are wanted. At tp > 1
+    # every rank keeps the same cache over its own KV heads (prefill_worker/ranks.py).
     prefix_cache: bool = False
-    # With prefix_cache: GiB of host memory per caching worker (each prefill worker, or each colocated
-    # worker), pinned on CUDA, where the pages the device evicts go instead of being dropped; a hit there
+    # With prefix_cache: GiB of host memory per caching worker (each prefill worker, split evenly over
+    # its TP ranks, or each colocated worker), pinned on CUDA, where the pages the device evicts go instead of being dropped; a hit there
     # is copied back instead of recomputed (engine/host_tier.py). 0: off.
     prefix_cache_host_gib: float = 0.0
 
@@ -317,9 +318,6 @@ def _check(t: Topology, base_dir: Path) -> Topology:
     if host_gib and not t.prefill.prefix_cache:
         raise TopologyError("prefill.prefix_cache_host_gib: a host tier sits under the prefix cache; set "
                             "prefill.prefix_cache: true too (or 0 here)")
-    if t.prefill.prefix_cache and t.prefill.tp != 1:
-        raise TopologyError(f"prefill.prefix_cache: needs prefill.tp 1 (got {t.prefill.tp}); the cache is not "
-                            f"kept in lockstep over a TP group yet")
     if t.colocate:
         # One worker per GPU holds both roles over one copy of the weights and one KV pool.
         if t.prefill.workers != t.decode.workers:

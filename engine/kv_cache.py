@@ -199,11 +199,13 @@ class KVCache:
         """Keep the whole prompt blocks of finished prefills for later sequences (engine/prefix_cache.py):
         cached pages nobody uses are evicted on demand, so they never take room a reservation counts on;
         with `host_bytes`, evicted pages move to a host-memory tier of that size (engine/host_tier.py,
-        pinned on CUDA) and come back on a hit."""
+        pinned on CUDA) and come back on a hit. On a TP rank `host_bytes` is the whole group's tier: each
+        rank keeps 1/tp_size of it, the slots for its own KV heads of the same pages (every rank's cache
+        makes the same decisions, engine/prefix_cache.py), and the byte counters count the group's."""
         if self.prefix is None:
-            host = HostKVStore(self.pools, host_bytes) if host_bytes > 0 else None
+            host = HostKVStore(self.pools, host_bytes // self.tp_size) if host_bytes > 0 else None
             self.prefix = PrefixCache(page_size=self.page_size, window=self.window, allocators=self.allocators,
-                                      host=host)
+                                      host=host, ranks=self.tp_size)
         return self.prefix
 
     # ---- layout --------------------------------------------------------------------------------

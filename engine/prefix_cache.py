@@ -34,6 +34,15 @@ to host as usual), copies them back and turns those blocks into device blocks ag
 a device hit. The host tier evicts least recently used too, a full slot only from a block without
 children; blocks whose pages a lookup is restoring are never taken. Host slots are given back when their
 block returns to the device (a lookup, or a sequence that computed the same block again).
+
+On a TP group every rank keeps its shard of the KV heads in the same page ids, so every rank runs this
+cache on the same calls in the same order (prefill_worker/ranks.py `cached_prefill`): everything here is
+deterministic in those calls (insertion-ordered dicts, counters, free lists; no clock, no randomness),
+so the ranks take the same hits, evict the same pages and use the same host slots, each copying its own
+shard. `digest` folds every decision in as it is made (a hit, a block cached, a page moved or dropped),
+so the leader compares one number per op to know its followers still agree; the byte counters count
+the whole group's bytes (`ranks` shards of the same size moved at once), the other counters one
+group's decisions.
 """
 
 from __future__ import annotations
@@ -109,9 +118,12 @@ class PrefixHit:
 
 
 class PrefixCache:
-    def __init__(self, *, page_size: int, window: int, allocators: dict, host=None):
-        """`host`: an engine.host_tier.HostKVStore (or None: evicted pages are dropped)."""
+    def __init__(self, *, page_size: int, window: int, allocators: dict, host=None, ranks: int = 1):
+        """`host`: an engine.host_tier.HostKVStore (or None: evicted pages are dropped); `ranks`: the TP
+        ranks that hold a shard of each page alike (bytes are counted for all of them)."""
         self.page_size = page_size
+        self.ranks = ranks
+        self.digest = 0  # every decision so far, folded (`_note`): equal on ranks that agree
         self.window = window
         self.allocators = allocators  # group -> PageAllocator (shared with KVCache)
         self.host = host
@@ -125,6 +137,10 @@ class PrefixCache:
         self._ids = itertools.count(1)
         self.stats = PrefixStats()
 
+    def _note(self, *xs: int) -> None:
+        # A tuple of ints hashes the same in every process (no hash randomization for ints).
+        self.digest = hash((self.digest, *xs))
+
     def __len__(self) -> int:
         return len(self._blocks)
 
@@ -134,7 +150,8 @@ class PrefixCache:
                "evictable_pages": {g: a.evictable for g, a in self.allocators.items()}}
         if self.host is not None:
             out["host"] = {**self.stats.host_dict(), "pages": self.host_pages(), "capacity_pages": self.host.capacity,
-                           "bytes_used": self.host.used_bytes(), "bytes_total": self.host.bytes_total,
+                           "bytes_used": self.host.used_bytes() * self.ranks,
+                           "bytes_total": self.host.bytes_total * self.ranks,
                            "pinned": self.host.pinned}
         return out
 
@@ -200,6 +217,7 @@ class PrefixCache:
     def _hit(self, chain: list[_Block], k: int, first: int, host_tokens: int) -> PrefixHit:
         ps = self.page_size
         self._touch(chain[k - 1])
+        self._note(1, chain[k - 1].id, k, host_tokens)
         self.stats.hits += 1
         self.stats.hit_tokens += k * ps
         if host_tokens:
@@ -248,12 +266,13 @@ class PrefixCache:
         for g in GROUPS:
             self.allocators[g].release(pages[g])  # the cache's reference (taken by _adopt_*) remains
             self.stats.to_device_pages += need[g]
-            self.stats.to_device_bytes += need[g] * self.host.page_bytes[g]
+            self.stats.to_device_bytes += need[g] * self.host.page_bytes[g] * self.ranks
         return True
 
     def _adopt_full(self, b: _Block, page: int) -> None:
         """A host block's full page is on the device again (restored, or computed again by a sequence)."""
         self.allocators[FULL].cache(page)
+        self._note(2, b.id, page)
         b.full = page
         self._host_free(FULL, b)
         self._lru[b.id] = b
@@ -262,6 +281,7 @@ class PrefixCache:
 
     def _adopt_sliding(self, b: _Block, page: int) -> None:
         self.allocators[SLIDING].cache(page)
+        self._note(3, b.id, page)
         b.sliding = page
         if b.host_sliding is not None:
             self._host_free(SLIDING, b)
@@ -316,6 +336,7 @@ class PrefixCache:
             if b is None:
                 b = _Block(key, next(self._ids), parent, full[j])
                 self.allocators[FULL].cache(full[j])
+                self._note(4, b.id, full[j], hash(key))  # its tokens too (ints hash alike everywhere)
                 self._blocks[key] = b
                 self._lru[b.id] = b
                 if parent is not None:
@@ -383,9 +404,10 @@ class PrefixCache:
     def _save(self, group: str, b: _Block, slot: int, page: int) -> None:
         """Queue device `page` -> host `slot` (copied in `_flush`, before the page can be written again)."""
         self._saves[group][slot] = page
+        self._note(5, b.id, slot, page)
         self._hlru[group][b.id] = b  # most recent of the host tier: it left the device just now
         self.stats.to_host_pages += 1
-        self.stats.to_host_bytes += self.host.page_bytes[group]
+        self.stats.to_host_bytes += self.host.page_bytes[group] * self.ranks
 
     def _flush(self) -> None:
         if self.host is None:
@@ -429,6 +451,7 @@ class PrefixCache:
 
     def _remove(self, b: _Block) -> None:
         """Drop block `b` from the cache, whichever tier its pages are in."""
+        self._note(6, b.id)
         if b.children:  # only when the host tier had no slot for it: its (host) descendants go first
             for c in [c for c in self._blocks.values() if c.parent is b]:
                 self._remove(c)
@@ -447,6 +470,7 @@ class PrefixCache:
         self._host_free(SLIDING, b)
 
     def _drop_sliding(self, b: _Block) -> None:
+        self._note(7, b.id, b.sliding)
         self.allocators[SLIDING].uncache(b.sliding)
         b.sliding = None
         del self._slru[b.id]

@@ -10,7 +10,9 @@ whoever holds the engine next frees it.
 With `prefill.tp` > 1 this actor is rank 0 of the worker's group and starts the other ranks itself
 (ranks.py, over workers/rank_group.py): every prefill and free runs on all of them in lockstep, the
 handle lists every rank's pages under one lease, and the pages are freed on all ranks once that lease
-is released or reclaimed.
+is released or reclaimed. With the prefix cache each rank keeps the same cache over its own KV heads
+(ranks.py `cached_prefill`); the counters, the status row and cached_tokens are this rank's, once per
+group.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from kvrelay.engine.sampling import (PROMPT_LOGPROB_CHUNK, PromptLogprobs, SamplingParams, TokenOutput,
                                      finish_reason_at, prompt_logprobs, top_logprobs)
 from kvrelay.engine.structured import masks_for, sample_constrained
-from kvrelay.prefill_worker.ranks import PrefillRank, load_rank_runner
+from kvrelay.prefill_worker.ranks import PrefillRank, cached_prefill, load_rank_runner
 from kvrelay.transfer.handle import layout_of
 from kvrelay.transfer.nixl import KVExporter
 from kvrelay.workers.loading import load_sized_runner
@@ -85,9 +87,8 @@ class PrefillWorker:
                 load=lambda ctx: load_rank_runner(spec, ctx))
         for line in self.plan_log:
             print(f"kvrelay: prefill worker {rank}: {line}", flush=True)
-        # The topology allows the cache at tp 1 only (a TP group's ranks would have to agree on hits).
-        self.prefix = (self.runner.kv.enable_prefix_cache(spec.prefix_cache_host_bytes)
-                       if spec.prefix_cache and self.group is None else None)
+        # A TP group's ranks enabled theirs as they loaded (load_rank_runner): this is rank 0's, the same.
+        self.prefix = self.runner.kv.enable_prefix_cache(spec.prefix_cache_host_bytes) if spec.prefix_cache else None
         layout, pools = layout_of(self.runner.kv)
         lease = spec.lease_seconds if lease_seconds is None else lease_seconds
         self.exporter = KVExporter(layout, pools, lease_seconds=lease, grace_seconds=min(5.0, lease),
@@ -234,12 +235,12 @@ class PrefillWorker:
                 self._drain_frees()
                 if self.runner.has_sequence(rid):
                     raise ValueError(f"request {rid}: already being prefilled on this worker")
-                start = host = 0
-                if self.prefix is not None:  # a prompt that wants its own logprobs computes every position
-                    start = self.runner.kv.begin_prefix(rid, prompt_ids, lookup=params.prompt_logprobs is None)
-                    host = self.runner.kv.host_hit(rid)
-                if self.runner.can_admit(len(prompt_ids) - start, length=start):  # all ranks' allocators agree
-                    logits, peers, plp = self._run_prefill(rid, prompt_ids, params.prompt_logprobs, start)
+                if self.group is not None and self.prefix is not None:
+                    start, host, ran = self._group_prefill_cached(rid, prompt_ids, params.prompt_logprobs)
+                else:
+                    start, host, ran = self._prefill_here(rid, prompt_ids, params.prompt_logprobs)
+                if ran is not None:
+                    logits, peers, plp = ran
                     if job is not None:
                         job.cached, job.cached_host = start, host
                     done = [prompt_ids[len(prompt_ids) - generated:]]
@@ -248,10 +249,6 @@ class PrefillWorker:
                     top, = top_logprobs(logits, [params])
                     forked = self._sample_forks(job, logits, TokenOutput(token, logprob, None, top, plp)) if job else ()
                     break
-                if self.prefix is not None:  # try again from scratch once pages come back
-                    self.runner.free(rid)
-                    if params.prompt_logprobs is None:
-                        self.prefix.retract(len(prompt_ids), start, host)
             # Pages are held by leases that decode has not pulled yet; they come back on release or
             # expiry, both bounded by the lease, so this wait is bounded too.
             if time.monotonic() > deadline:
@@ -273,6 +270,53 @@ class PrefillWorker:
         handle = self.exporter.pin(rid, kv.pages, kv.length, first_blocks=kv.first_page,
                                    on_release=lambda: self._queue_free(rid), peers=peers)
         return first, handle, forked
+
+    def _prefill_here(self, rid: str, prompt_ids: list[int], k: int | None):
+        """(cached positions, of them from the host tier, `_run_prefill`'s result or None: no room yet,
+        nothing kept) on this worker's Runner (TP1), or on a TP group without the prefix cache."""
+        start = host = 0
+        if self.prefix is not None:  # a prompt that wants its own logprobs computes every position
+            start = self.runner.kv.begin_prefix(rid, prompt_ids, lookup=k is None)
+            host = self.runner.kv.host_hit(rid)
+        if self.runner.can_admit(len(prompt_ids) - start, length=start):  # all ranks' allocators agree
+            return start, host, self._run_prefill(rid, prompt_ids, k, start)
+        if self.prefix is not None:  # try again from scratch once pages come back
+            self.runner.free(rid)
+            if k is None:
+                self.prefix.retract(len(prompt_ids), start, host)
+        return start, host, None
+
+    def _group_prefill_cached(self, rid: str, prompt_ids: list[int], k: int | None):
+        """`_prefill_here` for a TP group under the prefix cache: `cached_prefill` (lookup, room check,
+        forward) as one op on every rank, whose caches therefore decide alike; any rank that took
+        another hit, holds other pages or whose cache digest differs ends the group."""
+        every = k is not None
+        done, peers = self.group.run("prefill_cached", (rid, prompt_ids, every),
+                                     lambda: cached_prefill(self.runner, rid, prompt_ids, every))
+        for r, (theirs, _) in enumerate(peers, start=1):
+            if (theirs.start, theirs.host, theirs.digest) != (done.start, done.host, done.digest):
+                self.group.fail(f"request {rid}: rank {r}'s prefix cache disagrees with rank 0's (hit "
+                                f"{theirs.start} vs {done.start} tokens, digest {theirs.digest} vs {done.digest})")
+        if done.logits is None:
+            return done.start, done.host, None
+        shards = [shard for _, shard in peers]
+        if any(s is None for s in shards):
+            self.group.fail(f"request {rid}: a follower rank found no room where rank 0 did")
+        logits, plp = done.logits, None
+        if every:
+            plp = prompt_logprobs(logits, prompt_ids, 0, k)
+            logits = logits[-1]
+        self._check_peer_pages(rid, shards)
+        return done.start, done.host, (logits, tuple(shards), plp)
+
+    def _check_peer_pages(self, rid: str, peers) -> None:
+        # Same calls in the same order leave every rank's allocator in the same state; a difference
+        # would mean the ranks no longer agree on what is where, so stop trusting this group.
+        kv = self.runner.export_sequence(rid)
+        own = self.exporter.describe(kv.pages, kv.length, first_blocks=kv.first_page)
+        for shard in peers:
+            if [g.page_ids for g in shard.groups] != [g.page_ids for g in own.groups]:
+                self.group.fail(f"request {rid}: rank {shard.tp_rank} holds other pages than rank 0")
 
     # ---- engine ops (under the engine lock; on every rank of a TP group) ---------------------
     def _run_prefill(self, rid: str, prompt_ids: list[int], k: int | None = None, start: int = 0) -> tuple:
@@ -306,13 +350,7 @@ class PrefillWorker:
         if every:
             plp = prompt_logprobs(logits, prompt_ids, 0, k)
             logits = logits[-1]
-        # Same calls in the same order leave every rank's allocator in the same state; a difference
-        # would mean the ranks no longer agree on what is where, so stop trusting this group.
-        kv = self.runner.export_sequence(rid)
-        own = self.exporter.describe(kv.pages, kv.length, first_blocks=kv.first_page)
-        for shard in peers:
-            if [g.page_ids for g in shard.groups] != [g.page_ids for g in own.groups]:
-                self.group.fail(f"request {rid}: rank {shard.tp_rank} holds other pages than rank 0")
+        self._check_peer_pages(rid, peers)
         return logits, tuple(peers), plp
 
     def _free(self, rid: str) -> None:

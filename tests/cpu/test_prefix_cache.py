@@ -178,8 +178,13 @@ def test_topology_switch():
     assert colocated_spec(t).prefix_cache is True
     with pytest.raises(TopologyError, match="prefill.prefix_cache: expected a boolean"):
         parse_topology(base + "prefill: {prefix_cache: 1}\n", source="t.yaml")
-    with pytest.raises(TopologyError, match="prefill.prefix_cache: needs prefill.tp 1"):
-        parse_topology(base + "prefill: {prefix_cache: true, tp: 2}\n", source="t.yaml")
+    # A TP prefill group caches too (every rank alike); colocated workers still run at tp 1 only.
+    t = parse_topology(base + "prefill: {prefix_cache: true, tp: 2, prefix_cache_host_gib: 1}\n", source="t.yaml")
+    assert prefill_spec(t).prefix_cache is True and prefill_spec(t).tp == 2
+    assert prefill_spec(t).prefix_cache_host_bytes == 1 << 30  # the group's; each rank keeps 1/tp
+    with pytest.raises(TopologyError, match="t.yaml.*prefill.tp: colocated workers run at tp 1"):
+        parse_topology(base + "prefill: {prefix_cache: true, tp: 2}\ndecode: {tp: 2}\ncolocate: true\n",
+                       source="t.yaml")
 
 
 def test_generated_tokens_are_cached_too():
