@@ -147,7 +147,8 @@ class PrefixCache:
     def summary(self) -> dict:
         """The counters plus the pages held now (what `kvrelay status` shows)."""
         out = {**self.stats.as_dict(), "cached_pages": self.cached_pages(),
-               "evictable_pages": {g: a.evictable for g, a in self.allocators.items()}}
+               "evictable_pages": {g: a.evictable for g, a in self.allocators.items()},
+               "digest": self.digest}
         if self.host is not None:
             out["host"] = {**self.stats.host_dict(), "pages": self.host_pages(), "capacity_pages": self.host.capacity,
                            "bytes_used": self.host.used_bytes() * self.ranks,

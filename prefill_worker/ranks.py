@@ -101,7 +101,8 @@ class PrefillRank(FollowerRank):
                     self.transfer.describe(kv.pages, kv.length, first_blocks=kv.first_page))
 
     def prefix_cache(self) -> dict | None:
-        """This rank's cache: its summary and digest (equal to the leader's while the ranks agree)."""
+        """This rank's cache summary (PrefixCache.summary(), its digest too): equal to the leader's
+        status row's while the ranks agree. Not in this rank's status row: the group counts once."""
         with self._lock:
             prefix = self.runner.kv.prefix
-            return None if prefix is None else {**prefix.summary(), "digest": prefix.digest}
+            return None if prefix is None else prefix.summary()
