@@ -88,7 +88,7 @@ class DisaggregatedEngineClient(WorkerPool):
                  admission_timeout_s: float = 60.0, stall_check_s: float | None = None, colocated: bool = False,
                  policy: str = "least-loaded", max_waiting: int = 1024, resume_timeout_s: float = 120.0,
                  on_worker_dead: Callable[[str, int], None] | None = None, page_size: int = 16,
-                 worker_timeout_s: float = 30.0):
+                 worker_timeout_s: float = 30.0, worker_step_timeout_s: float = 120.0):
         self.prefill = [_Worker("prefill", i, a) for i, a in enumerate(prefill_actors)]
         self.decode = [_Worker("decode", i, a) for i, a in enumerate(decode_actors)]
         self._model_name = model_name
@@ -105,6 +105,9 @@ class DisaggregatedEngineClient(WorkerPool):
         # router.worker_timeout_s: a worker that answers nothing for this long is hung (taken for dead).
         # A call or a stream that has waited stall_check_s pings the worker, which has the rest to answer.
         self.worker_timeout_s = worker_timeout_s
+        # router.worker_step_timeout_s: a worker that answers but whose step loop has work and has made no
+        # progress for this long is hung too (worker_pool._alive asks it with every ping).
+        self.worker_step_timeout_s = worker_step_timeout_s
         self.stall_check_s = stall_check_s if stall_check_s is not None else worker_timeout_s / 2
         # Colocated: prefill[i] and decode[i] are one actor, so a request's pair is always (i, i) and its
         # KV never leaves the GPU (decode_worker/colocated.py).

@@ -101,7 +101,9 @@ class Cluster:
         them into `client`'s pool; returns it (stop it before `shutdown`)."""
         from kvrelay.cluster.supervisor import Supervisor
 
-        sup = Supervisor(self, client, **{"hung_after_s": self.topology.router.worker_timeout_s, **kwargs})
+        router = self.topology.router
+        sup = Supervisor(self, client, **{"hung_after_s": router.worker_timeout_s,
+                                          "stalled_after_s": router.worker_step_timeout_s, **kwargs})
         sup.start()
         return sup
 
@@ -124,7 +126,8 @@ class Cluster:
             vocab_size=cfg.vocab_size, colocated=self.topology.colocate, policy=self.topology.router.policy,
             max_waiting=self.topology.router.max_waiting_requests, page_size=self.topology.decode.page_size,
             **{"resume_timeout_s": self.topology.router.resume_timeout_s,
-               "worker_timeout_s": self.topology.router.worker_timeout_s, **kwargs})
+               "worker_timeout_s": self.topology.router.worker_timeout_s,
+               "worker_step_timeout_s": self.topology.router.worker_step_timeout_s, **kwargs})
 
     def statuses(self, timeout_s: float = 10.0) -> list[dict]:
         from kvrelay.cluster.status import collect

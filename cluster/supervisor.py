@@ -5,7 +5,9 @@ engine client tells it at once when a call or a token channel fails with Ray's a
 worker stopped answering its calls (`on_worker_dead`), and every `check_every_s` it asks each worker's
 `health` (a worker that is dead, says it is unhealthy, misses `misses` answers in a row of
 `health_timeout_s` each, or has answered none for `hung_after_s` (router.worker_timeout_s) is replaced
-too: a hung worker, e.g. a stopped process, is killed first). A
+too: a hung worker, e.g. a stopped process, is killed first). So is a worker that answers but whose step
+loop has had work and made no progress for `stalled_after_s` (router.worker_step_timeout_s: a step stuck
+in a kernel or a collective; each worker reports it with `step_stall_s`). A
 replacement is a new actor with the same name, options and topology in the dead one's placement group
 (cluster/serve.py `Cluster.start_worker`): its constructor reloads the weights, sizes the pool, starts its
 NIXL agent (and, at TP > 1, its follower ranks, which died with their owner). Once it answers `health`,
@@ -58,7 +60,7 @@ class WorkerState:
 class Supervisor:
     def __init__(self, cluster, client, *, check_every_s: float = 2.0, health_timeout_s: float = 10.0,
                  misses: int = 3, startup_timeout_s: float = 600.0, max_backoff_s: float = 60.0,
-                 hung_after_s: float = 30.0):
+                 hung_after_s: float = 30.0, stalled_after_s: float = 120.0):
         from kvrelay.cluster import placement
 
         self.cluster = cluster
@@ -67,6 +69,7 @@ class Supervisor:
         self.health_timeout_s = health_timeout_s
         self.misses = misses
         self.hung_after_s = hung_after_s
+        self.stalled_after_s = stalled_after_s
         self.startup_timeout_s = startup_timeout_s
         self.max_backoff_s = max_backoff_s
         self._colocated = cluster.topology.colocate
@@ -154,7 +157,8 @@ class Supervisor:
         refs = {k: self._actor(k).health.remote() for k in keys}
         if not refs:
             return
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs),
+        stalls = {k: self._actor(k).step_stall_s.remote() for k in keys}
+        ready, _ = ray.wait(list(refs.values()) + list(stalls.values()), num_returns=2 * len(refs),
                             timeout=min(self.health_timeout_s, self.hung_after_s))
         ready = set(ready)
         for key, ref in refs.items():
@@ -164,6 +168,9 @@ class Supervisor:
                 try:
                     if not ray.get(ref):
                         reason = "its health check answered unhealthy"
+                    elif stalls[key] in ready and (stalled := ray.get(stalls[key])) >= self.stalled_after_s:
+                        reason = (f"hung: its step loop has had work and made no progress for {stalled:.0f} s "
+                                  f"(router.worker_step_timeout_s {self.stalled_after_s:g})")
                 except ray.exceptions.RayActorError as e:
                     reason = f"died ({type(e).__name__})"
                 except Exception as e:

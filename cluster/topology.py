@@ -102,6 +102,11 @@ class RouterSection:
     # before it is taken for hung, as a stopped process or a stuck device call is: the supervisor kills
     # and replaces it, and its requests resume as a dead worker's do (within resume_timeout_s).
     worker_timeout_s: float = 30.0
+    # Seconds a worker's step loop may go without progress while it has work (a forward, a queued op, a
+    # prefill that does not finish) although the worker still answers: a step stuck in a kernel or a
+    # collective. Such a worker is taken for hung too. Generous: the first forward of a new shape on the GPU
+    # compiles Triton kernels (tens of seconds).
+    worker_step_timeout_s: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -278,7 +283,8 @@ def _check(t: Topology, base_dir: Path) -> Topology:
                     ("kv_transfer.lease_seconds", t.kv_transfer.lease_seconds),
                     ("router.max_waiting_requests", t.router.max_waiting_requests),
                     ("router.resume_timeout_s", t.router.resume_timeout_s),
-                    ("router.worker_timeout_s", t.router.worker_timeout_s)]:
+                    ("router.worker_timeout_s", t.router.worker_timeout_s),
+                    ("router.worker_step_timeout_s", t.router.worker_step_timeout_s)]:
         pos(path, v)
     if not 0.0 < t.decode.kv_memory_fraction <= 0.95:
         raise TopologyError(f"decode.kv_memory_fraction: must be in (0, 0.95], got {t.decode.kv_memory_fraction}")

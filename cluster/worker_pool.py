@@ -6,7 +6,7 @@ replacement in).
 `WorkerPool` is the pool half of `DisaggregatedEngineClient` (cluster/engine_client.py), which sets
 the attributes it uses: `prefill`, `decode` (lists of `_Worker`), `colocated`, `policy`, `prefix_index`,
 `_turn`, `_admit_lock`, `admission`, `admission_timeout_s`, `on_worker_dead`, `resume_timeout_s`,
-`worker_timeout_s`, `stall_check_s` and `_draining`.
+`worker_timeout_s`, `worker_step_timeout_s`, `stall_check_s` and `_draining`.
 """
 
 from __future__ import annotations
@@ -59,14 +59,24 @@ class WorkerPool:
 
     async def _alive(self, worker: _Worker) -> bool:
         """Does `worker` answer a health check within what is left of router.worker_timeout_s after the
-        stall check? One that does not (dead, or hung: a stopped process) is marked dead."""
+        stall check, with its step loop making progress? One that does not (dead; hung: a stopped
+        process; or answering while its step loop has had work and no progress for
+        router.worker_step_timeout_s: a step stuck in a kernel or a collective) is marked dead."""
         timeout = max(1.0, self.worker_timeout_s - self.stall_check_s)
         try:
-            await asyncio.wait_for(asyncio.wrap_future(worker.actor.health.remote().future()), timeout=timeout)
-            return True
+            calls = (worker.actor.health.remote(), worker.actor.step_stall_s.remote())
+            _, stalled_s = await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(c.future()) for c in calls)),
+                                                  timeout=timeout)
         except Exception:
             self._mark_dead(worker)
             return False
+        if stalled_s >= self.worker_step_timeout_s:
+            log.warning("%s worker %d: its step loop has made no progress with work for %.0f s "
+                        "(router.worker_step_timeout_s %g): taken for hung", worker.role, worker.rank,
+                        stalled_s, self.worker_step_timeout_s)
+            self._mark_dead(worker)
+            return False
+        return True
 
     async def _watched(self, worker: _Worker, call, cause: str):
         """The result of the actor call `call` (an ObjectRef) on `worker`, however long it runs (a long

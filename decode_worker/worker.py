@@ -77,6 +77,10 @@ class DecodeWorker:
         self._pending: collections.deque = collections.deque()
         self._stop = False
         self._step_error: BaseException | None = None
+        # Step progress (step_stall_s): when the step thread last finished a pass (ops, a step), and whether
+        # it is waiting for work. A thread stuck in a step or an op answers health() all the same.
+        self._beat = time.monotonic()
+        self._idle = True
         self._streams: dict[str, asyncio.Queue] = {}  # request -> its own stream (generate)
         self._route: dict[str, str] = {}  # request -> channel id (start)
         self._channels: dict[str, asyncio.Queue] = {}  # channel id -> batches of events
@@ -420,7 +424,9 @@ class DecodeWorker:
         while True:
             with self._wake:
                 while not self._stop and not self._pending and not self._has_work():
+                    self._idle = True
                     self._wake.wait()
+                self._beat, self._idle = time.monotonic(), False
                 if self._stop:
                     return
             t0 = time.perf_counter()
@@ -439,11 +445,28 @@ class DecodeWorker:
                     for rid in running:
                         self._emit(rid, RuntimeError(f"decode step failed on worker {self.rank}: {e!r}"))
                         self.scheduler.release(rid)
+            self._beat = time.monotonic()
             self._flush()
 
     # ---- introspection -----------------------------------------------------------------------
     async def health(self) -> bool:
         return self._thread.is_alive() and not self._stop
+
+    async def step_stall_s(self) -> float:
+        """Seconds the step thread has been in its current pass (queued ops, then a step) while it has
+        work; 0 while it waits for work. The engine client and the supervisor take a worker whose stall
+        reaches router.worker_step_timeout_s for hung (a step stuck in a kernel or a collective), as they
+        do one that stops answering."""
+        return 0.0 if self._idle else time.monotonic() - self._beat
+
+    async def debug_stall_steps(self, seconds: float) -> None:
+        """Test only (tests/e2e/test_supervision_hung.py): the real step thread sleeps `seconds` in its
+        next op, holding the engine lock, as a step stuck in a kernel would: nothing steps, health() and
+        every other call still answer. Returns at once."""
+        loop = asyncio.get_running_loop()
+        with self._wake:
+            self._pending.append((time.sleep, (seconds,), loop.create_future(), loop))
+            self._wake.notify()
 
     async def load(self) -> tuple[int, int]:
         """(pages a new request could still reserve, requests admitted): what the router ranks by (at once,

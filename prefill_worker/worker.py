@@ -94,6 +94,7 @@ class PrefillWorker:
         self.exporter = KVExporter(layout, pools, lease_seconds=lease, grace_seconds=min(5.0, lease),
                                    name_prefix=f"prefill{rank}")
         self._run_lock = threading.Lock()  # one prompt at a time
+        self._running_since: float | None = None  # the current prefill run's start or last progress (step_stall_s)
         self._engine_lock = threading.Lock()  # Runner/KVCache are not thread-safe
         self._to_free: collections.deque[str] = collections.deque()
         self._queued_tokens = 0
@@ -125,7 +126,11 @@ class PrefillWorker:
             while job.result is None and job.error is None:
                 with self._run_lock:
                     if job.result is None and job.error is None:
-                        self._run_jobs(self._take_jobs())
+                        self._running_since = time.monotonic()  # step_stall_s
+                        try:
+                            self._run_jobs(self._take_jobs())
+                        finally:
+                            self._running_since = None
         finally:
             with self._count_lock:
                 self._queued_tokens -= n
@@ -174,13 +179,14 @@ class PrefillWorker:
         for j in jobs:
             self._settle(j, lambda: self._prefill(j.request_id, j.ids, j.params, j.generated, j))
 
-    @staticmethod
-    def _settle(job: _Job, fn) -> None:
+    def _settle(self, job: _Job, fn) -> None:
         try:
             job.result = fn()
         except Exception as e:
             job.error = e
         job.t_end = time.perf_counter()
+        if self._running_since is not None:
+            self._running_since = time.monotonic()  # a prompt done: progress
 
     def _prefill_batch(self, jobs: list[_Job]):
         """Several whole prompts in one ragged forward (TP1); None if their pages are not all free."""
@@ -393,6 +399,13 @@ class PrefillWorker:
     # ---- introspection -----------------------------------------------------------------------
     def health(self) -> bool:
         return not self._stop.is_set()
+
+    def step_stall_s(self) -> float:
+        """Seconds the current prefill run (the prompts taken into one go) has taken since it started or
+        last finished a prompt; 0 while none runs. As the decode worker's (router.worker_step_timeout_s):
+        a worker stuck in a forward still answers health()."""
+        since = self._running_since
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
 
     def queued_tokens(self) -> int:
         return self._queued_tokens

@@ -82,7 +82,8 @@ def test_checkpoint_path_relative_to_file(tmp_path: Path) -> None:
          "prefil: unknown key (did you mean 'prefill'?)"),
         ("model: {name: gpt-oss-20b}\nrouter: {zzz: 1}\n",
          "router.zzz: unknown key (valid keys: host, grpc_port, http_port, policy, max_waiting_requests, api_keys_env, "
-         "tls_cert_file, tls_key_file, rate_limit_rpm, rate_limit_burst, resume_timeout_s, worker_timeout_s)"),
+         "tls_cert_file, tls_key_file, rate_limit_rpm, rate_limit_burst, resume_timeout_s, worker_timeout_s, "
+         "worker_step_timeout_s)"),
         ("model: {name: gpt-oss-20b}\ndecode: {max_batch: many}\n",
          "decode.max_batch: expected an integer, got str 'many'"),
         ("model: {name: gpt-oss-20b}\ndecode: {max_batch: true}\n",
@@ -256,3 +257,11 @@ def test_worker_timeout_must_be_positive():
     with pytest.raises(TopologyError, match=r"router.worker_timeout_s: must be > 0, got 0"):
         parse_topology("model: {name: gpt-oss-20b}\nrouter: {worker_timeout_s: 0}\n", source="t")
     assert parse_topology("model: {name: gpt-oss-20b}\n", source="t").router.worker_timeout_s == 30.0
+
+
+def test_worker_step_timeout_must_be_positive():
+    with pytest.raises(TopologyError, match=r"router.worker_step_timeout_s: must be > 0, got -1"):
+        parse_topology("model: {name: gpt-oss-20b}\nrouter: {worker_step_timeout_s: -1}\n", source="t")
+    with pytest.raises(TopologyError, match=r"router.worker_step_timeout_s: expected a number"):
+        parse_topology("model: {name: gpt-oss-20b}\nrouter: {worker_step_timeout_s: soon}\n", source="t")
+    assert parse_topology("model: {name: gpt-oss-20b}\n", source="t").router.worker_step_timeout_s == 120.0

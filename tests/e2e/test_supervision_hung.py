@@ -2,7 +2,10 @@
 `kvrelay status --json`) on the single-pair topology: detected within router.worker_timeout_s, killed and
 replaced by the supervisor, and the requests in flight on it resume on the replacement by re-prefilling
 prompt + tokens already sent, so every stream equals its undisturbed greedy run. The stopped process is
-continued and killed in teardown whatever happens. After each test no KV page is left on any worker.
+continued and killed in teardown whatever happens. And a worker that still answers but whose step loop is
+stuck (its real step thread made to sleep inside an op, holding the engine lock: the test-only
+`debug_stall_steps` actor method) is taken for hung after router.worker_step_timeout_s the same way.
+After each test no KV page is left on any worker.
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ from test_supervision import _retries, completion, undisturbed, wait_states, wor
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
 WORKER_TIMEOUT_S = 4.0
+STEP_TIMEOUT_S = 3.0
 TOPOLOGY = f"""
 model: {{name: tiny, dummy: true, seed: 0, max_context: 2048}}
 prefill: {{workers: 1, max_prompt_tokens: 1024}}
 decode: {{workers: 1, max_batch: 32, page_size: 16}}
-router: {{host: 127.0.0.1, grpc_port: 0, http_port: 0, resume_timeout_s: 60, worker_timeout_s: {WORKER_TIMEOUT_S}}}
+router: {{host: 127.0.0.1, grpc_port: 0, http_port: 0, resume_timeout_s: 60, worker_timeout_s: {WORKER_TIMEOUT_S},
+         worker_step_timeout_s: {STEP_TIMEOUT_S}}}
 device: cpu
 """
 
@@ -137,4 +142,46 @@ def test_hung_prefill_worker_is_replaced_and_its_requests_resume(running, monkey
     row = worker_row(run, "prefill")
     assert row["restarts"] == restarts + 1 and row["pid"] != pid, row
     print(f"hung prefill worker taken for hung {detected:.1f} s after SIGSTOP; re-prefills {counted}")
+    assert_no_pages_left(run)
+
+
+def test_stuck_step_loop_is_taken_for_hung_and_its_requests_resume(running, reference):
+    """The decode worker answers health() and every call, but its step thread sleeps in an op (a stuck
+    kernel): no progress with work for router.worker_step_timeout_s is a hung worker. It is replaced and
+    the 6 requests on it resume, each equal to its undisturbed greedy run."""
+    import ray
+
+    run, server = running
+    jobs = [(prompt_of(24 + 5 * i, 300 + i), 120) for i in range(6)]
+    want = undisturbed(server.http_url, reference, jobs)
+    progress = [[] for _ in jobs]
+    row = worker_row(run, "decode")
+    old_pid, restarts = row["pid"], row["restarts"]
+    before = _retries("decode_unresponsive") + _retries("decode_died")
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        futs = [pool.submit(completion, server.http_url, p, k, stream=i % 2 == 0, progress=progress[i])
+                for i, (p, k) in enumerate(jobs)]
+        deadline = time.monotonic() + 60
+        while not (all(progress[i] for i in range(0, 6, 2)) and worker_row(run, "decode")["running"] == 6):
+            assert time.monotonic() < deadline, "the 6 requests never ran together"
+            assert not any(f.done() for f in futs), "a request finished before the stall: make them longer"
+            time.sleep(0.02)
+        actor = run.cluster.decode[0]
+        t_stall = time.monotonic()
+        ray.get(actor.debug_stall_steps.remote(120.0), timeout=10)  # the step thread sleeps; this returns
+        assert ray.get(actor.health.remote(), timeout=10) is True  # it still answers: not a stopped process
+        detected = _restarting_within(run, "decode", t_stall, STEP_TIMEOUT_S + 4.0)
+        assert detected >= STEP_TIMEOUT_S - 0.5, detected  # not taken for hung before the bound
+        states = wait_states(run, "decode", restarts=restarts + 1)
+        results = [f.result(timeout=120) for f in futs]
+    assert states[-1] == "healthy", states
+    for i, (res, w) in enumerate(zip(results, want)):
+        assert res["status"] == 200 and res["error"] is None, (i, res)
+        assert res["tokens"] == w and res["finish"] == "length", f"request {i}: {res['tokens']} != {w}"
+    assert _retries("decode_unresponsive") + _retries("decode_died") == before + 6
+    row = worker_row(run, "decode")
+    assert row["pid"] != old_pid and row["restarts"] == restarts + 1, row
+    why = run.supervisor.states[("decode", 0)].last_error
+    assert "step loop" in why and "router.worker_step_timeout_s" in why, why
+    print(f"stuck step loop taken for hung {detected:.1f} s after it stalled (bound {STEP_TIMEOUT_S} s)")
     assert_no_pages_left(run)
