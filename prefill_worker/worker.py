@@ -95,6 +95,7 @@ class PrefillWorker:
                                    name_prefix=f"prefill{rank}")
         self._run_lock = threading.Lock()  # one prompt at a time
         self._running_since: float | None = None  # the current prefill run's start or last progress (step_stall_s)
+        self._debug_stall_s = 0.0  # debug_stall_steps
         self._engine_lock = threading.Lock()  # Runner/KVCache are not thread-safe
         self._to_free: collections.deque[str] = collections.deque()
         self._queued_tokens = 0
@@ -128,6 +129,9 @@ class PrefillWorker:
                     if job.result is None and job.error is None:
                         self._running_since = time.monotonic()  # step_stall_s
                         try:
+                            if self._debug_stall_s:  # debug_stall_steps: as a forward stuck on the device
+                                stall, self._debug_stall_s = self._debug_stall_s, 0.0
+                                time.sleep(stall)
                             self._run_jobs(self._take_jobs())
                         finally:
                             self._running_since = None
@@ -406,6 +410,12 @@ class PrefillWorker:
         a worker stuck in a forward still answers health()."""
         since = self._running_since
         return 0.0 if since is None else max(0.0, time.monotonic() - since)
+
+    def debug_stall_steps(self, seconds: float) -> None:
+        """Test only (tests/e2e/test_supervision_hung.py): the next prefill run sleeps `seconds` in the
+        calling thread, holding the run lock, before its forward, as a forward stuck on the device would;
+        health() and every other call still answer. Returns at once."""
+        self._debug_stall_s = float(seconds)
 
     def queued_tokens(self) -> int:
         return self._queued_tokens

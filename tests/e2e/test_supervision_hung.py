@@ -185,3 +185,34 @@ def test_stuck_step_loop_is_taken_for_hung_and_its_requests_resume(running, refe
     assert "step loop" in why and "router.worker_step_timeout_s" in why, why
     print(f"stuck step loop taken for hung {detected:.1f} s after it stalled (bound {STEP_TIMEOUT_S} s)")
     assert_no_pages_left(run)
+
+
+def test_stuck_prefill_is_taken_for_hung_and_its_requests_resume(running):
+    """The prefill worker answers, but its next prefill run sleeps before its forward (a stuck device
+    call): taken for hung after router.worker_step_timeout_s, replaced, its prompts prefilled again."""
+    import ray
+
+    run, server = running
+    jobs = [(prompt_of(200 + 30 * i, 400 + i), 12) for i in range(4)]
+    want = undisturbed(server.http_url, None, jobs)
+    row = worker_row(run, "prefill")
+    pid, restarts = row["pid"], row["restarts"]
+    actor = run.cluster.prefill[0]
+    ray.get(actor.debug_stall_steps.remote(120.0), timeout=10)
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        t_stall = time.monotonic()
+        futs = [pool.submit(completion, server.http_url, p, k, stream=i % 2 == 1) for i, (p, k) in enumerate(jobs)]
+        time.sleep(0.5)
+        assert ray.get(actor.health.remote(), timeout=10) is True  # it still answers: not a stopped process
+        detected = _restarting_within(run, "prefill", t_stall, STEP_TIMEOUT_S + 4.0)
+        assert detected >= STEP_TIMEOUT_S - 0.5, detected
+        wait_states(run, "prefill", restarts=restarts + 1)
+        results = [f.result(timeout=120) for f in futs]
+    for i, (res, w) in enumerate(zip(results, want)):
+        assert res["status"] == 200 and res["tokens"] == w, (i, res)
+    row = worker_row(run, "prefill")
+    assert row["restarts"] == restarts + 1 and row["pid"] != pid, row
+    why = run.supervisor.states[("prefill", 0)].last_error
+    assert "step loop" in why and "router.worker_step_timeout_s" in why, why
+    print(f"stuck prefill taken for hung {detected:.1f} s after it stalled (bound {STEP_TIMEOUT_S} s)")
+    assert_no_pages_left(run)
