@@ -36,7 +36,7 @@ children; blocks whose pages a lookup is restoring are never taken. Host slots a
 block returns to the device (a lookup, or a sequence that computed the same block again).
 
 On a TP group every rank keeps its shard of the KV heads in the same page ids, so every rank runs this
-cache on the same calls in the same order (prefill_worker/ranks.py `cached_prefill`): everything here is
+cache on the same calls in the same order (prefill_worker/ranks.py `begin_cached`): everything here is
 deterministic in those calls (insertion-ordered dicts, counters, free lists; no clock, no randomness),
 so the ranks take the same hits, evict the same pages and use the same host slots, each copying its own
 shard. `digest` folds every decision in as it is made (a hit, a block cached, a page moved or dropped),

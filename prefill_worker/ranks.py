@@ -6,10 +6,12 @@ pages are, so the leader can put every rank's pages into the one handle it lease
 leader, which frees the pages on every rank once its lease is released or reclaimed.
 
 With the prefix cache (prefill.prefix_cache) every rank keeps the same cache over its shard of the KV
-heads: each prefill is one `cached_prefill` on every rank (lookup, room check, forward of what the hit
-leaves), so every rank's cache sees the same calls in the same order and decides the same hits,
-evictions and host slots (engine/prefix_cache.py); the leader checks each rank's hit, pages and cache
-digest against its own and takes the group down on any difference (workers/rank_group.py).
+heads: each prefill is the same `begin_cached` (lookup, room check) and `finish_cached` (the forward of
+what the hit leaves) on every rank, so every rank's cache sees the same calls in the same order and
+decides the same hits, evictions and host slots (engine/prefix_cache.py). The leader decides first and
+sends its decision (hit, room, cache digest) with the op; a follower that decides otherwise leaves
+before any collective, and the leader, whose forward then fails, takes the group down
+(workers/rank_group.py); the leader also checks every rank's pages.
 """
 
 from __future__ import annotations
@@ -31,38 +33,50 @@ def load_rank_runner(spec: PrefillSpec, shard):
     return runner
 
 
+class RanksDisagree(RuntimeError):
+    """A follower's prefix cache decided otherwise than the leader's: the group is broken."""
+
+
 @dataclass(frozen=True)
-class CachedPrefill:
-    """What one rank's `cached_prefill` did: positions the cache supplied (`start`; `host` of them from
-    the host tier), its cache's digest after the op, and the logits (None: no room, nothing kept)."""
+class CacheDecision:
+    """What one rank's cache decided for a prompt (`begin_cached`): positions it supplies (`start`; `host`
+    of them from the host tier), whether the rest fits the pool (`room`), and the cache's digest after
+    the lookup. Every rank of a group must decide the same."""
 
     start: int
     host: int
+    room: bool
     digest: int
-    logits: object = None
 
 
-def cached_prefill(runner, rid: str, prompt_ids: list[int], all_logits: bool = False) -> CachedPrefill:
-    """A prompt under the prefix cache on one rank, the same on every rank of the group: resume after
-    the longest cached prefix (none when the prompt wants every position's logits), then compute the
-    rest in one forward if the pool has room for it; without room the sequence is dropped and its
-    lookup uncounted (the caller tries again once pages come back). Deterministic in the rank's cache
-    state, which every rank's same calls keep equal."""
+def begin_cached(runner, rid: str, prompt_ids: list[int], all_logits: bool = False) -> CacheDecision:
+    """The first half of a prompt under the prefix cache, on one rank: the sequence resumes after the
+    longest cached prefix (none when the prompt wants every position's logits), and is dropped again,
+    its lookup uncounted, if the rest does not fit the pool (the caller tries again once pages come
+    back). No collective: the leader decides first and every follower checks its own decision against
+    it before the forward (`PrefillRank.prefill_cached`). Deterministic in the rank's cache state, which
+    every rank's same calls keep equal."""
     kv = runner.kv
     start = kv.begin_prefix(rid, prompt_ids, lookup=not all_logits)
     host = kv.host_hit(rid)
-    if not runner.can_admit(len(prompt_ids) - start, length=start):
+    room = runner.can_admit(len(prompt_ids) - start, length=start)
+    if not room:
         runner.free(rid)
         if not all_logits:
             kv.prefix.retract(len(prompt_ids), start, host)
-        return CachedPrefill(start, host, kv.prefix.digest)
+    return CacheDecision(start, host, room, kv.prefix.digest)
+
+
+def finish_cached(runner, rid: str, prompt_ids: list[int], begun: CacheDecision, all_logits: bool = False):
+    """The second half: the forward of what the hit leaves (the logits; None without room)."""
+    if not begun.room:
+        return None
     try:
-        logits = runner.extend(rid, prompt_ids[start:], all_logits=all_logits)
+        return runner.extend(rid, prompt_ids[begun.start:], all_logits=all_logits)
     except BaseException:
         if runner.has_sequence(rid):
             runner.free(rid)
         raise
-    return CachedPrefill(start, host, kv.prefix.digest, logits)
 
 
 class PrefillRank(FollowerRank):
@@ -89,16 +103,25 @@ class PrefillRank(FollowerRank):
             kv = self.runner.export_sequence(rid)
             return self.transfer.describe(kv.pages, kv.length, first_blocks=kv.first_page)
 
-    def prefill_cached(self, rid: str, prompt_ids: list[int], all_logits: bool = False):
-        """The leader's `cached_prefill`, on this rank's shard: (what it did, without the logits, which
-        are the leader's; where this rank's pages are, or None without room)."""
+    def prefill_cached(self, rid: str, prompt_ids: list[int], all_logits: bool, expect: CacheDecision):
+        """The leader's prompt under the prefix cache, on this rank's shard: this rank's cache decides,
+        and must decide what the leader's did (`expect`), else this rank leaves at once, before the
+        forward, whose collectives then fail on the leader, which takes the group down (a mismatched
+        forward would pair collectives of other shapes). Returns where this rank's pages are (None
+        without room)."""
+        def run():
+            mine = begin_cached(self.runner, rid, prompt_ids, all_logits)
+            if mine != expect:
+                raise RanksDisagree(f"request {rid}: rank {self.tp_rank}'s prefix cache decided {mine}, "
+                                    f"rank 0's {expect}")
+            finish_cached(self.runner, rid, prompt_ids, mine, all_logits)
+            return mine.room
+
         with self._lock:
-            done = follower_op(lambda: cached_prefill(self.runner, rid, prompt_ids, all_logits))
-            if done.logits is None:
-                return done, None
+            if not follower_op(run):
+                return None
             kv = self.runner.export_sequence(rid)
-            return (CachedPrefill(done.start, done.host, done.digest),
-                    self.transfer.describe(kv.pages, kv.length, first_blocks=kv.first_page))
+            return self.transfer.describe(kv.pages, kv.length, first_blocks=kv.first_page)
 
     def prefix_cache(self) -> dict | None:
         """This rank's cache summary (PrefixCache.summary(), its digest too): equal to the leader's

@@ -11,7 +11,7 @@ With `prefill.tp` > 1 this actor is rank 0 of the worker's group and starts the 
 (ranks.py, over workers/rank_group.py): every prefill and free runs on all of them in lockstep, the
 handle lists every rank's pages under one lease, and the pages are freed on all ranks once that lease
 is released or reclaimed. With the prefix cache each rank keeps the same cache over its own KV heads
-(ranks.py `cached_prefill`); the counters, the status row and cached_tokens are this rank's, once per
+(ranks.py `begin_cached`/`finish_cached`); the counters, the status row and cached_tokens are this rank's, once per
 group.
 """
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from kvrelay.engine.sampling import (PROMPT_LOGPROB_CHUNK, PromptLogprobs, SamplingParams, TokenOutput,
                                      finish_reason_at, prompt_logprobs, top_logprobs)
 from kvrelay.engine.structured import masks_for, sample_constrained
-from kvrelay.prefill_worker.ranks import PrefillRank, cached_prefill, load_rank_runner
+from kvrelay.prefill_worker.ranks import PrefillRank, begin_cached, finish_cached, load_rank_runner
 from kvrelay.transfer.handle import layout_of
 from kvrelay.transfer.nixl import KVExporter
 from kvrelay.workers.loading import load_sized_runner
@@ -297,27 +297,22 @@ class PrefillWorker:
         return start, host, None
 
     def _group_prefill_cached(self, rid: str, prompt_ids: list[int], k: int | None):
-        """`_prefill_here` for a TP group under the prefix cache: `cached_prefill` (lookup, room check,
-        forward) as one op on every rank, whose caches therefore decide alike; any rank that took
-        another hit, holds other pages or whose cache digest differs ends the group."""
+        """`_prefill_here` for a TP group under the prefix cache: this rank's cache decides (`begin_cached`,
+        no collective), then every rank runs the same lookup and the forward as one op, each follower
+        checking that its cache decided the same before its forward (ranks.py); every rank's pages are
+        checked after."""
         every = k is not None
-        done, peers = self.group.run("prefill_cached", (rid, prompt_ids, every),
-                                     lambda: cached_prefill(self.runner, rid, prompt_ids, every))
-        for r, (theirs, _) in enumerate(peers, start=1):
-            if (theirs.start, theirs.host, theirs.digest) != (done.start, done.host, done.digest):
-                self.group.fail(f"request {rid}: rank {r}'s prefix cache disagrees with rank 0's (hit "
-                                f"{theirs.start} vs {done.start} tokens, digest {theirs.digest} vs {done.digest})")
-        if done.logits is None:
-            return done.start, done.host, None
-        shards = [shard for _, shard in peers]
-        if any(s is None for s in shards):
-            self.group.fail(f"request {rid}: a follower rank found no room where rank 0 did")
-        logits, plp = done.logits, None
+        begun = begin_cached(self.runner, rid, prompt_ids, every)
+        logits, shards = self.group.run("prefill_cached", (rid, prompt_ids, every, begun),
+                                        lambda: finish_cached(self.runner, rid, prompt_ids, begun, every))
+        if not begun.room:
+            return begun.start, begun.host, None
+        plp = None
         if every:
             plp = prompt_logprobs(logits, prompt_ids, 0, k)
             logits = logits[-1]
         self._check_peer_pages(rid, shards)
-        return done.start, done.host, (logits, tuple(shards), plp)
+        return begun.start, begun.host, (logits, tuple(shards), plp)
 
     def _check_peer_pages(self, rid: str, peers) -> None:
         # Same calls in the same order leave every rank's allocator in the same state; a difference

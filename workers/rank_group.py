@@ -210,7 +210,8 @@ def follower_op(fn: Callable[[], T]) -> T:
     except REQUEST_ERRORS:
         raise
     except BaseException as e:  # noqa: BLE001
-        print(f"kvrelay: follower rank stopping after a failed collective: {e!r}", file=sys.stderr, flush=True)
+        print(f"kvrelay: follower rank stopping (a collective failed, or this rank no longer agrees with rank 0): "
+              f"{e!r}", file=sys.stderr, flush=True)
         os._exit(70)
 
 

@@ -43,7 +43,7 @@ def value(tokens: list[int], pos: int, rank: int) -> float:
 
 
 def run(kv: KVCache, sid: str, tokens: list[int]) -> int | None:
-    """A prompt under the cache as a prefill rank runs it (prefill_worker/ranks.cached_prefill): resume
+    """A prompt under the cache as a prefill rank runs it (prefill_worker/ranks.begin_cached, finish_cached): resume
     after the hit, compute the rest in chunks of 5, each position written with its value; None (nothing
     kept, the lookup uncounted) if the pool has no room."""
     start = kv.begin_prefix(sid, tokens)

@@ -1,15 +1,19 @@
 """The prefix cache on a TP2 prefill worker of the CPU tiny cluster (prefill.tp 2, prefix_cache, a small
-host tier): both ranks run the same cache over their own KV head (prefill_worker/ranks.cached_prefill).
+host tier): both ranks run the same cache over their own KV head (prefill_worker/ranks.py).
 Prompts that share a system prompt, diverge after it or inside the sliding window before a cached page
 boundary, or repeat, stream the tokens single-process `LLM.generate` (no cache, bf16: up to a near-tie,
 as every TP test) does; the hits skip their prefill by exactly the expected tokens, once per group in the
 counters, usage.prompt_tokens_details.cached_tokens, /metrics and `kvrelay status`; rank 1's cache equals
 rank 0's (summary and decision digest); prompts that push a prefix out to the host tier bring it back
-on both ranks (a host hit, the same stream); afterwards no rank holds a page for a request."""
+on both ranks (a host hit, the same stream); afterwards no rank holds a page for a request. Last, rank 1
+loses its cache behind rank 0's back: the next hit is a miss there, which rank 1 finds before the
+forward, and the worker goes down as a whole instead of streaming from KV the ranks disagree on."""
 
 from __future__ import annotations
 
 import asyncio
+import glob
+import time
 
 import httpx
 import pytest
@@ -116,3 +120,32 @@ def test_tp2_prefill_group_caches_in_lockstep(reference):
         assert lead["evictable_pages"] == lead["cached_pages"] and rank1 == lead
         table = _table(run.cluster.statuses())
         assert table.count("prefix cache") == 1 and "host tier 1/" in table
+
+        # Last (it breaks the group): rank 1 forgets its cache; rank 0 still hits PROMPTS[1]'s blocks.
+        def forget() -> None:  # runs in rank 1's process (FollowerRank.op)
+            import gc
+
+            from kvrelay.prefill_worker.ranks import PrefillRank
+
+            rank, = [o for o in gc.get_objects() if isinstance(o, PrefillRank)]
+            rank.runner.kv.prefix.clear()
+
+        ray.get(follower.op.remote(forget), timeout=30)
+        assert ray.get(follower.prefix_cache.remote(), timeout=30)["cached_pages"] == {"full": 0, "sliding": 0}
+        from kvrelay.cluster.engine_client import EngineUnavailable
+
+        async def diverged():
+            params = SamplingParams(max_tokens=4, temperature=0)
+            return [o async for o in run.client.generate("diverged", PROMPTS[1][0], params)]
+
+        t0 = time.monotonic()
+        with pytest.raises(EngineUnavailable, match="no live prefill worker"):
+            asyncio.run(diverged())
+        assert time.monotonic() - t0 < 60
+        logs = ray._private.worker.global_worker.node.get_logs_dir_path()
+        deadline = time.monotonic() + 20
+        while not any("RanksDisagree" in open(f, errors="replace").read() for f in glob.glob(f"{logs}/worker-*.err")):
+            assert time.monotonic() < deadline, "rank 1 did not report that it disagrees with rank 0"
+            time.sleep(0.5)
+        rows = {(r["role"], r["tp_rank"]): r for r in run.cluster.statuses(timeout_s=5)}
+        assert "error" in rows[("prefill", 0)] and "error" in rows[("prefill", 1)]
