@@ -162,3 +162,37 @@ def test_the_group_host_tier_is_split_over_the_ranks():
     for kv in ranks:
         assert kv.prefix.host.bytes_total == 6 * pair_bytes(kv)  # half the group's bytes each
         assert kv.prefix.summary()["host"]["bytes_total"] == 2 * 6 * pair_bytes(kv)  # reported for the group
+
+
+def test_begin_and_finish_cached_on_a_runner(model_single_thread):
+    """The two halves every rank runs (prefill_worker/ranks.py) on a real Runner: a hit resumes after
+    the cached prefix and the forward of the rest gives the plain prefill's greedy token; without room
+    the sequence is gone and its lookup uncounted (nothing changed but the LRU); a prompt that wants every
+    position's logits is not looked up."""
+    from kvrelay.engine.runner import Runner
+    from kvrelay.prefill_worker.ranks import begin_cached, finish_cached
+
+    system = [(i * 37 + 5) % 200 + 10 for i in range(45)]
+    plain = Runner.load("tiny", dummy=True, seed=0, page_size=16, num_pages=8)
+    cached = Runner.load("tiny", dummy=True, seed=0, page_size=16, num_pages=8)
+    cached.kv.enable_prefix_cache()
+    for i, prompt in enumerate([system + [7, 8], system[:40] + [3, 4, 5]]):  # the second diverges in a window
+        begun = begin_cached(cached, f"c{i}", prompt)
+        assert begun.room and begun.start == (0, 32)[i] and begun.digest == cached.kv.prefix.digest
+        logits = finish_cached(cached, f"c{i}", prompt, begun)
+        assert int(logits.argmax()) == int(plain.prefill(f"p{i}", prompt).argmax())
+        cached.free(f"c{i}")
+        plain.free(f"p{i}")
+    stats = cached.kv.prefix.summary()
+    held = cached.kv.allocators["full"].num_used
+    big = system + list(range(300, 400))  # 145 tokens: more than 8 pages can hold with the cache's
+    cached.prefill("hold", list(range(500, 560)))  # 4 pages held by a sequence
+    begun = begin_cached(cached, "big", big)
+    assert not begun.room and not cached.has_sequence("big") and finish_cached(cached, "big", big, begun) is None
+    assert {k: v for k, v in cached.kv.prefix.summary().items() if k in ("queries", "hits", "hit_tokens")} == {
+        k: stats[k] for k in ("queries", "hits", "hit_tokens")}
+    cached.free("hold")
+    assert cached.kv.allocators["full"].num_used == held
+    every = begin_cached(cached, "all", system + [7, 8], all_logits=True)
+    assert every.start == 0 and every.room
+    assert finish_cached(cached, "all", system + [7, 8], every, all_logits=True).shape[0] == 47
