@@ -31,7 +31,7 @@ from kvrelay.engine.runner import Runner
 from kvrelay.engine.sampling import SamplingParams, TokenOutput, context_full, finish_reason_at, top_logprobs
 from kvrelay.workers.messages import AdmissionRefused
 from kvrelay.engine import grammar
-from kvrelay.engine.structured import ConstraintBatch, open_constraint, sample_constrained
+from kvrelay.engine.structured import ConstraintBatch, apply_bitmask, open_constraint, sample_constrained
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,9 @@ class _Running:
     output: list[int] | None = None  # tokens generated so far, kept only when penalties read them
     prompt: object = ()  # the prompt's distinct tokens (a device tensor), kept only for repetition_penalty
     constraint: object | None = None  # engine.structured.Constraint of a structured-output request
+    # Tokens emitted and not yet fed to `constraint`: the next mask job feeds them on the grammar thread
+    # (stopping reads only the token; nothing on the step thread reads the constraint's state).
+    unfed: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -118,6 +121,8 @@ class Scheduler:
     # planned and queued while step N runs on the device, its input tokens taken from N's device output;
     # N's tokens are read back and emitted after. A request that stops at N (a stop token) has ridden
     # along in N+1 for nothing; its result is dropped, its pages freed once N+1 has been read back.
+    # Structured rows too: forward N+1 is queued first, then N's tokens are read back and fed to the
+    # constraints, and N+1's masks filled while that forward runs; the masked argmax is queued behind it.
     overlap: bool = False
     times: StepTimes = field(default_factory=StepTimes)
     _inflight: _InFlight | None = None
@@ -294,7 +299,7 @@ class Scheduler:
             # (a step may run one token ahead of the host's count).
             if batch and all(r.params.greedy and not r.params.logprobs and not r.params.masks_stops(r.generated)
                              and not r.params.masks_stops(r.generated + 1) and not r.params.penalized
-                             and r.constraint is None for r in batch):
+                             for r in batch):
                 return self._step_overlapped(batch)
         return self._step(())[0]
 
@@ -325,11 +330,7 @@ class Scheduler:
         rest = None
         t0 = time.perf_counter()
         # Structured rows: their masks are computed on the grammar thread while the forward runs.
-        masks = None
-        if any(r.constraint is not None for r in batch):
-            if self._grammar is None:
-                self._grammar = ConstraintBatch()
-            masks = self._grammar.submit([r.constraint for r in batch])
+        masks = self._submit_masks(batch) if any(r.constraint is not None for r in batch) else None
         if extra:
             logits = self.runner.forward_mixed([(rid, [r.last_token]) for rid, r in zip(ids, batch)]
                                                + list(extra), all_positions={len(batch) + i for i in all_positions})
@@ -352,9 +353,26 @@ class Scheduler:
             self.times.launch_s += t1 - t0
             self.times.wait_s += t2 - t1
         if batch:
+            self._note(batch, [t for t, _ in sampled])
             self._emit(batch, sampled, [self.runner.length(rid) for rid in ids], tops)
             self.times.emit_s += time.perf_counter() - t2
         return len(batch), rest
+
+    def _submit_masks(self, rows: list[_Running]):
+        """The mask job of `rows` on the grammar thread: their unfed tokens first, then the masks."""
+        if self._grammar is None:
+            self._grammar = ConstraintBatch(pin=self.runner.device.type == "cuda")
+        feeds = []
+        for r in rows:
+            feeds.append(r.unfed)
+            r.unfed = []
+        return self._grammar.submit([r.constraint for r in rows], feeds)
+
+    @staticmethod
+    def _note(rows: Sequence[_Running], tokens: Sequence[int]) -> None:
+        for r, t in zip(rows, tokens):
+            if r.constraint is not None:
+                r.unfed.append(t)
 
     def _step_overlapped(self, batch: list[_Running]) -> int:
         """Launch the next step, then read back and emit the one before it (see `overlap`)."""
@@ -377,14 +395,14 @@ class Scheduler:
                 rows.append(r)
                 last.append(None)
         launched = None
+        constrained = any(r.constraint is not None for r in rows)
         if rows:
             try:
                 pending = self.runner.decode_launch([r.request_id for r in rows], last,
-                                                    flight.pending if flight is not None else None)
+                                                    flight.pending if flight is not None else None,
+                                                    select_later=constrained)
             except BaseException:
-                self._inflight = None  # the caller fails these requests; nothing is read back
-                for rid in list(self._deferred):
-                    self.release(rid)
+                self._fail_flight()
                 raise
             launched = _InFlight(rows, [self.runner.length(r.request_id) for r in rows], pending)
             if flight is not None:
@@ -392,17 +410,47 @@ class Scheduler:
             self.times.steps += 1
         self._inflight = launched
         self.times.launch_s += time.perf_counter() - t0
-        if flight is not None:
-            self._finish_flight(flight)
+        if not constrained:
+            if flight is not None:
+                self._finish_flight(flight)
+            return len(rows)
+        # The forward runs; the tokens of the step before are read back, fed with the masks of this one
+        # (grammar thread) while the step thread emits them; then the masked argmax is queued.
+        try:
+            live = self._collect(flight) if flight is not None else []
+            job = self._submit_masks(rows)
+            if flight is not None:
+                self._emit_flight(live)
+            t1 = time.perf_counter()
+            rows_mask = job.result()
+            self.times.wait_s += time.perf_counter() - t1
+            self.runner.decode_select(pending, lambda logits: apply_bitmask(logits.float(), *rows_mask))
+        except BaseException:
+            self._fail_flight()
+            raise
         return len(rows)
 
+    def _fail_flight(self) -> None:
+        self._inflight = None  # the caller fails these requests; nothing is read back
+        for rid in list(self._deferred):
+            self.release(rid)
+
     def _finish_flight(self, flight: _InFlight) -> None:
+        self._emit_flight(self._collect(flight))
+
+    def _collect(self, flight: _InFlight) -> list:
+        """A launched step's tokens, read back (waits for the device): (request, token, length) of the
+        requests still running, their tokens noted for their constraints."""
         t0 = time.perf_counter()
         tokens = self.runner.decode_collect(flight.pending)
-        t1 = time.perf_counter()
-        self.times.wait_s += t1 - t0
+        self.times.wait_s += time.perf_counter() - t0
         live = [(r, t, n) for r, t, n in zip(flight.batch, tokens, flight.lengths)
                 if self._running.get(r.request_id) is r]  # released meanwhile: its token is dropped
+        self._note([r for r, _, _ in live], [t for _, t, _ in live])
+        return live
+
+    def _emit_flight(self, live: list) -> None:
+        t1 = time.perf_counter()
         self._emit([r for r, _, _ in live], [(t, None) for _, t, _ in live], [n for _, _, n in live])
         # Pages of requests released while this step ran (and that the next launched step does not use).
         busy = self._inflight.ids if self._inflight is not None else set()
@@ -422,8 +470,6 @@ class Scheduler:
                 kv.extend_tokens(r.request_id, (token,))
             if r.output is not None:
                 r.output.append(token)
-            if r.constraint is not None:
-                r.constraint.feed(token)
             # `n` positions are in the cache; with this token the sequence holds n + 1.
             reason = finish_reason_at(token, r.generated, r.params, n + 1, self.runner.max_context)
             r.emit(TokenOutput(token, logprob, reason, tops[i] if tops is not None else None))

@@ -12,7 +12,7 @@ import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Collection, Hashable, Sequence
+from typing import Callable, Collection, Hashable, Sequence
 
 import torch
 
@@ -44,9 +44,10 @@ class PendingStep:
     under way."""
 
     seq_ids: list
-    tokens: torch.Tensor  # [n] int64 on the device
-    host: torch.Tensor  # [n] int64, pinned on CUDA; valid once `event` has completed
+    tokens: torch.Tensor | None  # [n] int64 on the device (None until `Runner.decode_select`)
+    host: torch.Tensor | None  # [n] int64, pinned on CUDA; valid once `event` has completed
     event: object | None  # torch.cuda.Event, None on CPU (already complete)
+    logits: torch.Tensor | None = None  # a step launched with select_later: its logits, until selected
 
 
 class Runner:
@@ -329,11 +330,13 @@ class Runner:
         return self._run([(sid, [int(t)]) for sid, t in zip(seq_ids, last_tokens)])
 
     def decode_launch(self, seq_ids: Sequence[Hashable], last_tokens: Sequence[int | None],
-                      prev: PendingStep | None = None) -> PendingStep:
+                      prev: PendingStep | None = None, *, select_later: bool = False) -> PendingStep:
         """A greedy decode step (`decode` + argmax) that returns without waiting for the device, so the
         caller can plan the next step while this one runs (vLLM's async scheduling, SGLang's overlap
         scheduler). A row whose last token is None takes it from `prev`, the step before, still on the
-        device: the token that step sampled for the same sequence. `decode_collect` reads the tokens."""
+        device: the token that step sampled for the same sequence. `decode_collect` reads the tokens.
+        `select_later`: only the forward is queued; the caller queues the argmax with `decode_select`
+        (structured outputs: the mask is computed while this forward runs) before the next launch."""
         if not seq_ids:
             raise ValueError("decode_launch: at least one sequence")
         self._check_step("decode_launch", seq_ids, last_tokens)
@@ -354,15 +357,26 @@ class Runner:
             if prev is not None and prev.event is not None:
                 prev.event.synchronize()
             logits = self._run([(sid, [t]) for sid, t in items], fill=fill)
+        step = PendingStep(list(seq_ids), None, None, None, logits)
+        return step if select_later else self.decode_select(step)
+
+    def decode_select(self, step: PendingStep, transform: Callable | None = None) -> PendingStep:
+        """Queue the argmax of a step launched with select_later, over `transform(logits)` (a mask) when
+        given; its logits (a CUDA graph's output buffer, overwritten by the next replay) are dropped."""
+        logits, step.logits = step.logits, None
+        if logits is None:
+            raise ValueError("decode_select: the step's tokens are already selected")
+        if transform is not None:
+            logits = transform(logits)
         tokens = torch.argmax(logits, dim=-1)  # ties go to the lowest id, as in `sample`
         cuda = self.device.type == "cuda"
-        host = torch.empty(len(items), dtype=torch.long, pin_memory=cuda)
+        host = torch.empty(len(step.seq_ids), dtype=torch.long, pin_memory=cuda)
         host.copy_(tokens, non_blocking=cuda)
-        event = None
         if cuda:
-            event = torch.cuda.Event()
-            event.record()
-        return PendingStep(list(seq_ids), tokens, host, event)
+            step.event = torch.cuda.Event()
+            step.event.record()
+        step.tokens, step.host = tokens, host
+        return step
 
     def _check_step(self, name: str, seq_ids: Sequence[Hashable], last_tokens: Sequence) -> None:
         if len(seq_ids) != len(last_tokens):
@@ -376,6 +390,8 @@ class Runner:
     @staticmethod
     def decode_collect(step: PendingStep) -> list[int]:
         """The tokens of a launched step, in row order (waits for the device)."""
+        if step.host is None:
+            raise ValueError("decode_collect: a step launched with select_later was never selected")
         if step.event is not None:
             step.event.synchronize()
         return step.host.tolist()

@@ -189,7 +189,7 @@ def test_decode_steps_mask_constrained_rows_and_keep_the_rest_on_the_fast_path()
     events: list[str] = []
     decode, submit = runner.decode, es.ConstraintBatch.submit
     runner.decode = lambda *a, **k: (events.append("forward"), decode(*a, **k))[1]
-    es.ConstraintBatch.submit = lambda self, cons: (events.append("mask"), submit(self, cons))[1]
+    es.ConstraintBatch.submit = lambda self, *a: (events.append("mask"), submit(self, *a))[1]
     try:
         spec = structured.build(_chat(response_format=ResponseFormat("json_schema", json.dumps(BOUNDED), "r"),
                                       max_reasoning_tokens=2))
