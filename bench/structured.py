@@ -213,9 +213,11 @@ def bench_steps(model: str, device: str, quant: str, batch: int, steps: int) -> 
     """Decode steps of the real Scheduler on `model` (dummy weights): B greedy requests inside a long JSON
     body (masks submitted before each forward, applied after; synchronous steps) against B unconstrained
     ones on synchronous steps, the two interleaved step by step on one Runner so that load on the machine
-    hits both alike; and, for reference, B unconstrained on overlapped steps (the hot path), run alone (a
-    launched step must not share the Runner). The difference per step is what structured outputs cost a
-    decode step; divided by B, per token."""
+    hits both alike (each step timed alone, synchronized). Then the hot path, what serving runs: the same
+    two on overlapped steps, in alternating blocks of consecutive steps with no synchronization between
+    them (a block: its step() calls and the drain of its last launch; per step = block time / steps; a
+    scheduler's launched step is drained before the other's block, so no two share the Runner). The
+    difference per step is what structured outputs cost a decode step; divided by B, per token."""
     import torch
 
     from kvrelay.decode_worker.scheduler import Scheduler
@@ -229,14 +231,14 @@ def bench_steps(model: str, device: str, quant: str, batch: int, steps: int) -> 
     spec = structured.build(req)
     prompt = harmony.render_chat(req, "2026-12-01")
     head = list(spec.bodies[0].header)
-    pages = 3 * batch * ((len(prompt) + steps + 40) // 16 + 2) + 16
+    pages = 5 * batch * ((len(prompt) + 2 * steps + 60) // 16 + 2) + 16
     runner = Runner.load(model, dummy=True, device=device, quant=quant, page_size=16,
                          num_pages={"full": pages, "sliding": pages})
     sync = (lambda: torch.cuda.synchronize()) if device.startswith("cuda") else (lambda: None)
 
     def start(label: str, overlap: bool, constrained: bool) -> Scheduler:
         sched = Scheduler(runner, max_batch=batch, overlap=overlap)
-        params = SamplingParams(max_tokens=steps + 20, temperature=0.0, stop_token_ids=harmony.CHAT_STOP_TOKEN_IDS,
+        params = SamplingParams(max_tokens=2 * steps + 40, temperature=0.0, stop_token_ids=harmony.CHAT_STOP_TOKEN_IDS,
                                 structured=spec if constrained else None)
         for i in range(batch):
             rid = f"{label}-{i}"
@@ -245,6 +247,7 @@ def bench_steps(model: str, device: str, quant: str, batch: int, steps: int) -> 
             sched.join(rid, params, head[-1], len(head), lambda o: None, head[:-1])
         for _ in range(3):  # warm-up
             sched.step()
+        sched.drain()  # (an overlapped one's launch: the next scheduler's prefills must not share the Runner)
         return sched
 
     def timed(sched: Scheduler) -> float:
@@ -267,6 +270,8 @@ def bench_steps(model: str, device: str, quant: str, batch: int, steps: int) -> 
     overlapped = start("plain_overlapped", True, False)
     out["plain_overlapped"] = _percentiles([timed(overlapped) for _ in range(steps)])
     finish(overlapped, "plain_overlapped")
+    out["hot_path"] = _hot_path({"plain": start("hot_plain", True, False),
+                                 "json_schema": start("hot_json_schema", True, True)}, steps, batch, sync, finish)
     pair = {"plain_sync": start("plain_sync", False, False), "json_schema": start("json_schema", False, True)}
     times: dict[str, list[float]] = {k: [] for k in pair}
     for n in range(steps):
@@ -276,6 +281,35 @@ def bench_steps(model: str, device: str, quant: str, batch: int, steps: int) -> 
         finish(sched, label)
         out[label] = _percentiles(times[label])
     added = out["json_schema"]["p50_ms"] - out["plain_sync"]["p50_ms"]
+    out["added_per_step_ms"] = added
+    out["added_per_token_ms"] = added / batch
+    return out
+
+
+def _hot_path(scheds: dict, steps: int, batch: int, sync, finish) -> dict:
+    """Per-step time of overlapped steps in blocks (see bench_steps), plain and json_schema alternating."""
+    block = max(5, steps // 4)
+    times: dict[str, list[float]] = {k: [] for k in scheds}
+    overlapped0 = {k: s.times.overlapped for k, s in scheds.items()}
+    calls = {k: 0 for k in scheds}
+    for n in range(max(2, -(-steps // block)) * 2):
+        label = list(scheds)[n % 2 if (n // 2) % 2 == 0 else 1 - n % 2]
+        sched = scheds[label]
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(block):
+            sched.step()
+        sched.drain()
+        sync()
+        times[label].append((time.perf_counter() - t0) / block)
+        calls[label] += block
+    out = {}
+    for label, sched in scheds.items():
+        # a step() call with nothing in flight before it (each block's first) does not count as overlapped
+        share = (sched.times.overlapped - overlapped0[label]) / calls[label]
+        finish(sched, f"hot_{label}")
+        out[label] = {**_percentiles(times[label]), "overlapped_share": share}
+    added = out["json_schema"]["p50_ms"] - out["plain"]["p50_ms"]
     out["added_per_step_ms"] = added
     out["added_per_token_ms"] = added / batch
     return out
@@ -326,6 +360,10 @@ def main() -> dict:
                   f"interleaved: plain sync {v['plain_sync']['p50_ms']:.2f} ms, json_schema "
                   f"{v['json_schema']['p50_ms']:.2f} ms: added {v['added_per_step_ms']:.2f} ms a step, "
                   f"{v['added_per_token_ms']:.3f} ms a token")
+            h = v["hot_path"]
+            print(f"  hot path (overlapped, {h['json_schema']['overlapped_share']:.0%} of json_schema steps "
+                  f"overlapped): plain {h['plain']['p50_ms']:.2f} ms, json_schema {h['json_schema']['p50_ms']:.2f} "
+                  f"ms a step: added {h['added_per_step_ms']:.2f} ms a step, {h['added_per_token_ms']:.3f} ms a token")
     save_result(args.out, f"structured-{args.device.split(':')[0]}-{stamp()}", results)
     return results
 

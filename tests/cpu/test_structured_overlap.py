@@ -109,3 +109,14 @@ def test_a_mask_job_feeds_the_unfed_tokens_before_it_fills_the_masks() -> None:
         batch.close()
     want_rows, want = es.compute_masks([ahead, None])
     assert rows == want_rows == [0] and mask.equal(want) and behind.state == ahead.state
+
+
+def test_bench_reports_the_hot_path_with_the_constrained_steps_overlapped() -> None:
+    from kvrelay.bench.structured import bench_steps
+
+    res = bench_steps("gpt-oss-tiny", "cpu", "bf16", 2, 5)
+    hot = res["hot_path"]
+    assert hot["plain"]["p50_ms"] > 0 and hot["json_schema"]["p50_ms"] > 0
+    # each block's first step() launches with nothing in flight; every other one overlaps
+    assert hot["json_schema"]["overlapped_share"] >= 0.75 and hot["plain"]["overlapped_share"] >= 0.75
+    assert hot["added_per_token_ms"] == hot["added_per_step_ms"] / 2

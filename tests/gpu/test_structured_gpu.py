@@ -50,3 +50,39 @@ def test_device_unpack_equals_cpu_and_sampling_stays_in_the_mask() -> None:
         token, lp = out[b]
         assert cpu[k, token], (b, token)
         assert lp == pytest.approx(float(raw[b, token]), abs=1e-4)
+
+
+def test_overlapped_constrained_steps_decode_what_synchronous_steps_do() -> None:
+    """Greedy json_schema rows on the CUDA-graph overlapped path (forward queued, mask filled while it runs,
+    pinned non-blocking copy, masked argmax behind it) give the tokens of synchronous steps."""
+    from kvrelay.decode_worker.scheduler import Scheduler
+    from kvrelay.engine.runner import Runner
+    from kvrelay.engine.sampling import SamplingParams
+    from kvrelay.engine.structured import masks_for, sample_constrained
+    from kvrelay.router import harmony
+    from kvrelay.router.types import ChatMessage, ChatRequest
+
+    spec = _spec()
+    runner = Runner.load("gpt-oss-tiny", dummy=True, seed=0, device="cuda", page_size=16, num_pages=256)
+    prompt = harmony.render_chat(ChatRequest(messages=(ChatMessage("user", "hi"),)), "2026-12-01")
+
+    def run(overlap: bool, tag: str):
+        sched = Scheduler(runner, max_batch=8, overlap=overlap)
+        out = {i: [] for i in range(6)}
+        for i in range(6):  # 4 constrained rows, 2 plain ones of different lengths
+            params = SamplingParams(max_tokens=60 if i < 4 else 3 + i, temperature=0.0,
+                                    stop_token_ids=harmony.CHAT_STOP_TOKEN_IDS, structured=spec if i < 4 else None)
+            rid = f"{tag}-{i}"
+            sched.reserve(rid, len(prompt), params.max_tokens)
+            logits = runner.prefill(rid, prompt)
+            (tok, _), = sample_constrained(runner.sample, logits, [params], [0], masks=masks_for([params], [[]]))
+            out[i].append(tok)
+            sched.join(rid, params, tok, 1, lambda o, i=i: out[i].append(o.token_id))
+        while sched.has_work():
+            sched.step()
+        return out, sched
+
+    sync, _ = run(False, "s")
+    over, sched = run(True, "o")
+    assert over == sync
+    assert sched.times.overlapped >= max(len(v) for v in over.values()) - 3
