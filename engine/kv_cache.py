@@ -9,18 +9,20 @@ is what lets a sequence be exported and imported as a list of page ids.
 
 The pool of a group is one tensor [layers_in_group, num_pages, 2, page_size, kv_heads, head_dim]; a
 layer's view [num_pages, 2, page_size, kv_heads, head_dim] is FlashInfer's NHD paged layout.
+
+What one forward reads of these tables (`plan`, `BatchLayout`) is laid out in engine/batch_plan.py.
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from collections.abc import Sequence
 from typing import Hashable
 
-import numpy as np
 import torch
 
+from kvrelay.engine import batch_plan
+from kvrelay.engine.batch_plan import BatchLayout
 from kvrelay.engine.config import ModelConfig
 from kvrelay.engine.kv_geometry import (FULL, GROUPS, SLIDING, first_live_page, group_layers, layer_groups, layout_hash,
                                         pages_spanned)
@@ -28,8 +30,6 @@ from kvrelay.engine.layers.linear import Shard
 from kvrelay.engine.partition import head_range
 from kvrelay.engine.host_tier import HostKVStore
 from kvrelay.engine.prefix_cache import PrefixCache
-from kvrelay.kernels.reference import PagedKV
-
 
 
 class OutOfPages(RuntimeError):
@@ -130,31 +130,6 @@ class SequenceKV:
     length: int
     pages: dict[str, tuple[int, ...]]
     first_page: dict[str, int]
-
-
-@dataclass(frozen=True)
-class BatchLayout:
-    """Everything one forward needs about where its tokens go and what they attend to.
-
-    Tokens are laid out ragged, sequence after sequence (qo_indptr); `logit_rows` are the rows of each
-    sequence's last new token. `host` holds CPU copies (pinned on a CUDA device) of the small index
-    arrays that planners read on the host (FlashInfer's plan, Triton's tile plan): "qo_indptr" and per
-    group "kv_indptr"/"kv_last_page_len", so planning never waits for the device."""
-
-    qo_indptr: torch.Tensor
-    positions: torch.Tensor
-    logit_rows: torch.Tensor
-    kv: dict[str, PagedKV]
-    write_pages: dict[str, torch.Tensor]
-    write_offsets: dict[str, torch.Tensor]
-    num_tokens: int = 0
-    num_seqs: int = 0
-    host: dict | None = None
-
-    @property
-    def is_decode(self) -> bool:
-        """One new token per sequence (a decode step): the decode attention kernels apply."""
-        return self.num_tokens == self.num_seqs
 
 
 class KVCache:
@@ -422,136 +397,19 @@ class KVCache:
             d = torch.tensor(dst_kv.pages[g], dtype=torch.long, device=self.device)
             self.pools[g][:, d] = src.pools[g][:, s].to(self.device)
 
-    # ---- per-forward metadata ------------------------------------------------------------------
+    # ---- per-forward metadata (engine/batch_plan.py lays it out) ------------------------------
     def plan_lists(self, batch: list[tuple[Hashable, int]]) -> dict:
         """The layout of `plan` as Python lists (for callers that fill their own fixed buffers, e.g. the
         CUDA-graph decode step): qo, positions, rows, and per group indptr, indices, last_len, w_pages,
         w_offsets."""
-        ps = self.page_size
-        qo, positions, rows = [0], [], []
-        indptr = {g: [0] for g in GROUPS}
-        indices = {g: [] for g in GROUPS}
-        last_len = {g: [] for g in GROUPS}
-        w_pages = {g: [] for g in GROUPS}
-        w_offsets = {g: [] for g in GROUPS}
-        for seq_id, n_new in batch:
-            seq = self.seqs[seq_id]
-            start, end = seq.length, seq.length + n_new
-            if end > self.cfg.max_context:
-                raise ValueError(f"sequence {seq_id!r} would reach {end} > max_context={self.cfg.max_context}")
-            pos = list(range(start, end))
-            positions += pos
-            qo.append(qo[-1] + n_new)
-            rows.append(qo[-1] - 1)
-            for g in GROUPS:
-                first, pages = seq.first_page[g], seq.pages[g]
-                n_pages = self._pages_spanned(end) - first
-                if n_pages > len(pages):
-                    raise RuntimeError(f"sequence {seq_id!r} not reserved for {n_new} tokens")
-                indices[g] += pages[:n_pages]
-                indptr[g].append(len(indices[g]))
-                last_len[g].append(end - (self._pages_spanned(end) - 1) * ps)
-                w_pages[g] += [pages[p // ps - first] for p in pos]
-                w_offsets[g] += [p % ps for p in pos]
-
-        return dict(qo=qo, positions=positions, rows=rows, indptr=indptr, indices=indices, last_len=last_len,
-                    w_pages=w_pages, w_offsets=w_offsets)
+        return batch_plan.plan_lists([(sid, self.seqs[sid], n) for sid, n in batch], page_size=self.page_size,
+                                     max_context=self.cfg.max_context)
 
     def plan_decode(self, seq_ids: list[Hashable]) -> dict:
-        """`plan_lists` for one new token per sequence (a decode step, already reserved), as numpy
-        arrays built without a Python loop over pages: a 256-sequence step's host planning in a fraction
-        of the time, which the CUDA-graph step needs (the GPU waits while the host plans)."""
-        ps = self.page_size
-        seqs = [self.seqs[sid] for sid in seq_ids]
-        n = len(seqs)
-        pos = np.fromiter((q.length for q in seqs), dtype=np.int64, count=n)
-        if n and int(pos.max()) + 1 > self.cfg.max_context:
-            raise ValueError(f"a sequence would reach {int(pos.max()) + 1} > max_context={self.cfg.max_context}")
-        spanned = (pos + ps) // ps  # pages spanned by length pos + 1
-        out = dict(qo=np.arange(n + 1), positions=pos, rows=np.arange(n), indptr={}, indices={}, last_len={},
-                   w_pages={}, w_offsets={})
-        for g in GROUPS:
-            tables = [q.pages[g] for q in seqs]
-            first = np.fromiter((q.first_page[g] for q in seqs), dtype=np.int64, count=n)
-            used = spanned - first
-            held = np.fromiter(map(len, tables), dtype=np.int64, count=n)
-            if (used > held).any():
-                raise RuntimeError("a sequence is not reserved for its decode token")
-            if (used == held).all():
-                flat = list(itertools.chain.from_iterable(tables))
-                last = [t[-1] for t in tables]
-            else:
-                flat = list(itertools.chain.from_iterable(t[:u] for t, u in zip(tables, used.tolist())))
-                last = [t[u - 1] for t, u in zip(tables, used.tolist())]
-            out["indices"][g] = np.array(flat, dtype=np.int32)
-            out["indptr"][g] = np.concatenate([[0], np.cumsum(used)])
-            out["last_len"][g] = pos + 1 - (spanned - 1) * ps
-            out["w_pages"][g] = np.array(last, dtype=np.int64)  # the new position is in the last page
-            out["w_offsets"][g] = pos % ps
-        return out
+        """`plan_lists` for one new token per sequence (a decode step, already reserved), as numpy arrays."""
+        return batch_plan.plan_decode([self.seqs[sid] for sid in seq_ids], page_size=self.page_size,
+                                      max_context=self.cfg.max_context)
 
     def plan(self, batch: list[tuple[Hashable, int]]) -> BatchLayout:
         """Layout for appending n_new tokens to each (already reserved) sequence, in order."""
-        lists = self.plan_lists(batch)
-        qo, positions, rows = lists["qo"], lists["positions"], lists["rows"]
-        indptr, indices, last_len = lists["indptr"], lists["indices"], lists["last_len"]
-        w_pages, w_offsets = lists["w_pages"], lists["w_offsets"]
-        n_tok, n_seq = len(positions), len(batch)
-        host = {"qo_indptr": qo, "kv_indptr": indptr, "kv_last_page_len": last_len, "positions": positions,
-                "write_pages": w_pages, "write_offsets": w_offsets}
-        if self.device.type != "cuda":
-            def t(x: list[int], dtype=torch.int32) -> torch.Tensor:
-                return torch.tensor(x, dtype=dtype, device=self.device)
-
-            return BatchLayout(
-                qo_indptr=t(qo),
-                positions=t(positions, torch.long),
-                logit_rows=t(rows, torch.long),
-                kv={g: PagedKV(t(indptr[g]), t(indices[g]), t(last_len[g])) for g in GROUPS},
-                write_pages={g: t(w_pages[g], torch.long) for g in GROUPS},
-                write_offsets={g: t(w_offsets[g], torch.long) for g in GROUPS},
-                num_tokens=n_tok, num_seqs=n_seq,
-                host={k: ({g: torch.tensor(v[g], dtype=_HOST_DTYPE.get(k, torch.int32)) for g in GROUPS}
-                          if isinstance(v, dict) else torch.tensor(v, dtype=_HOST_DTYPE.get(k, torch.int32)))
-                      for k, v in host.items()},
-            )
-        # CUDA: every array in two pinned host buffers (int64 for indexing, int32 for the attention
-        # kernels), two asynchronous copies, device views; no copy from pageable memory (which would
-        # wait for the stream) and no per-layer host work.
-        parts64 = [("positions", positions), ("logit_rows", rows)]
-        parts64 += [(("wp", g), w_pages[g]) for g in GROUPS] + [(("wo", g), w_offsets[g]) for g in GROUPS]
-        parts32 = [("qo", qo)] + [(("ip", g), indptr[g]) for g in GROUPS]
-        parts32 += [(("ix", g), indices[g]) for g in GROUPS] + [(("ll", g), last_len[g]) for g in GROUPS]
-        v64, h64 = _pack(parts64, torch.int64, self.device)
-        v32, h32 = _pack(parts32, torch.int32, self.device)
-        return BatchLayout(
-            qo_indptr=v32["qo"],
-            positions=v64["positions"],
-            logit_rows=v64["logit_rows"],
-            kv={g: PagedKV(v32[("ip", g)], v32[("ix", g)], v32[("ll", g)]) for g in GROUPS},
-            write_pages={g: v64[("wp", g)] for g in GROUPS},
-            write_offsets={g: v64[("wo", g)] for g in GROUPS},
-            num_tokens=n_tok, num_seqs=n_seq,
-            host={"qo_indptr": h32["qo"], "kv_indptr": {g: h32[("ip", g)] for g in GROUPS},
-                  "kv_last_page_len": {g: h32[("ll", g)] for g in GROUPS},
-                  # what a piecewise graph step copies into its fixed buffers (engine/cuda_graph.py)
-                  "positions": h64["positions"], "write_pages": {g: h64[("wp", g)] for g in GROUPS},
-                  "write_offsets": {g: h64[("wo", g)] for g in GROUPS}},
-        )
-
-
-# Host copies that index rows (int64, as on the device); the rest are the attention kernels' int32.
-_HOST_DTYPE = {"positions": torch.long, "write_pages": torch.long, "write_offsets": torch.long}
-
-
-def _pack(parts: list[tuple], dtype: torch.dtype, device: torch.device):
-    """Concatenate int lists into one pinned host tensor, copy it to `device` asynchronously, and return
-    ({key: device view}, {key: host view})."""
-    flat: list[int] = []
-    spans = []
-    for key, values in parts:
-        spans.append((key, len(flat), len(values)))
-        flat += values
-    host = torch.tensor(flat, dtype=dtype).pin_memory()
-    dev = host.to(device, non_blocking=True)
-    return ({k: dev[o: o + n] for k, o, n in spans}, {k: host[o: o + n] for k, o, n in spans})
+        return batch_plan.layout(self.plan_lists(batch), self.device)
