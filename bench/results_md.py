@@ -24,7 +24,7 @@ FLOOR_BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 # Published TensorRT-LLM output tok/s per H200 at 1k in / 1k out, and our targets (issue 11).
 TRT_LLM_1K1K = {"gpt-oss-20b": 13858.0, "gpt-oss-120b": 6868.0}
 TARGET_1K1K = {"gpt-oss-20b": 10000.0, "gpt-oss-120b": 5000.0}
-TABLED_KINDS = ("prefill", "decode", "kernels", "serve", "serve-multiturn")
+TABLED_KINDS = ("prefill", "decode", "kernels", "serve", "serve-multiturn", "structured")
 
 
 def _f(x, spec: str, scale: float = 1.0) -> str:
@@ -355,6 +355,52 @@ def multiturn_section(col: Collection) -> list[str]:
     return out
 
 
+# ---- structured outputs ------------------------------------------------------------------------------
+def _arg(command: str, flag: str, default: str) -> str:
+    words = command.split()
+    return words[words.index(flag) + 1] if flag in words[:-1] else default
+
+
+def structured_choice(col: Collection) -> dict:
+    """(device, model, quant) -> the newest qualifying `bench.structured` run with decode steps."""
+    out: dict = {}
+    for r in col.qualifying("structured"):
+        if not r.data.get("decode_steps"):
+            continue
+        cmd = r.env.get("command", "")
+        key = (r.env.get("gpu") or r.env.get("device", "cpu"), r.data.get("model") or _arg(cmd, "--model", "gpt-oss-tiny"),
+               r.data.get("quant") or _arg(cmd, "--quant", "bf16"))
+        out[key] = r
+    return out
+
+
+def structured_section(col: Collection) -> list[str]:
+    chosen = structured_choice(col)
+    out = ["## Structured outputs (`bench.structured`): what a json_schema mask costs a decode step", "",
+           "B greedy requests inside a long JSON body against B unconstrained ones on the same Runner. Mask fill: "
+           "kvrelay's harmony state machine over llguidance, all B rows, per token. Synchronous: single steps, "
+           "each timed alone. Hot path (what serving runs): overlapped steps back to back, the mask filled "
+           "while the forward runs; 'overlapped' = share of the constrained steps that took that path "
+           "('not measured': a run from before it was benched). Added = json_schema - plain, p50.", ""]
+    if not chosen:
+        return out + ["No qualifying result yet.", ""]
+    rows = []
+    for (device, model, quant), r in sorted(chosen.items()):
+        for b, v in sorted(r.data["decode_steps"].items(), key=lambda kv: int(kv[0][1:])):
+            n = int(b[1:])
+            fill = r.data.get("state_machine", {}).get(b, {}).get("per_token_ms")
+            hot = v.get("hot_path")
+            hot_cells = ([_f(hot["plain"]["p50_ms"], ".2f"), _f(hot["json_schema"]["p50_ms"], ".2f"),
+                          _f(hot["added_per_step_ms"], "+.2f"), _f(hot["added_per_token_ms"], "+.3f"),
+                          _f(hot["json_schema"].get("overlapped_share"), ".0%")] if hot else ["not measured"] + ["-"] * 4)
+            rows.append([f"{model} ({quant}), {device}", n, _f(fill, ".4f"), _f(v["plain_sync"]["p50_ms"], ".2f"),
+                         _f(v["json_schema"]["p50_ms"], ".2f"), _f(v["added_per_step_ms"], "+.2f"),
+                         _f(v["added_per_token_ms"], "+.3f"), *hot_cells, r.source])
+    return out + _table(["model, device", "B", "mask fill ms/token", "sync plain ms", "sync json ms",
+                         "sync added ms/step", "sync added ms/token", "hot plain ms", "hot json ms",
+                         "hot added ms/step", "hot added ms/token", "overlapped", "measured at"], rows)
+
+
 # ---- provenance -----------------------------------------------------------------------------------------
 def _used(col: Collection) -> dict[str, int]:
     """Result file -> how many of its points are tabled."""
@@ -373,6 +419,8 @@ def _used(col: Collection) -> dict[str, int]:
     for runs in multiturn_choice(col).values():
         for r in runs.values():
             used[r.name] = len(r.data.get("points", []))
+    for r in structured_choice(col).values():
+        used[r.name] = len(r.data["decode_steps"])
     return used
 
 
@@ -407,7 +455,7 @@ def render(col: Collection, png: str | None) -> str:
              "tree was not dirty, and stands beside that commit and the run's date (UTC). Weights are the "
              "benchmarks' dummy (random) weights of the full model shapes; cost at $3.00 per H200-hour.", ""]
     for section in (prefill_section(col), decode_section(col, png), kernels_section(col), serve_section(col),
-                    multiturn_section(col), sources_section(col)):
+                    multiturn_section(col), structured_section(col), sources_section(col)):
         lines += section
     return "\n".join(lines).rstrip("\n") + "\n"
 

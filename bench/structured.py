@@ -326,7 +326,8 @@ def main() -> dict:
     p.add_argument("--quant", default="bf16")
     p.add_argument("--step-count", type=int, default=30)
     args = p.parse_args()
-    results: dict = {"env": env_info(args.device, "kvrelay.bench.structured", None), "engines": {}}
+    results: dict = {"env": env_info(args.device, "kvrelay.bench.structured", None), "engines": {},
+                     "model": args.model or None, "quant": args.quant}
     import importlib.metadata as md
 
     for eng in args.engines.split(","):

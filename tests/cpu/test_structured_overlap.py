@@ -120,3 +120,23 @@ def test_bench_reports_the_hot_path_with_the_constrained_steps_overlapped() -> N
     # each block's first step() launches with nothing in flight; every other one overlaps
     assert hot["json_schema"]["overlapped_share"] >= 0.75 and hot["plain"]["overlapped_share"] >= 0.75
     assert hot["added_per_token_ms"] == hot["added_per_step_ms"] / 2
+
+
+def test_results_md_tables_the_newest_structured_run_with_its_hot_path() -> None:
+    from kvrelay.bench import provenance, results_md
+
+    def run(ts: str, hot: bool) -> provenance.Result:
+        step = {"plain_sync": {"p50_ms": 6.0}, "json_schema": {"p50_ms": 8.0}, "added_per_step_ms": 2.0,
+                "added_per_token_ms": 2.0 / 64}
+        if hot:
+            step["hot_path"] = {"plain": {"p50_ms": 5.0}, "json_schema": {"p50_ms": 5.25, "overlapped_share": 0.95},
+                                "added_per_step_ms": 0.25, "added_per_token_ms": 0.25 / 64}
+        data = {"env": {"gpu": "NVIDIA H200", "command": "python -m kvrelay.bench.structured --model gpt-oss-20b "
+                        "--quant fp8-block128"}, "state_machine": {"b64": {"per_token_ms": 0.013}},
+                "decode_steps": {"b64": step}}
+        return provenance.Result(f"structured-cuda-{ts}.json", "structured", data, "abcdef1", ts, "clean")
+
+    col = provenance.Collection([run("2026-12-01 14:13", False), run("2026-12-01 16:00", True)])
+    table = [line for line in results_md.structured_section(col) if line.startswith("| gpt-oss-20b")]
+    assert table == ["| gpt-oss-20b (fp8-block128), NVIDIA H200 | 64 | 0.0130 | 6.00 | 8.00 | +2.00 | +0.031 | 5.00 "
+                     "| 5.25 | +0.25 | +0.004 | 95% | `abcdef1` 2026-12-01 16:00 |"]
