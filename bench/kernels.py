@@ -158,7 +158,7 @@ def _fp8_experts(e, h, i, dev):
 
 def bench_moe(dev):
     import triton
-    from kvrelay.kernels import moe
+    from kvrelay.kernels import moe, moe_gemv
     E, H, I, K = 128, 2880, 2880, 4
     ex = _fp8_experts(E, H, I, dev)
     gate_w = torch.randn(E, H, device=dev).bfloat16() * 0.02
@@ -170,8 +170,8 @@ def bench_moe(dev):
     rw = torch.softmax(torch.randn(1, K, device=dev), -1).bfloat16()
     for n1, n2, bk, nw, ns in ((32, 16, 512, 4, 3), (64, 32, 512, 4, 3), (32, 16, 256, 4, 3), (16, 16, 512, 4, 4),
                                (32, 32, 1024, 8, 2), (64, 64, 512, 8, 3)):
-        fn = lambda: moe._moe_gemv(x1, ids, rw, ex, 1.702, 7.0, block_n1=n1, block_n2=n2, block_k=bk, num_warps=nw,
-                                   num_stages=ns)
+        fn = lambda: moe_gemv.moe_gemv(x1, ids, rw, ex, 1.702, 7.0, block_n1=n1, block_n2=n2, block_k=bk, num_warps=nw,
+                                       num_stages=ns)
         fn()
         record("moe", f"120b decode experts gemv n1={n1} n2={n2} bk={bk} w{nw} s{ns} (graph)",
                triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"), nbytes=active,

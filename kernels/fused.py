@@ -101,7 +101,7 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, rows_ptr, xo_ptr, out_ptr, q_ptr, 
     if DELTA == 1:  # a finished bf16/fp32 delta [T, H]: torch's add (fp32 math, one rounding to x's dtype)
         d = tl.load(d_ptr + src * s_dt + offs, mask=mask, other=0.0).to(tl.float32)
         x = (x + d).to(x_ptr.dtype.element_ty).to(tl.float32)
-    if DELTA == 2:  # the MoE's weighted expert outputs fp32 [T, K, H]: kernels.moe's combine (fixed order,
+    if DELTA == 2:  # the MoE's weighted expert outputs fp32 [T, K, H]: kernels.moe_gemv's combine (fixed order,
         acc = tl.zeros([BLOCK], tl.float32)  # rounded to bf16), then the residual add
         for j in tl.static_range(K_SUM):
             acc += tl.load(d_ptr + src * s_dt + j * s_dk + offs, mask=mask, other=0.0)
@@ -131,7 +131,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
                  quant_k: int | None = None, rows: torch.Tensor | None = None, store_x: bool = True):
     """The residual stream's glue in one launch. x [T, H] (unit stride in H); delta None, a finished
     [T, H] tensor (added as torch's `x + delta`), or the MoE's weighted expert outputs fp32 [T, k, H]
-    (summed over k in order and rounded to bf16 as kernels.moe's combine does, then added); then
+    (summed over k in order and rounded to bf16 as kernels.moe_gemv's combine does, then added); then
     RMSNorm with `weight` (None: no norm). Returns (new x or None, normed):
     - new x [T, H] in x's dtype (None when store_x=False, or when delta is None: x is unchanged);
     - normed [T, H] in x's dtype, or with quant_k set (the GEMM's K padded to 128) the 1x128 FP8

@@ -54,7 +54,7 @@ def test_fused_kernels_interpreted() -> None:
 
 GLUE = textwrap.dedent("""
     import torch, triton
-    from kvrelay.kernels import fused, fp8, fp8_gemm, moe
+    from kvrelay.kernels import fused, fp8, fp8_gemm, moe_gemv
     from kvrelay.kernels.reference import apply_rotary, rotary_cos_sin, write_kv, yarn_inv_freq
 
     def bits(t):
@@ -81,7 +81,7 @@ GLUE = textwrap.dedent("""
         y = torch.randn(t, k, h, generator=g) * 2  # the MoE's weighted expert outputs (fp32)
         # the unfused GPU chain: combine kernel, torch add, RMSNorm kernel, activation quantiser
         comb = torch.empty(t, h, dtype=torch.bfloat16)
-        moe._combine_kernel[(t, triton.cdiv(h, 1024))](y, comb, h, K_TOP=k, BLOCK=1024)
+        moe_gemv.combine_kernel[(t, triton.cdiv(h, 1024))](y, comb, h, K_TOP=k, BLOCK=1024)
         for delta, added in [(None, x), (dl, interp_add(x, dl)), (y, interp_add(x, comb))]:
             chain_n = fused.rms_norm(added, w, eps)
             chain_q, chain_s = fp8_gemm.quantize_act_1x128(chain_n, kp)

@@ -37,18 +37,18 @@ def _nearly_same_fp8(a, b):
 
 
 def _chain(x, delta, w, kp):
-    """The unfused GPU path: kernels.moe's combine (for fp32 [T, k, H] deltas), torch's add, the RMSNorm
+    """The unfused GPU path: kernels.moe_gemv's combine (for fp32 [T, k, H] deltas), torch's add, the RMSNorm
     kernel, the FP8 activation quantiser."""
     import triton
 
-    from kvrelay.kernels import fp8_gemm, fused, moe
+    from kvrelay.kernels import fp8_gemm, fused, moe_gemv
 
     if delta is None:
         added = x
     elif delta.dim() == 3:
         t, k, h = delta.shape
         comb = torch.empty(t, h, dtype=torch.bfloat16, device=x.device)
-        moe._combine_kernel[(t, triton.cdiv(h, 1024))](delta, comb, h, K_TOP=k, BLOCK=1024)
+        moe_gemv.combine_kernel[(t, triton.cdiv(h, 1024))](delta, comb, h, K_TOP=k, BLOCK=1024)
         added = x + comb
     else:
         added = x + delta
