@@ -1,6 +1,8 @@
 """The whole disaggregated path on CPU: gRPC -> router -> prefill actor -> NIXL READ -> decode actor.
 
-Every stream is checked token for token against single-process `LLM.generate` on the same weights.
+Every stream is checked token for token against single-process `LLM.generate` on the same weights: equal
+outright where the cluster runs it alone (the same shapes as the single process), up to bf16 rounding judged
+in float32 (greedy_judge.py) where it ran in a batch of others or was re-prefilled after a kill.
 The tests that kill a prefill and then a decode worker run last: each leaves the module's cluster one
 worker short.
 """
@@ -14,6 +16,7 @@ import time
 
 import pytest
 
+from greedy_judge import assert_same_greedy
 from kvrelay.engine.sampling import SamplingParams
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
@@ -125,7 +128,7 @@ def test_32_concurrent_streams_equal_their_solo_runs(running, reference):
         futs = [pool.submit(grpc_tokens, running.grpc_target, p, k, f"conc-{i}") for i, (p, k) in enumerate(jobs)]
         results = [f.result(timeout=200) for f in futs]
     for i, ((prompt, k), (tokens, _)) in enumerate(zip(jobs, results)):
-        assert tokens == solo(reference, prompt, k), f"stream {i} (prompt {len(prompt)}, {k} tokens)"
+        assert_same_greedy(tokens, solo(reference, prompt, k), prompt, f"stream {i} (prompt {len(prompt)}, {k} tokens)")
     assert_no_pages_left(running)
 
 
@@ -242,9 +245,11 @@ def test_killed_decode_worker_does_not_hang_the_stream(running, reference):
                 killed = serving[0]["rank"]
                 ray.kill(running.cluster.decode[killed], no_restart=True)
     assert killed is not None
-    # Re-prefilled prompt + streamed tokens on the surviving pair: no gap, no repeat.
+    # Re-prefilled prompt + streamed tokens on the surviving pair: no gap, no repeat (a prefill of the tokens
+    # the dead worker decoded one by one: bf16 of other shapes).
     want = [o.token_id for o in reference.generate(prompt, params)]
-    assert tokens == want and want != solo(reference, prompt, k)
+    assert want != solo(reference, prompt, k)
+    assert_same_greedy(tokens, want, prompt, "the resumed stream", params)
     assert _retries("decode_died") + _retries("decode_unresponsive") == before + 1
     rows = {(r["role"], r["rank"]): r for r in running.cluster.statuses()}
     assert "error" in rows[("decode", killed)] and rows[("decode", 1 - killed)]["healthy"]

@@ -1,7 +1,9 @@
 """Supervision on the single-pair topology (one prefill + one decode worker, as configs/cpu-tiny.yaml):
 a SIGKILLed worker is replaced in its placement group, `kvrelay status` shows it restarting then healthy,
 and the requests in flight on it wait for the replacement and resume there by re-prefilling prompt +
-tokens already sent, so every stream equals its undisturbed greedy run (no token missing or repeated).
+tokens already sent, so every stream equals its undisturbed greedy run (no token missing or repeated), up to
+bf16 rounding judged in float32 where the shapes differ (a re-prefill of tokens decoded one by one, batches
+of other requests): greedy_judge.py.
 After each test no KV page is left on any worker.
 """
 
@@ -15,6 +17,7 @@ import time
 
 import pytest
 
+from greedy_judge import assert_same_greedy
 from kvrelay.engine.sampling import SamplingParams
 
 from test_cluster import assert_no_pages_left, prompt_of
@@ -50,7 +53,8 @@ def undisturbed(url: str, reference, jobs: list[tuple[list[int], int]]) -> list[
         outs = list(pool.map(lambda j: completion(url, j[0], j[1], stream=False), jobs))
     assert all(o["status"] == 200 for o in outs), outs
     if reference is not None:  # greedy: the first 16 tokens are the 16-token run's (5x cheaper here)
-        assert outs[0]["tokens"][:16] == many(reference, [(jobs[0][0], 16)])[0]
+        assert_same_greedy(outs[0]["tokens"][:16], many(reference, [(jobs[0][0], 16)])[0], jobs[0][0],
+                           "undisturbed run 0 (batched) vs one process")
     return [o["tokens"] for o in outs]
 
 
@@ -152,9 +156,9 @@ def test_killed_decode_worker_is_replaced_and_16_requests_resume(running, refere
         states = wait_states(run, "decode", restarts=1)
         results = [f.result(timeout=120) for f in futs]
     assert "restarting" in states and states[-1] == "healthy", states
-    for i, (res, w) in enumerate(zip(results, want)):
-        assert res["status"] == 200 and res["error"] is None, (i, res)
-        assert res["tokens"] == w and res["finish"] == "length", f"request {i}: {res['tokens']} != {w}"
+    for i, ((p, _), res, w) in enumerate(zip(jobs, results, want)):
+        assert res["status"] == 200 and res["error"] is None and res["finish"] == "length", (i, res)
+        assert_same_greedy(res["tokens"], w, p, f"request {i}")
     assert time.monotonic() - t0 < 60
     # Each request was re-prefilled once, counted by cause in /metrics and against the worker in status.
     assert _retries("decode_died") + _retries("decode_unresponsive") == before + 16
@@ -200,8 +204,9 @@ def test_killed_prefill_worker_is_replaced_and_its_requests_resume(running, monk
         states = wait_states(run, "prefill", restarts=1)
         results = [f.result(timeout=120) for f in futs]
     assert "restarting" in states, states
-    for i, (res, w) in enumerate(zip(results, want)):
-        assert res["status"] == 200 and res["tokens"] == w, (i, res)
+    for i, ((p, _), res, w) in enumerate(zip(jobs, results, want)):
+        assert res["status"] == 200, (i, res)
+        assert_same_greedy(res["tokens"], w, p, f"request {i}")
     died = _retries("prefill_died") - before
     row = worker_row(run, "prefill")
     assert died >= 1 and row["reprefills"].get("prefill_died") == died, (died, row["reprefills"])
