@@ -13,9 +13,11 @@ import torch
 
 from kvrelay.router import harmony
 from kvrelay.router.client import RouterClient
-from kvrelay.router.scripted_engine import ScriptedEngineClient, made_up_prompt_logprobs
+from kvrelay.router.scripted_engine import made_up_prompt_logprobs
 from kvrelay.router.server import BackgroundRouter
 from kvrelay.router.types import SamplingOptions
+
+from scripted_router import reset, scripted_router_fixtures
 
 harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 MODEL = "gpt-oss-test"
@@ -30,21 +32,12 @@ def _tok(t: int) -> str:
     return harmony.decode_tokens([t])
 
 
-@pytest.fixture(scope="module")
-def engine() -> ScriptedEngineClient:
-    return ScriptedEngineClient([GEN], model_name=MODEL, max_context=4096)
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    with BackgroundRouter(engine) as srv:
-        yield srv
+engine, server = scripted_router_fixtures([GEN], model_name=MODEL, max_context=4096)
 
 
 @pytest.fixture()
 def client(server, engine):
-    engine.prompts.clear()
-    engine.params.clear()
+    reset(engine)
     with openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0, timeout=30) as c:
         yield c
 

@@ -13,8 +13,8 @@ import openai
 import pytest
 
 from kvrelay.router import harmony
-from kvrelay.router.scripted_engine import ScriptedEngineClient
-from kvrelay.router.server import BackgroundRouter
+
+from scripted_router import reset, scripted_router_fixtures
 
 harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 
@@ -42,23 +42,12 @@ TOOL_HISTORY_TAIL = (
 )
 
 
-@pytest.fixture(scope="module")
-def engine() -> ScriptedEngineClient:
-    return ScriptedEngineClient([FINAL], model_name=MODEL, max_context=4096)
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    with BackgroundRouter(engine, today=lambda: DATE) as srv:
-        yield srv
+engine, server = scripted_router_fixtures([FINAL], model_name=MODEL, max_context=4096, router={"today": lambda: DATE})
 
 
 @pytest.fixture()
 def client(server, engine):
-    engine.prompts.clear()
-    engine.aborted.clear()
-    engine.token_delay_s = 0.0
-    engine.batch = 1
+    reset(engine)
     with openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0, timeout=30) as c:
         yield c
 

@@ -26,9 +26,10 @@ from openai_harmony import (
 from kvrelay.router import harmony
 from kvrelay.router.responses_models import seal
 from kvrelay.router.responses_store import ResponseStore
-from kvrelay.router.scripted_engine import ScriptedEngineClient
 from kvrelay.router.server import BackgroundRouter
 from kvrelay.router.types import ChatMessage
+
+from scripted_router import reset, scripted_router_fixtures
 
 harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 
@@ -52,21 +53,12 @@ PREAMBLE_CALL = _ids("<|channel|>analysis<|message|>Check.<|end|><|start|>assist
                      '<|constrain|>json<|message|>{"city":"Paris"}<|call|>')
 
 
-@pytest.fixture(scope="module")
-def engine() -> ScriptedEngineClient:
-    return ScriptedEngineClient([FINAL], model_name=MODEL, max_context=4096)
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    with BackgroundRouter(engine, today=lambda: DATE) as srv:
-        yield srv
+engine, server = scripted_router_fixtures([FINAL], model_name=MODEL, max_context=4096, router={"today": lambda: DATE})
 
 
 @pytest.fixture()
 def client(server, engine):
-    engine.prompts.clear()
-    engine.batch = 1
+    reset(engine)
     with openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0, timeout=30) as c:
         yield c
 

@@ -18,6 +18,8 @@ from kvrelay.router.types import ChatMessage, ChatRequest, SamplingOptions, Tool
 from kvrelay.v1 import router_pb2 as pb
 from kvrelay.v1 import router_pb2_grpc as pb_grpc
 
+from scripted_router import reset, scripted_router_fixtures
+
 harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 
 DATE = "2025-06-28"
@@ -35,23 +37,13 @@ FINAL_OUTPUT = _ids("<|channel|>analysis<|message|>It said 21C.<|end|><|start|>a
                     "<|message|>Paris is 21 °C.<|return|>")
 
 
-@pytest.fixture(scope="module")
-def engine() -> ScriptedEngineClient:
-    return ScriptedEngineClient([FINAL_OUTPUT], model_name="gpt-oss-test", max_context=4096)
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    with BackgroundRouter(engine, today=lambda: DATE) as srv:
-        yield srv
+engine, server = scripted_router_fixtures([FINAL_OUTPUT], model_name="gpt-oss-test", max_context=4096,
+                                          router={"today": lambda: DATE})
 
 
 @pytest.fixture()
 def client(server, engine):
-    engine.prompts.clear()
-    engine.params.clear()
-    engine.aborted.clear()
-    engine.token_delay_s = 0.0
+    reset(engine)
     with RouterClient(server.grpc_target, timeout_s=30) as c:
         yield c
 

@@ -24,6 +24,8 @@ from kvrelay.router.types import ChatMessage, SamplingOptions
 from kvrelay.v1 import router_pb2 as pb
 from kvrelay.v1 import router_pb2_grpc as pb_grpc
 
+from scripted_router import reset, scripted_router_fixtures
+
 harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 
 DATE = "2025-06-28"
@@ -65,20 +67,13 @@ def ids_of(case: Case) -> str:
     return case.name
 
 
-@pytest.fixture(scope="module")
-def engine() -> ScriptedEngineClient:
-    return ScriptedEngineClient([COMPLETION_IDS], model_name=MODEL, max_context=4096)
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    with BackgroundRouter(engine, today=lambda: DATE) as srv:
-        yield srv
+engine, server = scripted_router_fixtures([COMPLETION_IDS], model_name=MODEL, max_context=4096,
+                                          router={"today": lambda: DATE})
 
 
 @pytest.fixture()
 def oai(server, engine):
-    engine.aborted.clear()
+    reset(engine)
     with openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0, timeout=30) as c:
         yield c
 

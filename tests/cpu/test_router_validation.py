@@ -19,6 +19,8 @@ from kvrelay.router.types import ChatMessage, ChatRequest
 from kvrelay.v1 import router_pb2 as pb
 from kvrelay.v1 import router_pb2_grpc as pb_grpc
 
+from scripted_router import scripted_router_fixtures
+
 harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 
 CONTEXT = 512
@@ -90,15 +92,7 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def engine() -> ScriptedEngineClient:
-    return ScriptedEngineClient([[1]], model_name="m", max_context=CONTEXT)
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    with BackgroundRouter(engine, today=lambda: DATE) as srv:
-        yield srv
+engine, server = scripted_router_fixtures([[1]], model_name="m", max_context=CONTEXT, router={"today": lambda: DATE})
 
 
 def _expected(case: Case, field_name: str) -> str:
