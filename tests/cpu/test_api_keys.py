@@ -13,19 +13,16 @@ import pytest
 from kvrelay.router import harmony
 from kvrelay.router.auth import ApiKeyError, ApiKeys, resolve_api_keys
 from kvrelay.router.client import RouterClient
-from kvrelay.router.scripted_engine import ScriptedEngineClient
-from kvrelay.router.server import BackgroundRouter
+
+from scripted_router import scripted_router_fixtures
 
 harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 MODEL = "gpt-oss-test"
 REPLY = harmony.load_encoding().encode("<|channel|>final<|message|>Hi there.<|return|>", allowed_special="all")
 
 
-@pytest.fixture(scope="module")
-def server():
-    engine = ScriptedEngineClient([REPLY], model_name=MODEL, max_context=4096)
-    with BackgroundRouter(engine, api_keys=ApiKeys(["sk-one", "sk-two"])) as srv:
-        yield srv
+engine, server = scripted_router_fixtures([REPLY], model_name=MODEL, max_context=4096,
+                                          router={"api_keys": ApiKeys(["sk-one", "sk-two"])})
 
 
 def _chat(server, key: str):

@@ -14,26 +14,21 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 from kvrelay.router import harmony
 from kvrelay.router.limits import MAX_BODY_BYTES
-from kvrelay.router.scripted_engine import ScriptedEngineClient
-from kvrelay.router.server import BackgroundRouter
+
+from scripted_router import scripted_router_fixtures
 
 harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 MODEL = "m"
 MAX_CONTEXT = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def server():
-    reply = harmony.load_encoding().encode("<|channel|>final<|message|>ok<|return|>", allowed_special="all")
-    # token_delay_s: tokens come later, as from a real engine (a script that never waits would run all 96
-    # choices of a batch in one go of the event loop, which no real engine does)
-    engine = ScriptedEngineClient([reply], model_name=MODEL, max_context=MAX_CONTEXT, token_delay_s=0.001)
-    with BackgroundRouter(engine) as srv:
-        yield srv
+REPLY = harmony.load_encoding().encode("<|channel|>final<|message|>ok<|return|>", allowed_special="all")
+# token_delay_s: tokens come later, as from a real engine (a script that never waits would run all 96 choices
+# of a batch in one go of the event loop, which no real engine does)
+engine, server = scripted_router_fixtures([REPLY], model_name=MODEL, max_context=MAX_CONTEXT, token_delay_s=0.001)
 
 
 def _ids(n: int, seed: int = 0) -> list[int]:

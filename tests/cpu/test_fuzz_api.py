@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvrelay.router import harmony
-from kvrelay.router.scripted_engine import ScriptedEngineClient
-from kvrelay.router.server import BackgroundRouter
 from kvrelay.v1 import router_pb2 as pb
 from kvrelay.v1 import router_pb2_grpc as pb_grpc
+
+from scripted_router import scripted_router_fixtures
 
 harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 MODEL = "gpt-oss-fuzz"
@@ -57,12 +57,8 @@ def _bodies(fields: list[str]):
         lambda names: st.fixed_dictionaries({n: value(n) for n in names}))
 
 
-@pytest.fixture(scope="module")
-def server():
-    engine = ScriptedEngineClient([harmony.load_encoding().encode(
-        "<|channel|>final<|message|>fuzzed<|return|>", allowed_special="all")], model_name=MODEL, max_context=4096)
-    with BackgroundRouter(engine) as srv:
-        yield srv
+REPLY = harmony.load_encoding().encode("<|channel|>final<|message|>fuzzed<|return|>", allowed_special="all")
+engine, server = scripted_router_fixtures([REPLY], model_name=MODEL, max_context=4096)
 
 
 def _check_http(server, path: str, body) -> int:

@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvrelay.router import harmony
-from kvrelay.router.scripted_engine import ScriptedEngineClient
-from kvrelay.router.server import BackgroundRouter
 from kvrelay.v1 import router_pb2 as pb
+
+from scripted_router import scripted_router_fixtures
 
 harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 SERVICE = pb.DESCRIPTOR.services_by_name["Router"]
@@ -74,11 +74,8 @@ def message(desc, depth: int = 0):
         lambda parts: cls(**parts[0], **dict(c for c in parts[1] if c is not None)))
 
 
-@pytest.fixture(scope="module")
-def server():
-    reply = harmony.load_encoding().encode("<|channel|>final<|message|>fuzzed<|return|>", allowed_special="all")
-    with BackgroundRouter(ScriptedEngineClient([reply], model_name="gpt-oss-fuzz", max_context=4096)) as srv:
-        yield srv
+REPLY = harmony.load_encoding().encode("<|channel|>final<|message|>fuzzed<|return|>", allowed_special="all")
+engine, server = scripted_router_fixtures([REPLY], model_name="gpt-oss-fuzz", max_context=4096)
 
 
 @pytest.mark.parametrize("name", METHODS)

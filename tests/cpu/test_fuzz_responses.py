@@ -9,14 +9,13 @@ import json
 from pathlib import Path
 
 import httpx
-import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvrelay.router import harmony
 from kvrelay.router.responses_models import ResponsesRequest
-from kvrelay.router.scripted_engine import ScriptedEngineClient
-from kvrelay.router.server import BackgroundRouter
+
+from scripted_router import scripted_router_fixtures
 
 harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 MODEL = "gpt-oss-fuzz"
@@ -78,12 +77,8 @@ def _bodies():
         lambda names: st.fixed_dictionaries({n: value(n) for n in names}))
 
 
-@pytest.fixture(scope="module")
-def server():
-    engine = ScriptedEngineClient([harmony.load_encoding().encode(SCRIPT, allowed_special="all")],
-                                  model_name=MODEL, max_context=4096)
-    with BackgroundRouter(engine) as srv:
-        yield srv
+engine, server = scripted_router_fixtures([harmony.load_encoding().encode(SCRIPT, allowed_special="all")],
+                                          model_name=MODEL, max_context=4096)
 
 
 @FUZZ

@@ -12,19 +12,16 @@ import httpx
 import pytest
 
 from kvrelay.router import harmony
-from kvrelay.router.scripted_engine import ScriptedEngineClient
-from kvrelay.router.server import BackgroundRouter
 from kvrelay.router.validation import MAX_MESSAGES, MAX_TEXT_RUN, ValidationError, check_text
+
+from scripted_router import scripted_router_fixtures
 
 harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 MODEL = "m"
 
 
-@pytest.fixture(scope="module")
-def server():
-    reply = harmony.load_encoding().encode("<|channel|>final<|message|>ok<|return|>", allowed_special="all")
-    with BackgroundRouter(ScriptedEngineClient([reply], model_name=MODEL, max_context=1 << 20)) as srv:
-        yield srv
+REPLY = harmony.load_encoding().encode("<|channel|>final<|message|>ok<|return|>", allowed_special="all")
+engine, server = scripted_router_fixtures([REPLY], model_name=MODEL, max_context=1 << 20)
 
 
 @pytest.mark.parametrize("text,kind", [("a" * 300_000, "letters"), ("x" + " " * 60_000 + "y", "whitespace"),
