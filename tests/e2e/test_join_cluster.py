@@ -7,17 +7,13 @@ serves, and on SIGTERM leaves the external Ray running (it does not own it).
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
-import time
-from pathlib import Path
 
 import pytest
+
+from serve_proc import ray_head, serving_cli
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -31,53 +27,13 @@ device: cpu
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ray_cli() -> str:
-    return str(Path(sys.executable).parent / "ray")
-
-
 def test_serve_joins_a_ray_head_started_by_hand(tmp_path):
-    import tempfile
-
-    # Ray's unix socket paths must stay under 107 bytes: pytest's tmp_path is too deep for them.
-    ray_tmp = Path(tempfile.mkdtemp(prefix="kvr-", dir="/tmp"))
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(CONFIG)
-    port = _free_port()
-    # Loopback only: with this variable Ray binds every listener to 127.0.0.1.
-    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", PYTHONUNBUFFERED="1", RAY_USAGE_STATS_ENABLED="0")
-    head = subprocess.Popen(
-        [_ray_cli(), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
-         "--num-cpus", "4", "--include-dashboard", "false", "--disable-usage-stats",
-         "--temp-dir", str(ray_tmp)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    head_lines: list[str] = []
-    threading.Thread(target=lambda: head_lines.extend(head.stdout), daemon=True).start()
-    serve = None
-    try:
-        address = f"127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while not any("Ray runtime started" in ln for ln in head_lines):
-            assert head.poll() is None, "ray start failed:\n" + "".join(head_lines[-30:])
-            assert time.monotonic() < deadline, "ray head did not start:\n" + "".join(head_lines[-30:])
-            time.sleep(0.5)
-
-        serve = subprocess.Popen([sys.executable, "-m", "kvrelay.cluster.cli", "serve", str(cfg), "--address",
-                                  address], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        lines: list[str] = []
-        threading.Thread(target=lambda: lines.extend(serve.stdout), daemon=True).start()
-        ready = None
-        while ready is None:
-            assert serve.poll() is None, "serve exited early:\n" + "".join(lines[-30:])
-            assert time.monotonic() < deadline + 120, "serve did not become ready:\n" + "".join(lines[-30:])
-            ready = next((json.loads(ln.split("kvrelay-ready ", 1)[1]) for ln in list(lines)
-                          if ln.startswith("kvrelay-ready ")), None)
-            time.sleep(0.2)
+    # Loopback only: in the children's environment (serve_proc.child_env) Ray binds every listener to 127.0.0.1.
+    with ray_head() as head, serving_cli(str(cfg), "--address", head.address, env=head.env, ready_timeout_s=240,
+                                         term_timeout_s=0) as served:
+        serve, lines, ready, address, env = served.proc, served.lines, served.ready, head.address, head.env
         assert ready["ray"] == address
 
         from kvrelay.router.client import RouterClient
@@ -91,19 +47,8 @@ def test_serve_joins_a_ray_head_started_by_hand(tmp_path):
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(timeout=90) == 0, "".join(lines[-30:])
         # serve did not start this Ray, so it must leave it running.
-        assert head.poll() is None, "serve shut down a Ray cluster it only joined"
+        assert head.proc.poll() is None, "serve shut down a Ray cluster it only joined"
         probe = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address='{address}'); "
                                 "print(int(ray.cluster_resources()['CPU'])); ray.shutdown()"],
                                env={**env, "RAY_AUTH_MODE": "token"}, capture_output=True, text=True, timeout=120)
         assert probe.returncode == 0 and probe.stdout.strip().splitlines()[-1] == "4", probe.stderr[-2000:]
-    finally:
-        for p in (serve, head):
-            if p is not None and p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM) if p is head else p.kill()
-                    p.wait(timeout=60)
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    os.killpg(p.pid, signal.SIGKILL) if p is head else None
-        import shutil
-
-        shutil.rmtree(ray_tmp, ignore_errors=True)

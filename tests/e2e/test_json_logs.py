@@ -5,15 +5,12 @@ a request, in the router and in the prefill and decode workers, carry the id the
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import threading
 import time
 
 import httpx
 import pytest
+
+from serve_proc import serving_cli
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -30,22 +27,8 @@ log_format: json
 def test_one_request_id_across_router_and_workers(tmp_path):
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(CONFIG)
-    proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cluster.cli", "serve", str(cfg), "--log-requests"],
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    out: list[str] = []
-    err: list[str] = []
-    threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True).start()
-    threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True).start()
-    try:
-        deadline = time.monotonic() + 180
-        ready = None
-        while ready is None:
-            assert proc.poll() is None, "serve exited early:\n" + "".join(err[-30:])
-            assert time.monotonic() < deadline, "serve did not become ready"
-            ready = next((json.loads(ln.split("kvrelay-ready ", 1)[1]) for ln in list(out)
-                          if ln.startswith("kvrelay-ready ")), None)
-            time.sleep(0.2)
+    with serving_cli(str(cfg), "--log-requests", split_stderr=True) as served:
+        proc, out, err, ready = served.proc, served.lines, served.err, served.ready
         r = httpx.post(f"{ready['http']}/v1/completions", timeout=60,
                        json={"model": ready["model"], "prompt": [5, 6, 7, 8], "max_tokens": 5})
         assert r.status_code == 200, r.text
@@ -60,14 +43,6 @@ def test_one_request_id_across_router_and_workers(tmp_path):
         while {rec.get("worker") for rec in about(rid)} < {"prefill-0", "decode-0"}:
             assert time.monotonic() < deadline, f"worker lines about {rid} missing:\n" + "".join(err[-40:])
             time.sleep(0.2)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=90)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
     records = [json.loads(ln) for ln in err if ln.strip()]  # every stderr line is one JSON object
     # stdout: the banner, and what the workers write there (NIXL's logger) as JSON lines.
     forwarded = [json.loads(ln) for ln in out if ln.startswith("{")]

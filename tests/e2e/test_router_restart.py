@@ -6,19 +6,16 @@ workers, leaving the Ray cluster (which it only joined) running."""
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
-import tempfile
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from test_join_cluster import _free_port, _ray_cli
+from serve_proc import Served, ray_head, start_serve, stop
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -32,20 +29,9 @@ device: cpu
 """
 
 
-def _serve(cfg: Path, address: str, env: dict) -> tuple[subprocess.Popen, list[str], dict]:
-    p = subprocess.Popen([sys.executable, "-m", "kvrelay.cluster.cli", "serve", str(cfg), "--address", address],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True).start()
-    deadline = time.monotonic() + 240  # two loaded cores: a cold start has taken over 100 s here
-    while True:
-        assert p.poll() is None, "serve exited early:\n" + "".join(lines[-30:])
-        assert time.monotonic() < deadline, "serve did not become ready:\n" + "".join(lines[-30:])
-        ready = next((json.loads(ln.split("kvrelay-ready ", 1)[1]) for ln in list(lines)
-                      if ln.startswith("kvrelay-ready ")), None)
-        if ready is not None:
-            return p, lines, ready
-        time.sleep(0.2)
+def _serve(cfg: Path, address: str, env: dict) -> Served:
+    # two loaded cores: a cold start has taken over 100 s here
+    return start_serve(str(cfg), "--address", address, env=env, ready_timeout_s=240)
 
 
 def _status(cfg: Path, address: str, env: dict) -> list[dict]:
@@ -66,25 +52,14 @@ def _complete(url: str, prompt: list[int], max_tokens: int) -> list[int]:
 def test_restarted_router_reattaches_to_the_surviving_workers(tmp_path):
     import httpx
 
-    ray_tmp = Path(tempfile.mkdtemp(prefix="kvr-", dir="/tmp"))  # Ray's socket paths must stay short
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(CONFIG)
-    port = _free_port()
-    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", PYTHONUNBUFFERED="1", RAY_USAGE_STATS_ENABLED="0")
-    head = subprocess.Popen(
-        [_ray_cli(), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
-         "--num-cpus", "4", "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", str(ray_tmp)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    head_lines: list[str] = []
-    threading.Thread(target=lambda: head_lines.extend(head.stdout), daemon=True).start()
     serves: list[subprocess.Popen] = []
-    address = f"127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while not any("Ray runtime started" in ln for ln in head_lines):
-            assert head.poll() is None and time.monotonic() < deadline, "".join(head_lines[-30:])
-            time.sleep(0.5)
-        first, _, ready = _serve(cfg, address, env)
+    with ray_head() as head, contextlib.ExitStack() as cleanup:
+        cleanup.callback(lambda: [stop(p, term_timeout_s=0) for p in serves])  # before the head goes
+        address, env = head.address, head.env
+        served = _serve(cfg, address, env)
+        first, ready = served.proc, served.ready
         serves.append(first)
         prompt = [(7 * i + 3) % 1000 + 1 for i in range(40)]
         want = _complete(ready["http"], prompt, 32)
@@ -109,7 +84,8 @@ def test_restarted_router_reattaches_to_the_surviving_workers(tmp_path):
         held = left["decode"]["admitted"]
         assert held in (0, 1) and (held == 0 or any(left["decode"]["pages_in_use"].values())), left
 
-        second, lines2, ready2 = _serve(cfg, address, env)
+        served = _serve(cfg, address, env)
+        second, lines2, ready2 = served.proc, served.lines, served.ready
         serves.append(second)
         assert any("re-attached to 2 running worker(s)" in ln for ln in lines2), "".join(lines2[-30:])
         rows = {r["role"]: r for r in _status(cfg, address, env)}
@@ -123,18 +99,4 @@ def test_restarted_router_reattaches_to_the_surviving_workers(tmp_path):
         assert second.wait(timeout=90) == 0, "".join(lines2[-30:])
         gone = _status(cfg, address, env)
         assert all("not running" in r.get("error", "") for r in gone), gone  # a clean stop stops the workers
-        assert head.poll() is None, "serve shut down a Ray cluster it only joined"
-    finally:
-        for p in serves:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=30)
-        if head.poll() is None:
-            try:
-                os.killpg(head.pid, signal.SIGTERM)
-                head.wait(timeout=60)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                os.killpg(head.pid, signal.SIGKILL)
-        import shutil
-
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+        assert head.proc.poll() is None, "serve shut down a Ray cluster it only joined"

@@ -12,11 +12,12 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
+
+from serve_proc import child_env, serving_cli
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -59,23 +60,12 @@ def _listeners(pids: set[int]) -> list[tuple[str, int]]:
 def test_serve_status_and_sigterm_drain(tmp_path):
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(CONFIG)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    # As an operator would run it behind a client that names the model its own way, with a key.
-    proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cluster.cli", "serve", str(cfg),
-                             "--served-model-name", "acme/tiny", "tiny-alias", "--api-key", "sk-e2e"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
-    try:
-        deadline = time.monotonic() + 180
-        ready = None
-        while ready is None:
-            assert proc.poll() is None, "serve exited early:\n" + "".join(lines[-30:])
-            assert time.monotonic() < deadline, "serve did not become ready"
-            ready = next((json.loads(ln.split("kvrelay-ready ", 1)[1]) for ln in list(lines)
-                          if ln.startswith("kvrelay-ready ")), None)
-            time.sleep(0.2)
+    env = child_env()
+    # As an operator would run it behind a client that names the model its own way, with a key. Killed at
+    # once if the test fails (the test itself sends SIGTERM to check the drain).
+    with serving_cli(str(cfg), "--served-model-name", "acme/tiny", "tiny-alias", "--api-key", "sk-e2e", env=env,
+                     term_timeout_s=0) as served:
+        proc, lines, ready = served.proc, served.lines, served.ready
         assert ready["ray"].startswith("127.0.0.1:") and ready["grpc"].startswith("127.0.0.1:")
 
         listening = _listeners(_descendants(proc.pid))
@@ -113,28 +103,6 @@ def test_serve_status_and_sigterm_drain(tmp_path):
         out = "".join(lines)
         assert "draining in-flight requests" in out and "kvrelay: stopped" in out
         assert "as acme/tiny, tiny-alias" in out and "Auth  1 API key(s) required" in out
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
-def _start_serve(*args: str) -> tuple[subprocess.Popen, list[str], dict]:
-    proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cluster.cli", "serve", *args],
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError("serve exited early:\n" + "".join(lines[-30:]))
-        assert time.monotonic() < deadline, "serve did not become ready"
-        ready = next((json.loads(ln.split("kvrelay-ready ", 1)[1]) for ln in list(lines)
-                      if ln.startswith("kvrelay-ready ")), None)
-        if ready is not None:
-            return proc, lines, ready
-        time.sleep(0.2)
 
 
 def test_serve_model_one_liner_serves_a_checkpoint():
@@ -147,8 +115,8 @@ def test_serve_model_one_liner_serves_a_checkpoint():
 
     tiny = Path(__file__).resolve().parents[1] / "data" / "gpt-oss-tiny-original"
     run = json.loads((tiny / "reference.json").read_text())["runs"][1]
-    proc, lines, ready = _start_serve(str(tiny), "--http-port", "0", "--grpc-port", "0", "--max-model-len", "1024")
-    try:
+    with serving_cli(str(tiny), "--http-port", "0", "--grpc-port", "0", "--max-model-len", "1024") as served:
+        ready, lines = served.ready, served.lines
         assert ready["model"] == "gpt-oss-tiny-original"
         r = httpx.post(f"{ready['http']}/v1/completions", timeout=120, json={
             "model": ready["model"], "prompt": run["prompt"], "max_tokens": 12, "temperature": 0,
@@ -157,9 +125,6 @@ def test_serve_model_one_liner_serves_a_checkpoint():
         got = r.json()["choices"][0]["token_ids"]
         card = httpx.get(f"{ready['http']}/v1/models", timeout=30).json()["data"][0]
         assert card["max_model_len"] == 1024
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=90)
     out = "".join(lines)
     assert "cpu-tiny.yaml for " in out or "gpt-oss-tiny-original" in out
     llm = LLM(str(tiny), device="cpu")
