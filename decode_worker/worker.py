@@ -1,12 +1,12 @@
 """Decode worker: a page pool, a continuous-batching step loop, and the token streams of its requests.
 
 Runs as an async Ray actor (cluster/serve.py wraps it with `ray.remote`), built from its `DecodeSpec`
-(workers/specs.py), which is all it knows of the topology. The event loop only
-coordinates: admission, the NIXL pull (in a thread, it blocks), and the token streams. A dedicated step
-thread owns the Runner and the Scheduler: every other engine call is queued and run by it between two
-steps, all pending ones at once. Tokens a step produced reach the event loop in one hand-off per step and
-go to each caller's channel (`start` + `channel`: one Ray message per step for all of a router's
-requests) or to a request's own stream (`generate`).
+(workers/specs.py), which is all it knows of the topology. The event loop only coordinates: admission,
+the NIXL pull (in a thread, it blocks), and the token streams. A dedicated step thread (step_thread.py)
+owns the Runner and the Scheduler: every other engine call is queued and run by it between two steps, all
+pending ones at once. Tokens a step produced reach the event loop in one hand-off per step and go to each
+caller's channel (`start` + `channel`: one Ray message per step for all of a router's requests) or to a
+request's own stream (`generate`).
 
 With `decode.tp` > 1 this actor is rank 0 of the worker's group and starts the other ranks itself
 (ranks.py, over workers/rank_group.py): the Scheduler drives a `GroupRunner` that runs every import,
@@ -17,15 +17,14 @@ prefill ranks hold them.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import os
-import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 
 from kvrelay.decode_worker.ranks import DecodeRank, GroupRunner, decode_join, load_rank_runner, pool_tokens
 from kvrelay.decode_worker.scheduler import Scheduler
+from kvrelay.decode_worker.step_thread import StepThread
 from kvrelay.engine.sampling import SamplingParams
 from kvrelay.transfer.handle import KVHandle, KVLeaseExpired, KVReadInFlight, KVTransferError, TransferStats, layout_of
 from kvrelay.transfer.nixl import KVImporter
@@ -41,7 +40,7 @@ _ABORTED = object()  # put on a stream's queue by `abort`: end the stream withou
 req_log = logging.getLogger(REQUEST_LOG)  # per-request lines, with --log-requests (workers/logs.py)
 
 
-class DecodeWorker:
+class DecodeWorker(StepThread):
     log_role = "decode"  # names the worker in log lines
     colocated = False
 
@@ -69,28 +68,15 @@ class DecodeWorker:
             self.importer = KVImporter(layout, pools, name_prefix=f"decode{rank}")
         self.scheduler = Scheduler(self.runner, max_batch=spec.max_batch,
                                    headroom=self._headroom(spec), overlap=spec.overlap_steps)
-        # The step thread owns the Runner and the Scheduler: every other call is queued as an op that the
-        # step thread runs between two steps, all pending ops at once. (A lock taken per op let one op
-        # in per step: 64 arriving requests, four ops each, waited ~256 steps to be admitted.)
-        self._lock = threading.Lock()  # held while an op or a step runs
-        self._wake = threading.Condition()  # guards _pending and _stop; the idle step thread waits here
-        self._pending: collections.deque = collections.deque()
-        self._stop = False
-        self._step_error: BaseException | None = None
-        # Step progress (step_stall_s): when the step thread last finished a pass (ops, a step), and whether
-        # it is waiting for work. A thread stuck in a step or an op answers health() all the same.
-        self._beat = time.monotonic()
-        self._idle = True
+        # The step thread owns the Runner and the Scheduler: every other call is an op it runs between two
+        # steps (decode_worker/step_thread.py).
+        StepThread.__init__(self, f"decode worker {rank}")
         self._streams: dict[str, asyncio.Queue] = {}  # request -> its own stream (generate)
         self._route: dict[str, str] = {}  # request -> channel id (start)
         self._channels: dict[str, asyncio.Queue] = {}  # channel id -> batches of events
         self._outbox: list = []  # (request, TokenOutput | error) of the current step (step thread)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self.steps = 0
-        self.ops_s = 0.0  # step thread time in queued ops (admission, joins, releases)
         self.completed = 0
         self.decode_tokens = 0  # tokens computed by decode steps (a pulled prompt is never recomputed)
-        self._thread = threading.Thread(target=self._step_loop, name="decode-steps", daemon=True)
         self._thread.start()
 
     def _load_single(self, spec: DecodeSpec, chunk_tokens: int | None = None):
@@ -104,33 +90,6 @@ class DecodeWorker:
 
     def _headroom(self, spec: DecodeSpec) -> dict[str, int]:
         return {}
-
-    # ---- engine calls off the event loop -----------------------------------------------------
-    async def _locked(self, fn, *args):
-        """`fn(*args)` on the step thread, between two steps, in the order the calls were made; the event
-        loop only waits for the result (with TP, an op may wait on Ray round trips to the followers)."""
-        loop = self._loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        with self._wake:
-            if self._stop:
-                raise RuntimeError(f"decode worker {self.rank} is shutting down")
-            self._pending.append((fn, args, fut, loop))
-            self._wake.notify()
-        return await fut
-
-    def _run_ops(self) -> None:
-        """Every queued op, under the engine lock (step thread)."""
-        while True:
-            with self._wake:
-                if not self._pending:
-                    return
-                fn, args, fut, loop = self._pending.popleft()
-            try:
-                with self._lock:
-                    result, exc = fn(*args), None
-            except BaseException as e:  # handed to the caller
-                result, exc = None, e
-            loop.call_soon_threadsafe(_settle, fut, result, exc)
 
     # ---- admission ---------------------------------------------------------------------------
     async def reserve(self, request_id: str, prompt_tokens: int, max_tokens: int,
@@ -420,53 +379,17 @@ class DecodeWorker:
     def _step(self) -> None:
         self.decode_tokens += self.scheduler.step()
 
-    def _step_loop(self) -> None:
-        while True:
-            with self._wake:
-                while not self._stop and not self._pending and not self._has_work():
-                    self._idle = True
-                    self._wake.wait()
-                self._beat, self._idle = time.monotonic(), False
-                if self._stop:
-                    return
-            t0 = time.perf_counter()
-            self._run_ops()
-            self.ops_s += time.perf_counter() - t0
-            self._flush()
-            with self._lock:
-                if not self._has_work():
-                    continue
-                running = self.scheduler.running_ids()
-                try:
-                    self._step()
-                    self.steps += 1
-                except BaseException as e:  # a failed forward ends the requests in it, not the worker
-                    self._step_error = e
-                    for rid in running:
-                        self._emit(rid, RuntimeError(f"decode step failed on worker {self.rank}: {e!r}"))
-                        self.scheduler.release(rid)
-            self._beat = time.monotonic()
-            self._flush()
+    def _running(self) -> list[str]:
+        return self.scheduler.running_ids()
+
+    def _step_failed(self, running: list[str], exc: BaseException) -> None:
+        for rid in running:
+            self._emit(rid, RuntimeError(f"decode step failed on worker {self.rank}: {exc!r}"))
+            self.scheduler.release(rid)
 
     # ---- introspection -----------------------------------------------------------------------
     async def health(self) -> bool:
         return self._thread.is_alive() and not self._stop
-
-    async def step_stall_s(self) -> float:
-        """Seconds the step thread has been in its current pass (queued ops, then a step) while it has
-        work; 0 while it waits for work. The engine client and the supervisor take a worker whose stall
-        reaches router.worker_step_timeout_s for hung (a step stuck in a kernel or a collective), as they
-        do one that stops answering."""
-        return 0.0 if self._idle else time.monotonic() - self._beat
-
-    async def debug_stall_steps(self, seconds: float) -> None:
-        """Test only (tests/e2e/test_supervision_hung.py): the real step thread sleeps `seconds` in its
-        next op, holding the engine lock, as a step stuck in a kernel would: nothing steps, health() and
-        every other call still answer. Returns at once."""
-        loop = asyncio.get_running_loop()
-        with self._wake:
-            self._pending.append((time.sleep, (seconds,), loop.create_future(), loop))
-            self._wake.notify()
 
     async def load(self) -> tuple[int, int]:
         """(pages a new request could still reserve, requests admitted): what the router ranks by (at once,
@@ -485,25 +408,11 @@ class DecodeWorker:
             decode_tokens=self.decode_tokens, step_phases={**self.scheduler.times.as_dict(), "ops_s": self.ops_s})
 
     async def shutdown(self) -> None:
-        with self._wake:
-            self._stop = True
-            self._wake.notify()
-            dropped, self._pending = list(self._pending), collections.deque()
-        for _, _, fut, loop in dropped:
-            loop.call_soon_threadsafe(_settle, fut, None, RuntimeError(f"decode worker {self.rank} shut down"))
+        self._stop_steps()
         if self.importer is not None:
             self.importer.close()
         if self.group is not None:  # blocks on Ray: off the event loop
             await asyncio.get_running_loop().run_in_executor(None, self.group.shutdown)
-
-
-def _settle(fut: asyncio.Future, result, exc: BaseException | None) -> None:
-    if fut.done():  # the caller was cancelled meanwhile
-        return
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(result)
 
 
 async def _quietly(ref) -> None:
