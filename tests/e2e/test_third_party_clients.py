@@ -19,15 +19,14 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+
+from serve_proc import serving_cli
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -55,29 +54,10 @@ def clients_venv() -> Path:
 @pytest.fixture(scope="module")
 def served():
     """`kvrelay serve configs/cpu-tiny.yaml` on free 127.0.0.1 ports: the ready line's endpoints."""
-    proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cluster.cli", "serve", str(REPO / "configs" / "cpu-tiny.yaml"),
-                             "--http-port", "0", "--grpc-port", "0"], env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
-    try:
-        deadline = time.monotonic() + 180
-        ready = None
-        while ready is None:
-            assert proc.poll() is None, "serve exited early:\n" + "".join(lines[-30:])
-            assert time.monotonic() < deadline, "serve did not become ready"
-            ready = next((json.loads(ln.split("kvrelay-ready ", 1)[1]) for ln in list(lines)
-                          if ln.startswith("kvrelay-ready ")), None)
-            time.sleep(0.2)
-        assert ready["http"].startswith("http://127.0.0.1:")
-        yield ready
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with serving_cli(str(REPO / "configs" / "cpu-tiny.yaml"), "--http-port", "0", "--grpc-port", "0",
+                     term_timeout_s=60) as s:
+        assert s.ready["http"].startswith("http://127.0.0.1:")
+        yield s.ready
 
 
 @pytest.fixture(scope="module")
