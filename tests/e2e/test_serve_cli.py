@@ -162,3 +162,14 @@ def test_demo_runs_end_to_end():
     kib = float(re.search(r"KV transfer\s+([\d.]+) KiB", res.stdout).group(1))
     assert kib > 0
     assert time.monotonic() - t0 < 180
+
+
+def test_a_serve_that_never_gets_ready_fails_with_its_last_lines():
+    """The helper every serve test starts through (serve_proc.start_serve): a serve that exits before its
+    ready line fails the test at once, with what it printed."""
+    from serve_proc import start_serve
+
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError, match=r"(?s)serve exited early:.*error: /nonexistent/tiny.yaml: no such file"):
+        start_serve("/nonexistent/tiny.yaml", ready_timeout_s=60)
+    assert time.monotonic() - t0 < 60
