@@ -1,7 +1,8 @@
 """Load on the real cluster (Ray, prefill and decode workers, NIXL over UCX loopback, HTTP router on
 127.0.0.1): 256 concurrent streaming clients for 60 s (KVRELAY_LOAD_S overrides), more streams than decode
 slots so the admission line is in use the whole time. Every stream that runs to the end equals its solo
-greedy run (however its tokens were grouped into chunks); one in eight clients walks away after its first
+greedy run (however its tokens were grouped into chunks; up to bf16 rounding of its batches, judged in
+float32: greedy_judge.py); one in eight clients walks away after its first
 chunks, and its KV comes back; worker memory stays bounded; the latencies are printed."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from greedy_judge import assert_same_greedy
 from test_cluster import assert_no_pages_left, prompt_of, solo
 
 LOAD_S = float(os.environ.get("KVRELAY_LOAD_S", "60"))
@@ -82,7 +84,8 @@ async def _client(k: int, url: str, model: str, oracle: dict, deadline: float, s
             if walk_away:
                 stats["walked_away"] += 1
                 continue
-            assert got == oracle[i], f"client {k} prompt {i}: {got} != {oracle[i]}"
+            if got != oracle[i]:  # served in batches of others: judged in float32 (off the hot path: rare)
+                assert_same_greedy(got, oracle[i], prompt_of(12 + i % 20, i), f"client {k} prompt {i}")
             stats["done"] += 1
             stats["tokens"] += len(got)
             stats["ttft"].append(times[0][0] - t0)
