@@ -135,8 +135,9 @@ def test_batched_prompts_equal_solo_runs(running, reference):
     assert r.status_code == 200, r.text
     choices = r.json()["choices"]
     assert [c["index"] for c in choices] == [0, 1, 2, 3]
-    for c, p in zip(choices, prompts):
-        assert c["token_ids"] == solo(reference, p, 12) and c["prompt_token_ids"] == p
+    for i, (c, p) in enumerate(zip(choices, prompts)):  # queued prompts share forwards: other shapes
+        assert c["prompt_token_ids"] == p
+        assert_same_greedy(c["token_ids"], solo(reference, p, 12), p, f"prompt {i} of the list")
     assert r.json()["usage"]["prompt_tokens"] == sum(map(len, prompts))
     assert_no_pages_left(run)
 
