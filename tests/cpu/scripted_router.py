@@ -10,17 +10,19 @@ from kvrelay.router.scripted_engine import Script, ScriptedEngineClient
 from kvrelay.router.server import BackgroundRouter
 
 
-def scripted_router_fixtures(scripts: list[Script], *, router: dict | None = None, **engine_kwargs):
+def scripted_router_fixtures(scripts: list[Script], *, router: dict | None = None, server_name: str = "server",
+                             **engine_kwargs):
     """Module-scoped fixtures, bound at a test module's top level as
     `engine, server = scripted_router_fixtures([SCRIPT], model_name=..., router={"today": ...})`:
     `engine` is ScriptedEngineClient(scripts, **engine_kwargs); `server` the RouterServer in front of it,
-    BackgroundRouter(engine, host="127.0.0.1", **router), stopped after the module."""
+    BackgroundRouter(engine, host="127.0.0.1", **router), stopped after the module (named `server_name`
+    where the module's tests ask for it by another name)."""
 
     @pytest.fixture(scope="module")
     def engine() -> ScriptedEngineClient:
         return ScriptedEngineClient(list(scripts), **engine_kwargs)
 
-    @pytest.fixture(scope="module")
+    @pytest.fixture(scope="module", name=server_name)
     def server(engine):
         with BackgroundRouter(engine, host="127.0.0.1", **(router or {})) as srv:
             yield srv

@@ -12,19 +12,15 @@ import pytest
 
 from kvrelay.router import harmony, limits
 from kvrelay.router.client import RouterClient
-from kvrelay.router.scripted_engine import ScriptedEngineClient
-from kvrelay.router.server import BackgroundRouter
 from kvrelay.router.types import ChatMessage, ToolSpec
 from kvrelay.router.validation import MAX_TOOLS
+
+from scripted_router import scripted_router_fixtures
 
 harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 
 
-@pytest.fixture(scope="module")
-def srv():
-    engine = ScriptedEngineClient([[200002]], model_name="gpt-oss-limits", max_context=4096)
-    with BackgroundRouter(engine) as server:
-        yield server
+engine, srv = scripted_router_fixtures([[200002]], model_name="gpt-oss-limits", max_context=4096, server_name="srv")
 
 
 def _too_large(r: httpx.Response) -> None:

@@ -19,8 +19,8 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
 from kvrelay.router import harmony
-from kvrelay.router.scripted_engine import ScriptedEngineClient
-from kvrelay.router.server import BackgroundRouter
+
+from scripted_router import scripted_router_fixtures
 
 harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 MODEL = "gpt-oss-schema"
@@ -28,12 +28,9 @@ EXAMPLES = int(os.environ.get("KVRELAY_SCHEMATHESIS_EXAMPLES", "20"))
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module")
-def router():
-    engine = ScriptedEngineClient([harmony.load_encoding().encode(
-        "<|channel|>final<|message|>schema<|return|>", allowed_special="all")], model_name=MODEL, max_context=4096)
-    with BackgroundRouter(engine, model_name=MODEL) as srv:
-        yield srv
+REPLY = harmony.load_encoding().encode("<|channel|>final<|message|>schema<|return|>", allowed_special="all")
+engine, router = scripted_router_fixtures([REPLY], model_name=MODEL, max_context=4096, router={"model_name": MODEL},
+                                          server_name="router")
 
 
 # The operations fuzzed (method, path). The router's schema must list exactly these: a new route is added
