@@ -172,8 +172,12 @@ def test_every_module_says_what_it_is_for():
 def test_test_files_have_unique_basenames():
     """`make test` collects tests/cpu and tests/e2e in one pytest run, which imports test files by basename
     (rootdir-relative, no packages): two files of one name stop the whole run at collection, as a helper's
-    tests/e2e/test_bench_multiturn.py beside tests/cpu/'s did on a clean clone."""
+    tests/e2e/test_bench_multiturn.py beside tests/cpu/'s did on a clean clone. The helper modules the
+    tests import (tests/e2e/greedy_judge.py, tests/cpu/scripted_router.py, ...) are imported by basename
+    too: one name may not stand for two files (conftest.py aside: pytest loads each by its path)."""
     seen: dict[str, Path] = {}
-    for path in sorted((REPO / "tests").rglob("test_*.py")):
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        if path.name == "conftest.py" or "__pycache__" in path.parts:
+            continue
         assert path.name not in seen, f"{path} has the name of {seen[path.name]}"
         seen[path.name] = path
