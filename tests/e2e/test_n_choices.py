@@ -17,6 +17,7 @@ import httpx
 import pytest
 import yaml
 
+from greedy_judge import assert_same_greedy
 from test_cluster import assert_no_pages_left, prompt_of
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -89,7 +90,8 @@ def test_a_big_batch_body_serves_what_each_prompt_gives_alone(running):
     assert r.status_code == 200, r.text[:300]
     out = r.json()["choices"]
     assert [c["index"] for c in out] == list(range(8))
-    assert [c["token_ids"] for c in out] == [w for w in want for _ in range(2)]
+    for j, c in enumerate(out):  # 8 choices decoded together: bf16 of other shapes than each one alone
+        assert_same_greedy(c["token_ids"], want[j // 2], prompts[j // 2], f"choice {j}")
     assert r.json()["usage"]["prompt_tokens"] == sum(map(len, prompts)), r.json()["usage"]
     assert_no_pages_left(run)
 
