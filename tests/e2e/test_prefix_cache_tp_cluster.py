@@ -51,7 +51,13 @@ def test_tp2_prefill_group_caches_in_lockstep(reference):
     from kvrelay.cluster.status import _table
     from kvrelay.engine.sampling import SamplingParams
 
+    def hit_counter(url: str) -> float:
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        return sum(float(line.split()[-1]) for line in metrics.splitlines()
+                   if line.startswith("kvrelay_prefix_cache_hits_total "))
+
     with serving(TP2) as (run, server):
+        hits_before = hit_counter(server.http_url)  # the counters are this test process's, shared with earlier tests
         follower = ray.get_actor("kvrelay-prefill-0-tp1", namespace=run.topology.ray.namespace)
 
         def caches() -> tuple[dict, dict]:
@@ -71,10 +77,8 @@ def test_tp2_prefill_group_caches_in_lockstep(reference):
         r = httpx.post(f"{server.http_url}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 112  # its own 7 blocks, cached as it ran
-        metrics = httpx.get(f"{server.http_url}/metrics", timeout=10).text
-        hits = sum(float(line.split()[-1]) for line in metrics.splitlines()
-                   if line.startswith("kvrelay_prefix_cache_hits_total "))
-        assert hits == 96 + 80 + 112 + 112  # this process's counters: once per group, not per rank
+        hits = hit_counter(server.http_url) - hits_before
+        assert hits == 96 + 80 + 112 + 112  # once per group, not per rank
         lead, _ = caches()
         assert lead["hits"] == 4 and lead["queries"] == 5
 
