@@ -5,11 +5,9 @@ keeps answering within 100 ms while the body is parsed and validated, invalid JS
 from __future__ import annotations
 
 import array
-import gc
 import http.client
 import json
 import random
-import threading
 import time
 from pathlib import Path
 
@@ -18,6 +16,7 @@ import httpx
 from kvrelay.router import harmony
 from kvrelay.router.limits import MAX_BODY_BYTES
 
+from health_probe import post_watching_health
 from scripted_router import scripted_router_fixtures
 
 harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
@@ -46,40 +45,8 @@ def _near_cap(obj_for, per_item_bytes: int) -> bytes:
 
 
 def _post_watching_health(server, path: str, body: bytes) -> tuple[httpx.Response, list[float]]:
-    """POST `body` while /health is asked every 5 ms; the response and every /health round trip (s)."""
-    done = threading.Event()
-    result: dict = {}
-
-    def post() -> None:
-        try:
-            result["r"] = httpx.post(f"{server.http_url}{path}", content=body, timeout=120,
-                                     headers={"content-type": "application/json"})
-        finally:
-            done.set()
-
-    # As in test_pathological_input: what `kvrelay serve` does after start-up, so that a full collection
-    # of everything this pytest process accumulated does not pause whichever thread triggers it.
-    gc.collect()
-    gc.freeze()
-    t = threading.Thread(target=post)
-    t.start()
-    gaps = []
-    host, port = server.http_url.split("//")[1].rsplit(":", 1)
-    try:
-        while not done.is_set():
-            # A new connection each time: on a reused one every answer waits ~40 ms more here (the
-            # server's two writes meet the client's delayed ACK), which is not the event loop's doing.
-            t0 = time.perf_counter()
-            conn = http.client.HTTPConnection(host, int(port), timeout=10)
-            conn.request("GET", "/health")
-            assert conn.getresponse().status == 200
-            conn.close()
-            gaps.append(time.perf_counter() - t0)
-            time.sleep(0.005)
-    finally:
-        t.join()
-        gc.unfreeze()
-    return result["r"], gaps
+    """POST the JSON `body` while /health is asked every 5 ms; the response and every /health round trip (s)."""
+    return post_watching_health(server, path, content=body, headers={"content-type": "application/json"})
 
 
 def test_a_prompt_of_token_ids_at_the_cap(server) -> None:

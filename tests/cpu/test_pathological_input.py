@@ -3,8 +3,6 @@ off the event loop: /health keeps answering within 100 ms meanwhile (real HTTP s
 
 from __future__ import annotations
 
-import gc
-import threading
 import time
 from pathlib import Path
 
@@ -14,6 +12,7 @@ import pytest
 from kvrelay.router import harmony
 from kvrelay.router.validation import MAX_MESSAGES, MAX_TEXT_RUN, ValidationError, check_text
 
+from health_probe import post_watching_health
 from scripted_router import scripted_router_fixtures
 
 harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
@@ -54,32 +53,8 @@ def test_text_that_only_looks_long_passes() -> None:
 
 def test_health_answers_while_a_big_prompt_is_tokenized(server) -> None:
     big = "The quick brown fox jumps over the lazy dog. " * 60_000  # 2.7 MB of ordinary text
-    done = threading.Event()
-    result: dict = {}
-
-    def post() -> None:
-        r = httpx.post(f"{server.http_url}/v1/completions", json={"model": MODEL, "prompt": big, "max_tokens": 1},
-                       timeout=120)
-        result["status"], result["count"] = r.status_code, r.json().get("usage", {}).get("prompt_tokens")
-        done.set()
-
-    # What `kvrelay serve` does after start-up: a full collection walking everything this test process
-    # has accumulated would otherwise pause whichever thread triggers it (~0.4 s in a long pytest run).
-    gc.collect()
-    gc.freeze()
-    t = threading.Thread(target=post)
-    t.start()
-    gaps = []
-    try:
-        with httpx.Client(timeout=10) as c:
-            while not done.is_set():
-                t0 = time.perf_counter()
-                assert c.get(f"{server.http_url}/health").status_code == 200
-                gaps.append(time.perf_counter() - t0)
-                time.sleep(0.005)
-    finally:
-        t.join()
-        gc.unfreeze()
+    r, gaps = post_watching_health(server, "/v1/completions", json={"model": MODEL, "prompt": big, "max_tokens": 1})
+    result = {"status": r.status_code, "count": r.json().get("usage", {}).get("prompt_tokens")}
     assert result["status"] == 200 and result["count"] > 500_000
     assert len(gaps) >= 3 and max(gaps) < 0.1, (len(gaps), max(gaps))
 
@@ -118,30 +93,9 @@ def test_health_answers_while_a_big_conversation_is_rendered(server, shape) -> N
         messages = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog. " * 25_000}]
     want = len(harmony.render_chat(ChatRequest(tuple(ChatMessage(m["role"], m["content"]) for m in messages)),
                                    utc_today()))  # the date the server renders with
-    done = threading.Event()
-    result: dict = {}
-
-    def post() -> None:
-        r = httpx.post(f"{server.http_url}/v1/chat/completions", timeout=120, json={
-            "model": MODEL, "messages": messages, "max_tokens": 1})
-        result["status"], result["body"] = r.status_code, r.json()
-        done.set()
-
-    gc.collect()
-    gc.freeze()
-    t = threading.Thread(target=post)
-    t.start()
-    gaps = []
-    try:
-        with httpx.Client(timeout=10) as c:
-            while not done.is_set():
-                t0 = time.perf_counter()
-                assert c.get(f"{server.http_url}/health").status_code == 200
-                gaps.append(time.perf_counter() - t0)
-                time.sleep(0.005)
-    finally:
-        t.join()
-        gc.unfreeze()
+    r, gaps = post_watching_health(server, "/v1/chat/completions",
+                                   json={"model": MODEL, "messages": messages, "max_tokens": 1})
+    result = {"status": r.status_code, "body": r.json()}
     assert result["status"] == 200, result["body"]
     assert result["body"]["usage"]["prompt_tokens"] == want
     assert len(gaps) >= 3 and max(gaps) < 0.1, (len(gaps), max(gaps))
