@@ -14,24 +14,10 @@ from kvrelay.engine.kv_cache import KVCache, OutOfPages
 from kvrelay.engine.kv_geometry import FULL, SLIDING
 from kvrelay.engine.runner import Runner
 
+from prefix_kv import check_references, fill, greedy, in_use
+
 CFG = PRESETS["tiny"]  # sliding_window 8
 pytestmark = pytest.mark.usefixtures("model_single_thread")
-
-
-def fill(kv: KVCache, sid, tokens, chunk: int | None = None) -> int:
-    """begin_prefix + reserve/commit in chunks, as a forward would (no model): returns the hit."""
-    start = kv.begin_prefix(sid, tokens)
-    at = start
-    while at < len(tokens):
-        n = min(chunk or len(tokens), len(tokens) - at)
-        kv.reserve(sid, n)
-        kv.commit(sid, n)
-        at += n
-    return start
-
-
-def in_use(kv: KVCache) -> dict[str, int]:
-    return {g: a.num_used for g, a in kv.allocators.items()}
 
 
 def test_shared_pages_are_refcounted_and_all_come_back():
@@ -112,19 +98,6 @@ def test_eviction_takes_a_chain_tail_first():
 
 
 # ---- the model: greedy tokens with and without the cache --------------------------------------------
-
-def greedy(r: Runner, sid, prompt: list[int], n: int, chunk: int) -> tuple[list[int], int]:
-    start = r.kv.begin_prefix(sid, prompt) if r.kv.prefix is not None else 0
-    at, logits = start, None
-    while at < len(prompt):
-        logits = r.extend(sid, prompt[at: at + chunk])
-        at += chunk
-    out = [int(logits.argmax())]
-    for _ in range(n - 1):
-        out.append(int(r.decode([sid], [out[-1]])[0].argmax()))
-    r.free(sid)
-    return out, start
-
 
 def runner(page_size: int) -> Runner:
     return Runner.load("tiny", dummy=True, seed=0, page_size=page_size, num_pages=96)
@@ -226,17 +199,7 @@ def test_random_workload_keeps_every_reference_accounted(page_size):
     heads = [[rng.randrange(50) for _ in range(rng.randrange(8, 60))] for _ in range(4)]
 
     def check():
-        for g, alloc in kv.allocators.items():
-            holders: dict[int, int] = {}
-            for s in kv.seqs.values():
-                for p in s.pages[g]:
-                    holders[p] = holders.get(p, 0) + 1
-            cached = {b.full if g == FULL else b.sliding for b in kv.prefix._blocks.values()} - {None}
-            for p in cached:
-                holders[p] = holders.get(p, 0) + 1
-            assert {p: alloc.refs(p) for p in holders} == holders
-            assert alloc.num_used == len(holders) and alloc.num_free + alloc.num_used == alloc.num_pages
-            assert alloc.evictable == sum(1 for p in cached if holders[p] == 1)
+        check_references(kv)
         # A block some sequence holds has a parent some sequence holds: cache-only pages have no held
         # descendants, so eviction (leaves first) can take every one `evictable` counts.
         refs = kv.allocators[FULL].refs

@@ -19,13 +19,11 @@ from kvrelay.engine.kv_cache import KVCache
 from kvrelay.engine.kv_geometry import GROUPS, SLIDING
 from kvrelay.engine.parallel import ParallelContext
 
+from prefix_kv import pair_bytes
+
 CFG = PRESETS["tiny"]  # 2 KV heads (one per rank at TP2); window 8
 PS = 4
 PAGES = 40
-
-
-def pair_bytes(kv: KVCache) -> int:
-    return sum(p[:, 0].numel() * p.element_size() for p in kv.pools.values())
 
 
 def caches(tp: int, host_pairs: int) -> list[KVCache]:

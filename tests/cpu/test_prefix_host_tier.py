@@ -17,12 +17,10 @@ from kvrelay.engine.kv_cache import KVCache
 from kvrelay.engine.kv_geometry import FULL, GROUPS, SLIDING, first_live_page
 from kvrelay.engine.runner import Runner
 
+from prefix_kv import check_references, fill, greedy, pair_bytes
+
 CFG = PRESETS["tiny"]  # 3 layers: 1 full, 2 sliding; window 8
 pytestmark = pytest.mark.usefixtures("model_single_thread")
-
-
-def pair_bytes(kv: KVCache) -> int:
-    return sum(p[:, 0].numel() * p.element_size() for p in kv.pools.values())
 
 
 def cache(pages: int, host_pairs: int, page_size: int = 4) -> KVCache:
@@ -31,14 +29,6 @@ def cache(pages: int, host_pairs: int, page_size: int = 4) -> KVCache:
         kv.pools[g].copy_(torch.randn(kv.pools[g].shape, generator=torch.Generator().manual_seed(7)))
     kv.enable_prefix_cache(host_bytes=host_pairs * pair_bytes(kv))
     return kv
-
-
-def fill(kv: KVCache, sid, tokens) -> int:
-    start = kv.begin_prefix(sid, tokens)
-    if len(tokens) > start:
-        kv.reserve(sid, len(tokens) - start)
-        kv.commit(sid, len(tokens) - start)
-    return start
 
 
 def test_store_round_trip_keeps_the_bytes():
@@ -192,17 +182,8 @@ def test_random_workload_restores_the_bytes_and_keeps_every_reference(page_size)
                     assert torch.equal(kv.pools[g][:, seq.pages[g][j], :, p % ps], want), (sid, p, g)
 
     def check():
-        for g, alloc in kv.allocators.items():
-            holders: dict[int, int] = {}
-            for s in kv.seqs.values():
-                for p in s.pages[g]:
-                    holders[p] = holders.get(p, 0) + 1
-            cached = {b.full if g == FULL else b.sliding for b in pc._blocks.values()} - {None}
-            for p in cached:
-                holders[p] = holders.get(p, 0) + 1
-            assert {p: alloc.refs(p) for p in holders} == holders
-            assert alloc.num_used == len(holders) and alloc.num_free + alloc.num_used == alloc.num_pages
-            assert alloc.evictable == sum(1 for p in cached if holders[p] == 1)
+        check_references(kv)
+        for g in kv.allocators:
             slots = [b.host_full if g == FULL else b.host_sliding for b in pc._blocks.values()]
             slots = [s for s in slots if s is not None]
             assert len(slots) == len(set(slots)) == pc.host.capacity - pc.host.num_free(g)
@@ -264,16 +245,6 @@ def test_random_workload_restores_the_bytes_and_keeps_every_reference(page_size)
 
 # ---- the model: greedy tokens with a host hit -------------------------------------------------------
 
-def greedy(r: Runner, sid, prompt: list[int], n: int = 10) -> tuple[list[int], int]:
-    start = r.kv.begin_prefix(sid, prompt) if r.kv.prefix is not None else 0
-    logits = r.extend(sid, prompt[start:])
-    out = [int(logits.argmax())]
-    for _ in range(n - 1):
-        out.append(int(r.decode([sid], [out[-1]])[0].argmax()))
-    r.free(sid)
-    return out, start
-
-
 def test_greedy_tokens_after_a_host_hit_equal_no_cache():
     plain = Runner.load("tiny", dummy=True, seed=0, page_size=16, num_pages=96)
     small = Runner.load("tiny", dummy=True, seed=0, page_size=16, num_pages=12)
@@ -281,8 +252,8 @@ def test_greedy_tokens_after_a_host_hit_equal_no_cache():
     system = [(i * 37 + 5) % 200 + 10 for i in range(100)]
     prompts = [system + [7, 8], [(i * 11) % 300 + 3 for i in range(150)], system[:90] + [4, 5, 6]]
     for i, p in enumerate(prompts):
-        got, start = greedy(small, f"s{i}", p)
-        assert got == greedy(plain, f"p{i}", p)[0], i
+        got, start = greedy(small, f"s{i}", p, 10)
+        assert got == greedy(plain, f"p{i}", p, 10)[0], i
     # The third prompt resumed at 80 (it diverges inside block 5), most of it from blocks the second one
     # pushed to host (the device kept the head of the chain, the most recently used end).
     st = small.kv.prefix.stats
