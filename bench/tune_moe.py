@@ -173,19 +173,22 @@ class Sweep:
         then loads the kernel from Triton's cache."""
         if self.pool is not None and (shape.hidden, shape.inter, gemm, bm, cfg) not in self.checked:
             self.pool.submit((shape.hidden, shape.inter, gemm, bm, cfg.label()),
-                             (shape.hidden, shape.inter, shape.top_k, gemm, bm, dataclasses.asdict(cfg)))
+                             (shape.hidden, shape.inter, shape.top_k, gemm, bm, dataclasses.asdict(cfg),
+                              str(self.device)))
 
     def check(self, shape: Shape, gemm: str, bm: int, cfg: GemmConfig) -> tuple[bool, float | None, str]:
         k = (shape.hidden, shape.inter, gemm, bm, cfg)
         if k not in self.checked:
             self._spend()
-            hint = None
+            hint, label = None, (shape.hidden, shape.inter, gemm, bm, cfg.label())
             if self.pool is not None:
-                hint = self.pool.wait((shape.hidden, shape.inter, gemm, bm, cfg.label()),
-                                      timeout_s=max(5.0, min(120.0, self.left() - 5)))
+                hint = self.pool.wait(label, timeout_s=max(5.0, min(120.0, self.left() - 5)))
             self.compiles += 1
+            chk = self.checks[(shape.hidden, shape.inter)]
             try:  # a worker's error is only a hint (its environment may be at fault): this process decides
-                self.checked[k] = self.checks[(shape.hidden, shape.inter)].check(gemm, bm, cfg)
+                if self.pool is not None and label in self.pool.hashes:  # did the worker compile this kernel?
+                    self.pool.compare(label, chk.p.launcher(gemm, bm, cfg, warmup=True)())
+                self.checked[k] = chk.check(gemm, bm, cfg)
             except Exception as exc:  # noqa: BLE001 - a config that does not compile or launch is recorded
                 self.checked[k] = (False, None, f"{type(exc).__name__}: {str(exc)[:160]}"
                                    + (f" (worker: {hint[:80]})" if hint else ""))

@@ -3,12 +3,15 @@ float32 reference check, timing and rates, compiling ahead in worker processes, 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import multiprocessing as mp
 import os
 import re
 import time
+import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -242,20 +245,47 @@ def rates(p: Problem, gemm: str, ms: float | None, ceil: dict) -> dict:
 
 
 # ---- compiling ahead ------------------------------------------------------------------------------------
-def _warm(job) -> tuple[tuple, str | None, float]:
-    """CompilePool worker: compile one config for the tuner's exact argument types and strides (one expert,
-    a few tokens: no strides or specialised values depend on either) into Triton's disk cache."""
-    hidden, inter, top_k, gemm, bm, cfg_d = job
+@functools.lru_cache(maxsize=4)
+def warm_problem(hidden: int, inter: int, top_k: int, device: str) -> Problem:
+    """The compile workers' problem: the tuner's dtypes and strides at the smallest size, top_k experts
+    (a top-k routing needs at least k to pick from) and 4 tokens. The kernel does not specialise on the
+    expert count or the pair and block counts (do_not_specialize), and no stride depends on them, so a
+    config compiled for this problem is the one the parent loads from Triton's cache."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    return Problem(make_experts(top_k, hidden, inter, device, gen), 4, top_k, 0.0, device, gen)
+
+
+@dataclass(frozen=True)
+class WarmResult:
+    """What a compile worker sends back: the error (None: compiled) with its traceback's tail, and the
+    compiled kernel's hash (None under the interpreter), which the parent compares with its own."""
+
+    key: tuple
+    error: str | None
+    seconds: float
+    traceback: str = ""
+    kernel_hash: str | None = None
+
+
+def _tb_tail(text: str, lines: int = 8) -> str:
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def warm(job: tuple) -> WarmResult:
+    """CompilePool worker: compile one config for the tuner's exact argument types and strides into
+    Triton's disk cache (warmup: nothing is launched)."""
+    hidden, inter, top_k, gemm, bm, cfg_d, device = job
     cfg = GemmConfig(**cfg_d)
+    key = (hidden, inter, gemm, bm, cfg.label())
     t0 = time.perf_counter()
     try:
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        p = Problem(make_experts(1, hidden, inter, "cuda", gen), 4, top_k, 0.0, "cuda", gen)
-        p.launcher(gemm, bm, cfg, warmup=True)()
-        err = None
+        if device.startswith("cuda:"):
+            torch.cuda.set_device(device)  # Triton compiles for the current device: the parent's
+        kernel = warm_problem(hidden, inter, top_k, device).launcher(gemm, bm, cfg, warmup=True)()
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which skips the config
-        err = f"{type(exc).__name__}: {str(exc)[:160]}"
-    return (hidden, inter, gemm, bm, cfg.label()), err, time.perf_counter() - t0
+        return WarmResult(key, f"{type(exc).__name__}: {str(exc)[:160]}", time.perf_counter() - t0,
+                          _tb_tail(traceback.format_exc()))
+    return WarmResult(key, None, time.perf_counter() - t0, kernel_hash=getattr(kernel, "hash", None))
 
 
 class CompilePool:
@@ -267,17 +297,22 @@ class CompilePool:
         self.n = min(n, os.cpu_count() or 1)
         self.pool = mp.get_context("spawn").Pool(self.n)
         self.futures: dict = {}
+        self.hashes: dict = {}  # key -> the worker's kernel hash
         self.ok = True
-        self.done = self.failed = 0
+        self.done = self.failed = self.not_reused = 0
         self.t0 = time.perf_counter()
+
+    def _drop(self, why: str, tb: str) -> None:
+        tail = "\n  worker traceback (tail):\n    " + tb.replace("\n", "\n    ") if tb else ""
+        print(f"compile pool dropped: {why}; compiling in line{tail}", flush=True)
+        self.ok = False
 
     def submit(self, key: tuple, job: tuple) -> None:
         if self.ok and key not in self.futures:
             try:
-                self.futures[key] = self.pool.apply_async(_warm, (job,))
+                self.futures[key] = self.pool.apply_async(warm, (job,))
             except Exception as exc:  # noqa: BLE001 - a broken pool: compile in line from here on
-                print(f"compile pool dropped ({type(exc).__name__}: {exc}); compiling in line", flush=True)
-                self.ok = False
+                self._drop(f"{type(exc).__name__}: {exc}", "")
 
     def wait(self, key: tuple, timeout_s: float) -> str | None:
         """The compile error of `key`, or None (compiled, or not compiled here: the parent compiles it)."""
@@ -285,23 +320,34 @@ class CompilePool:
         if fut is None or not self.ok:
             return None
         try:
-            _, err, _s = fut.get(timeout=timeout_s)
+            res: WarmResult = fut.get(timeout=timeout_s)
         except Exception as exc:  # noqa: BLE001 - incl. multiprocessing.TimeoutError
-            print(f"compile pool dropped after {self.done} compiles ({type(exc).__name__}: {exc}); "
-                  "compiling in line", flush=True)
-            self.ok = False
+            # an exception raised in the worker outside warm() carries the worker's traceback as its cause
+            self._drop(f"after {self.done} compiles ({type(exc).__name__}: {exc})",
+                       _tb_tail(str(getattr(exc.__cause__, "tb", ""))))
             return None
         self.done += 1
-        self.failed += bool(err)
+        self.failed += bool(res.error)
+        if res.kernel_hash:
+            self.hashes[key] = res.kernel_hash
         if self.failed == self.done >= 4:
-            print(f"compile pool dropped: its first {self.done} compiles all failed ({err}); compiling in line",
-                  flush=True)
-            self.ok = False
-        return err
+            self._drop(f"its first {self.done} compiles all failed ({res.error})", res.traceback)
+        return res.error
+
+    def compare(self, key: tuple, kernel) -> None:
+        """`kernel`: what this process compiled (or loaded) for `key`. A different hash than the worker's
+        means a specialisation differs between their problems: the pool's compiles are wasted."""
+        mine, theirs = getattr(kernel, "hash", None), self.hashes.get(key)
+        if mine and theirs and mine != theirs:
+            self.not_reused += 1
+            if self.not_reused == 1:
+                print(f"compile pool: the workers' kernel for {key} is not this process's ({theirs[:12]} != "
+                      f"{mine[:12]}): their compiles are not reused", flush=True)
 
     def close(self) -> None:
-        print(f"compile pool: {self.done} configs ({self.failed} failed) in {self.n} processes, "
-              f"{time.perf_counter() - self.t0:.0f} s", flush=True)
+        print(f"compile pool: {self.done} configs ({self.failed} failed"
+              + (f", {self.not_reused} not reused" if self.not_reused else "")
+              + f") in {self.n} processes, {time.perf_counter() - self.t0:.0f} s", flush=True)
         try:
             self.pool.terminate()
         except Exception as exc:  # noqa: BLE001 - results are in hand; a pool that will not stop is not fatal

@@ -244,7 +244,8 @@ def test_tuner_end_to_end_interpreted(tmp_path):
             raise RuntimeError("CUDA out of memory (simulated)")
         return real_problem(ex, tokens, *a)
     mp.setattr(S, "Problem", problem)
-    # (and compile workers that cannot compile, having no GPU: their errors are hints, this process decides)
+    # (with a compile worker, which does not see this process's patch: what it says is a hint, this process
+    # decides)
     bad = tune_moe.main(argv[:-1] + ["16x64-w4-s2;16x128-w4-s2-g2", "--no-config", "--tokens", "16,24",
                                      "--check-tokens", "4", "--jobs", "1"])
     mp.undo()
@@ -261,16 +262,70 @@ def test_tuner_end_to_end_interpreted(tmp_path):
 
 def test_compile_pool_brings_worker_errors_back():
     """The tuner's compile workers (spawned processes): a config that fails there comes back as its error
-    (here: no GPU in the worker), an unknown config as None (compiled in line), and nothing hangs."""
+    with the worker's traceback (here: a CUDA job in a worker without a GPU), an unknown config as None
+    (compiled in line), and nothing hangs."""
     import dataclasses
 
     from kvrelay.bench.tune_moe_space import CompilePool
     pool = CompilePool(1)
     try:
-        pool.submit(("k",), (128, 96, 4, "w1", 16, dataclasses.asdict(GemmConfig(64, 4, 2))))
+        pool.submit(("k",), (128, 96, 4, "w1", 16, dataclasses.asdict(GemmConfig(64, 4, 2)), "cuda"))
         err = pool.wait(("k",), timeout_s=240)
         assert pool.wait(("unknown",), timeout_s=1) is None
     finally:
         pool.close()
     assert err and "cuda" in err.lower(), err
     assert pool.ok
+
+
+@_interpreted
+def test_compile_worker_builds_and_compiles_its_problem_interpreted(tmp_path):
+    """The compile worker's own path (its problem: top-k routing over its experts, the sorts, the kernel's
+    warmup) for both GEMMs and a TMA config, in this process and in a spawned worker. Its problem once had
+    one expert under a top-4 routing: torch.topk raised "selected index k out of range" and every H200
+    run dropped the pool. Under the interpreter warmup compiles nothing, so the rest is host-side code."""
+    import dataclasses
+
+    from kvrelay.bench import tune_moe_space as S
+    from kvrelay.kernels import moe
+    for gemm, bm, cfg in [("w1", 16, GemmConfig(64, 4, 2)), ("w2", 32, GemmConfig(128, 4, 2, 2, masked=False)),
+                          ("w2", 16, GemmConfig(128, 4, 2, tma=moe.tma_available()))]:
+        res = S.warm((192, 96, 4, gemm, bm, dataclasses.asdict(cfg), "cpu"))
+        assert res.error is None, res.error + "\n" + res.traceback
+        assert res.key == (192, 96, gemm, bm, cfg.label())
+    prob = S.warm_problem(192, 96, 4, "cpu")
+    assert prob.ids.shape == (4, 4) and prob.ex.num_experts == 4 and int(prob.ids.max()) < 4
+    # a job the worker cannot do comes back as its error and the traceback's tail, naming where it raised
+    bad = S.warm((192, 96, 4, "w1", 16, dataclasses.asdict(GemmConfig(64, 4, 2)), "nodevice"))
+    assert bad.error and "tune_moe_space.py" in bad.traceback and bad.kernel_hash is None, bad
+    pool = S.CompilePool(1)
+    try:
+        pool.submit(("w1",), (192, 96, 4, "w1", 16, dataclasses.asdict(GemmConfig(64, 4, 2)), "cpu"))
+        assert pool.wait(("w1",), timeout_s=240) is None
+    finally:
+        pool.close()
+    assert pool.ok and (pool.done, pool.failed) == (1, 0)
+
+
+def test_compile_pool_drop_prints_the_worker_traceback(capsys):
+    """Four failed compiles in a row drop the pool, and the message carries the worker's traceback tail
+    (the GPU run that hit the topk error said only "selected index k out of range")."""
+    from kvrelay.bench import tune_moe_space as S
+
+    class Done:  # a finished multiprocessing AsyncResult
+        def __init__(self, res):
+            self.res = res
+
+        def get(self, timeout):
+            return self.res
+
+    pool = S.CompilePool.__new__(S.CompilePool)  # the bookkeeping only: no processes
+    pool.ok, pool.done, pool.failed, pool.not_reused, pool.hashes, pool.futures = True, 0, 0, 0, {}, {}
+    tb = 'Traceback (most recent call last):\n  File "reference.py", line 70, in route_topk\n' \
+         "RuntimeError: selected index k out of range"
+    for i in range(4):
+        pool.futures[(i,)] = Done(S.WarmResult((i,), "RuntimeError: selected index k out of range", 0.1, tb))
+        assert pool.wait((i,), timeout_s=1) == "RuntimeError: selected index k out of range"
+    out = capsys.readouterr().out
+    assert "compile pool dropped: its first 4 compiles all failed" in out and "route_topk" in out, out
+    assert not pool.ok and pool.wait((0,), timeout_s=1) is None

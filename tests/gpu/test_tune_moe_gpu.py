@@ -4,6 +4,7 @@ CUDA-graph timing, the TMA knob, and a table that the engine's grouped_config th
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -22,6 +23,9 @@ def test_tuner_small_sweep_on_gpu(tmp_path, monkeypatch, capsys):
                              "--budget-s", "240", "--out", str(tmp_path), "--config-out", str(tmp_path) + "/"])
     out = capsys.readouterr().out
     assert "graph timing failed" not in out and "compile pool dropped" not in out, out[-3000:]
+    # every config compiled in the workers, and the kernels they compiled are the ones this process loads
+    # (the same hash: no specialisation differs between the workers' problem and the tuner's)
+    assert re.search(r"compile pool: [1-9]\d* configs \(0 failed\) in 2 processes", out), out[-3000:]
     assert [p["tokens"] for p in payload["points"]] == [4096, 64] and payload["complete"]
     bad = [r for r in payload["measurements"] if r["ms"] is None]
     assert not bad, bad
