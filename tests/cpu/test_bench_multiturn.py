@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +16,8 @@ from fastapi import Request  # module level: the fake's annotations are resolved
 from kvrelay.bench import provenance, results_md
 from kvrelay.bench import serve_multiturn as mt
 from kvrelay.bench.serve_client import RequestResult, StreamParser
+
+from fake_http_server import fake_openai_app, serving_app
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -126,16 +125,10 @@ def test_turn_rows_by_hand() -> None:
 def _fake_app(with_ids: bool):
     """Streams 4 chunks per answer; keeps every prompt it was sent and reports as cached the longest
     prefix (in whole 16-token blocks) shared with an earlier one, as a prefix cache would."""
-    from fastapi import FastAPI
     from fastapi.responses import JSONResponse, StreamingResponse
 
-    app = FastAPI()
-    seen: list[dict] = []
-    app.state.seen = seen
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": "fake", "object": "model", "max_model_len": 4096}]}
+    app = fake_openai_app("fake")
+    seen: list[dict] = app.state.seen
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -172,21 +165,9 @@ def _fake_app(with_ids: bool):
 
 @pytest.fixture(params=[True, False], ids=["ids", "text"])
 def fake(request):
-    import uvicorn
-
     app = _fake_app(request.param)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert server.started
-    yield request.param, f"http://127.0.0.1:{sock.getsockname()[1]}", app.state.seen
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serving_app(app) as url:
+        yield request.param, url, app.state.seen
 
 
 ARGS = ["--conversations", "3", "--turns", "3", "--system-len", "48", "--first-user-len", "16", "--user-len", "20",

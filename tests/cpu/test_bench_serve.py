@@ -6,14 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
-import time
 from pathlib import Path
 
 import pytest
 from fastapi import Request  # module level: the fake's annotations are resolved in these globals
 
 from kvrelay.bench import serve
+
+from fake_http_server import fake_openai_app, serving_app
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "tests" / "data" / "gpt-oss-tiny-original"
@@ -159,16 +159,10 @@ def test_against_the_real_router(tmp_path, model_single_thread) -> None:
 
 # A fake OpenAI server: streams `text` one token per chunk with a delay, then the usage chunk with kvrelay_timings.
 def _fake_app():
-    from fastapi import FastAPI
     from fastapi.responses import StreamingResponse
 
-    app = FastAPI()
-    seen: list[dict] = []
-    app.state.seen = seen
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": "fake-model", "object": "model", "max_model_len": 4096}]}
+    app = fake_openai_app("fake-model")
+    seen: list[dict] = app.state.seen
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -197,21 +191,9 @@ def _fake_app():
 
 @pytest.fixture()
 def fake_server():
-    import uvicorn
-
     app = _fake_app()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert server.started
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", app.state.seen
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serving_app(app) as url:
+        yield url, app.state.seen
 
 
 def test_against_a_fake_server_with_timings(tmp_path, fake_server) -> None:
