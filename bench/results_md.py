@@ -39,15 +39,28 @@ def _table(head: list[str], rows: list[list]) -> list[str]:
     return [_row(head), _row(["---"] * len(head)), *(_row(r) for r in rows), ""]
 
 
+def _head(title: str, intro: str) -> list[str]:
+    """A section's '## title' and its paragraph saying where the figures come from."""
+    return [f"## {title}", "", intro, ""]
+
+
+def _sub(heading: str, head: list[str], rows: list[list], note: str | None = None) -> list[str]:
+    """One '### heading' table, with an optional paragraph (say, which run) between heading and table."""
+    return [f"### {heading}", "", *([note, ""] if note else []), *_table(head, rows)]
+
+
 # ---- prefill ------------------------------------------------------------------------------------------
+def prefill_points(col: Collection) -> dict:
+    return newest_per_point(col.qualifying("prefill"), lambda r: r.data.get("points", []),
+                            lambda r, p: (r.data["model"], r.data["quant"], r.data.get("config", "EP1 DP1 TP1"),
+                                          p["length"]))
+
+
 def prefill_section(col: Collection) -> list[str]:
-    runs = col.qualifying("prefill")
-    chosen = newest_per_point(runs, lambda r: r.data.get("points", []),
-                              lambda r, p: (r.data["model"], r.data["quant"], r.data.get("config", "EP1 DP1 TP1"),
-                                            p["length"]))
-    out = ["## Prefill, batch 1 (latency, $ per 1M input tokens at $3/GPU-hour), against the seed", "",
-           "The seed's layout (docs/seed-notes.md); kvrelay's row from `bench.prefill` on one GPU, the newest "
-           "qualifying result per length; ratio = kvrelay latency / seed latency (< 1 is faster and cheaper).", ""]
+    chosen = prefill_points(col)
+    out = _head("Prefill, batch 1 (latency, $ per 1M input tokens at $3/GPU-hour), against the seed",
+                "The seed's layout (docs/seed-notes.md); kvrelay's row from `bench.prefill` on one GPU, the newest "
+                "qualifying result per length; ratio = kvrelay latency / seed latency (< 1 is faster and cheaper).")
     groups = sorted({k[:3] for k in chosen} | {(m, "fp8-block128", "EP1 DP1 TP1") for m in SEED_MODELS},
                     key=lambda g: (g[0] not in SEED_MODELS, g))
     for model, quant, config in groups:
@@ -61,7 +74,7 @@ def prefill_section(col: Collection) -> list[str]:
             rows.append(["kvrelay / seed"] + [f"{mine[n][1]['median_s'] / seed[n][0]:.2f}x"
                                               if n in mine and n in seed else "-" for n in lengths])
         rows.append(["measured at"] + [mine[n][0].source if n in mine else "-" for n in lengths])
-        out += [f"### {model}", ""] + _table(["config", *map(str, lengths)], rows)
+        out += _sub(model, ["config", *map(str, lengths)], rows)
     return out
 
 
@@ -162,12 +175,17 @@ def _ceiling(row: dict, ceilings: dict) -> str:
     return "-"
 
 
+def kernel_points(col: Collection) -> dict:
+    return newest_per_point(col.qualifying("kernels"), lambda r: r.data.get("rows", []),
+                            lambda r, p: (p["group"], p["name"]))
+
+
 def kernels_section(col: Collection) -> list[str]:
-    chosen = newest_per_point(col.qualifying("kernels"), lambda r: r.data.get("rows", []),
-                              lambda r, p: (p["group"], p["name"]))
-    out = ["## Kernels: share of each H200 ceiling", "",
-           "`bench.kernels`; ceilings measured on the H200 (h200-notes): 4.19 TB/s device copy, 762 TFLOP/s bf16, "
-           "1378 TFLOP/s fp8 tensor-wise (cuBLAS blockwise 128x128 reached 822). Newest qualifying row per kernel.", ""]
+    chosen = kernel_points(col)
+    out = _head("Kernels: share of each H200 ceiling",
+                "`bench.kernels`; ceilings measured on the H200 (h200-notes): 4.19 TB/s device copy, 762 TFLOP/s "
+                "bf16, 1378 TFLOP/s fp8 tensor-wise (cuBLAS blockwise 128x128 reached 822). Newest qualifying row "
+                "per kernel.")
     if not chosen:
         return out + ["No qualifying kernel results.", ""]
     for group in sorted({k[0] for k in chosen}):
@@ -178,8 +196,7 @@ def kernels_section(col: Collection) -> list[str]:
                     f"{row['TB/s']:g} TB/s" if "TB/s" in row else "-")
             rows.append([row["name"], _f(row.get("ms"), ",.1f", 1e3), rate, _ceiling(row, r.data.get("ceilings", {})),
                          _f(row.get("share"), ".0%"), row.get("target", ""), row.get("note", ""), r.source])
-        out += [f"### {group}", ""]
-        out += _table(["kernel", "time us", "rate", "ceiling", "share", "target", "note", "measured at"], rows)
+        out += _sub(group, ["kernel", "time us", "rate", "ceiling", "share", "target", "note", "measured at"], rows)
     return out
 
 
@@ -216,12 +233,12 @@ def _serve_row(p: dict, gpus: int, model: str) -> list:
 
 def serve_section(col: Collection) -> list[str]:
     newest = serve_choice(col)
-    out = ["## Serving (`bench.serve` against `kvrelay serve`)", "",
-           "Per model / topology / workload, every point of the newest qualifying run (workloads whose newest "
-           "run is the same share a table). Streamed `/v1/completions` with token-id prompts and `ignore_eos`; "
-           "TTFT breakdown (queue .. delivery) = p50s of the server's `kvrelay_timings`. At 1k/1k: aggregate "
-           "output tok/s per GPU against the published TensorRT-LLM figure per H200 (13,858 for 20b, 6,868 for "
-           "120b) and against our targets (20b >= 10,000, 120b >= 5,000).", ""]
+    out = _head("Serving (`bench.serve` against `kvrelay serve`)",
+                "Per model / topology / workload, every point of the newest qualifying run (workloads whose newest "
+                "run is the same share a table). Streamed `/v1/completions` with token-id prompts and `ignore_eos`; "
+                "TTFT breakdown (queue .. delivery) = p50s of the server's `kvrelay_timings`. At 1k/1k: aggregate "
+                "output tok/s per GPU against the published TensorRT-LLM figure per H200 (13,858 for 20b, 6,868 "
+                "for 120b) and against our targets (20b >= 10,000, 120b >= 5,000).")
     if not newest:
         return out + ["No qualifying serve results.", ""]
     tables: dict = {}  # (model, topology, gpus, run name) -> [workloads]
@@ -235,9 +252,9 @@ def serve_section(col: Collection) -> list[str]:
         pts = sorted((p for p in r.data["points"] if (p["input_len"], p["output_len"]) in workloads),
                      key=lambda p: (p["input_len"], p["output_len"], p["concurrency"]))
         wl = ", ".join(f"{_wl(a)}/{_wl(b)}" for a, b in workloads)
-        out += [f"### {model}, {topo} ({gpus} GPU{'s' if gpus != 1 else ''}): {wl}", "",
-                f"Run `{r.data.get('label') or r.name}` ({r.name}) at {r.source}.", ""]
-        out += _table(head, [_serve_row(p, gpus, model) for p in pts])
+        out += _sub(f"{model}, {topo} ({gpus} GPU{'s' if gpus != 1 else ''}): {wl}", head,
+                    [_serve_row(p, gpus, model) for p in pts],
+                    f"Run `{r.data.get('label') or r.name}` ({r.name}) at {r.source}.")
         if (1024, 1024) in workloads and model in TRT_LLM_1K1K:
             best = max((p for p in pts if (p["input_len"], p["output_len"]) == (1024, 1024)
                         and p.get("out_tok_s_aggregate") is not None),
@@ -290,13 +307,13 @@ def _ratio(base: dict | None, p: dict | None, same_length: bool = True) -> float
 
 def multiturn_section(col: Collection) -> list[str]:
     chosen = multiturn_choice(col)
-    out = ["## Multi-turn serving (`bench.serve_multiturn`): prefix cache off, on, on with the host tier", "",
-           "C conversations at once over one shared system prompt; turn t's prompt = turn t-1's prompt + its "
-           "answer + a new user message (token-exact: token-id prompts, answers returned as ids). Per run the "
-           "newest qualifying result per cache mode, rows turn 1, turns 2+ together, and the longest turn; "
-           "cached = `usage.prompt_tokens_details.cached_tokens`; in/out tok/s over the span from the rows' "
-           "first request to their last answer. Ratio: TTFT p50 with the cache / cache off at the same turn "
-           f"(same length); issue 16's target at 32k: <= {TARGET_RATIO_32K:.0%}.", ""]
+    out = _head("Multi-turn serving (`bench.serve_multiturn`): prefix cache off, on, on with the host tier",
+                "C conversations at once over one shared system prompt; turn t's prompt = turn t-1's prompt + its "
+                "answer + a new user message (token-exact: token-id prompts, answers returned as ids). Per run the "
+                "newest qualifying result per cache mode, rows turn 1, turns 2+ together, and the longest turn; "
+                "cached = `usage.prompt_tokens_details.cached_tokens`; in/out tok/s over the span from the rows' "
+                "first request to their last answer. Ratio: TTFT p50 with the cache / cache off at the same turn "
+                f"(same length); issue 16's target at 32k: <= {TARGET_RATIO_32K:.0%}.")
     if not chosen:
         return out + ["No qualifying multi-turn results.", ""]
     head = ["cache", "turn", "prompt tokens p50", "requests (failed)", "cached tokens p50", "cached share",
@@ -304,11 +321,6 @@ def multiturn_section(col: Collection) -> list[str]:
     for (model, gpus, wl, fmt), runs in sorted(chosen.items(), key=lambda kv: (kv[0][0], kv[0][1], str(kv[0][2]))):
         convs, turns, system, first, user, answer = wl
         last = str(turns)
-        out += [f"### {model} ({gpus} GPU{'s' if gpus != 1 else ''}): {convs} conversations x {turns} turns, "
-                f"system {_wl(system)} + user {_wl(first)}, then +{_wl(answer)} answer +{_wl(user)} user per turn "
-                f"({fmt} prompts)", ""]
-        out += ["Runs: " + "; ".join(f"{MODE_NAMES.get(m, m)} `{r.data.get('label') or r.name}` ({r.name})"
-                                     for m, r in sorted(runs.items())) + ".", ""]
         rows = []
         order = {m: i for i, m in enumerate(MULTITURN_MODES)}
         for mode, r in sorted(runs.items(), key=lambda kv: order.get(kv[0], len(order))):
@@ -322,7 +334,11 @@ def multiturn_section(col: Collection) -> list[str]:
                              _f(p.get("ttft_p50_s"), ".3f"), _f(p.get("ttft_p99_s"), ".3f"),
                              _f(p.get("itl_p50_s"), ".2f", 1e3), _f(p.get("in_tok_s"), ",.0f"),
                              _f(p.get("out_tok_s"), ",.0f"), r.source])
-        out += _table(head, rows)
+        out += _sub(f"{model} ({gpus} GPU{'s' if gpus != 1 else ''}): {convs} conversations x {turns} turns, "
+                    f"system {_wl(system)} + user {_wl(first)}, then +{_wl(answer)} answer +{_wl(user)} user per "
+                    f"turn ({fmt} prompts)", head, rows,
+                    "Runs: " + "; ".join(f"{MODE_NAMES.get(m, m)} `{r.data.get('label') or r.name}` ({r.name})"
+                                         for m, r in sorted(runs.items())) + ".")
         off = runs.get("off")
         cached_modes = [m for m in ("on", "on+small", "on+host") if m in runs]
         if off is None or not cached_modes:
@@ -376,12 +392,12 @@ def structured_choice(col: Collection) -> dict:
 
 def structured_section(col: Collection) -> list[str]:
     chosen = structured_choice(col)
-    out = ["## Structured outputs (`bench.structured`): what a json_schema mask costs a decode step", "",
-           "B greedy requests inside a long JSON body against B unconstrained ones on the same Runner. Mask fill: "
-           "kvrelay's harmony state machine over llguidance, all B rows, per token. Synchronous: single steps, "
-           "each timed alone. Hot path (what serving runs): overlapped steps back to back, the mask filled "
-           "while the forward runs; 'overlapped' = share of the constrained steps that took that path "
-           "('not measured': a run from before it was benched). Added = json_schema - plain, p50.", ""]
+    out = _head("Structured outputs (`bench.structured`): what a json_schema mask costs a decode step",
+                "B greedy requests inside a long JSON body against B unconstrained ones on the same Runner. Mask "
+                "fill: kvrelay's harmony state machine over llguidance, all B rows, per token. Synchronous: single "
+                "steps, each timed alone. Hot path (what serving runs): overlapped steps back to back, the mask "
+                "filled while the forward runs; 'overlapped' = share of the constrained steps that took that path "
+                "('not measured': a run from before it was benched). Added = json_schema - plain, p50.")
     if not chosen:
         return out + ["No qualifying result yet.", ""]
     rows = []
@@ -405,12 +421,7 @@ def structured_section(col: Collection) -> list[str]:
 def _used(col: Collection) -> dict[str, int]:
     """Result file -> how many of its points are tabled."""
     used: dict[str, int] = {}
-    chosen = [decode_points(col)]
-    chosen.append(newest_per_point(col.qualifying("prefill"), lambda r: r.data.get("points", []),
-                                   lambda r, p: (r.data["model"], r.data["quant"], r.data.get("config"), p["length"])))
-    chosen.append(newest_per_point(col.qualifying("kernels"), lambda r: r.data.get("rows", []),
-                                   lambda r, p: (p["group"], p["name"])))
-    for c in chosen:
+    for c in (decode_points(col), prefill_points(col), kernel_points(col)):  # the sections' own choices
         for r, _ in c.values():
             used[r.name] = used.get(r.name, 0) + 1
     for key, r in serve_choice(col).items():
