@@ -9,6 +9,8 @@ k experts inside GEMM2 with 128-wide K steps: 105 us for 120b batch 1, latency-b
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 import triton
 import triton.language as tl
@@ -24,25 +26,37 @@ def swiglu(acc, BLOCK_N: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr)
 
 
 @triton.jit
-def _gemv_tile(x_row, w_ptr, s_ptr, Kdim, n_ok, FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_tile(x_row, w_ptr, s_ptr, Kdim, n_ok, FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               LATE: tl.constexpr = False):
     # sum_k W[n, k] * x[k] for one N tile; fp8 block scales are folded into x per 128-wide K block
     # (the tile lies in one 128-row block), so a wide BLOCK_K keeps many bytes in flight per step.
+    # LATE: keep a [BLOCK_N, BLOCK_K] fp32 accumulator and reduce over K once after the loop, so the loop
+    # body has no cross-thread reduction between one K step's loads and the next (bench/sweep_gemv.py
+    # times both; the fp32 summation order differs, the math does not).
     offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N], tl.float32)
+    if LATE:
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(0, Kdim, BLOCK_K):
         k_ok = k0 + offs_k < Kdim
         xv = tl.load(x_row + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         if FP8:
             xv *= tl.load(s_ptr + (k0 + offs_k) // 128, mask=k_ok, other=0.0)
         wt = tl.load(w_ptr + k0 + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(wt * xv[None, :], 1)
+        if LATE:
+            acc2 += wt * xv[None, :]
+        else:
+            acc += tl.sum(wt * xv[None, :], 1)
+    if LATE:
+        acc = tl.sum(acc2, 1)
     return acc
 
 
 @triton.jit
 def _gemv1_kernel(x, ids, w, s, b, act, K_TOP, Kdim, s_xt, s_we, s_wn, s_se, s_sn, s_be, s_at,
                   FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+                  ALPHA: tl.constexpr, LIMIT: tl.constexpr, LATE: tl.constexpr = False):
     pair = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
     tok = pair // K_TOP
@@ -50,7 +64,7 @@ def _gemv1_kernel(x, ids, w, s, b, act, K_TOP, Kdim, s_xt, s_we, s_wn, s_se, s_s
     offs_n = n0 + tl.arange(0, BLOCK_N)
     w_ptr = w + e * s_we + offs_n.to(tl.int64)[:, None] * s_wn
     acc = _gemv_tile(x + tok * s_xt, w_ptr, s + e * s_se + (n0 // 128) * s_sn, Kdim, offs_n >= 0,
-                     FP8, BLOCK_N, BLOCK_K)
+                     FP8, BLOCK_N, BLOCK_K, LATE)
     acc += tl.load(b + e * s_be + offs_n).to(tl.float32)
     a = swiglu(acc, BLOCK_N, ALPHA, LIMIT)
     offs_a = n0 // 2 + tl.arange(0, BLOCK_N // 2)
@@ -59,7 +73,7 @@ def _gemv1_kernel(x, ids, w, s, b, act, K_TOP, Kdim, s_xt, s_we, s_wn, s_se, s_s
 
 @triton.jit
 def _gemv2_kernel(act, ids, route_w, w, s, b, y, Kdim, Ndim, s_at, s_we, s_wn, s_se, s_sn, s_be, s_yt,
-                  FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LATE: tl.constexpr = False):
     # One program per (pair, N tile): every expert of every token in parallel; y = w_route * (W2 act + b2)
     # in fp32, summed over the k experts afterwards in a fixed order (no atomics).
     pair = tl.program_id(0)
@@ -69,7 +83,7 @@ def _gemv2_kernel(act, ids, route_w, w, s, b, y, Kdim, Ndim, s_at, s_we, s_wn, s
     e = tl.load(ids + pair).to(tl.int64)
     w_ptr = w + e * s_we + offs_n.to(tl.int64)[:, None] * s_wn
     acc = _gemv_tile(act + pair.to(tl.int64) * s_at, w_ptr, s + e * s_se + (n0 // 128) * s_sn, Kdim, n_ok,
-                     FP8, BLOCK_N, BLOCK_K)
+                     FP8, BLOCK_N, BLOCK_K, LATE)
     acc += tl.load(b + e * s_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     acc *= tl.load(route_w + pair).to(tl.float32)
     tl.store(y + pair.to(tl.int64) * s_yt + offs_n, acc, mask=n_ok)
@@ -86,29 +100,82 @@ def combine_kernel(y, out, Ndim, K_TOP: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(out + t.to(tl.int64) * Ndim + offs, acc.to(out.dtype.element_ty), mask=ok)
 
 
-def moe_gemv(x, ids, route_w, ex, alpha, limit, block_n1=32, block_n2=16, block_k=512, num_warps=4, num_stages=3,
-             combine=True):
+@dataclass(frozen=True)
+class GemvLaunch:
+    """One GEMV's launch: N tile (inside one 128-row scale block), K step, warps, stages, LATE reduction."""
+
+    block_n: int
+    block_k: int = 512
+    num_warps: int = 4
+    num_stages: int = 3
+    late: bool = False
+
+    def label(self) -> str:
+        return f"n{self.block_n}-k{self.block_k}-w{self.num_warps}-s{self.num_stages}" + ("-late" if self.late else "")
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    w1: GemvLaunch = GemvLaunch(32)
+    w2: GemvLaunch = GemvLaunch(16)
+
+    def label(self) -> str:
+        return f"w1:{self.w1.label()} w2:{self.w2.label()}"
+
+
+DEFAULT_CONFIG = GemvConfig()
+# Measured per expert shape (hidden, inter) on the H200 by bench/sweep_gemv.py (batch 1, CUDA graphs); a shape
+# not listed uses DEFAULT_CONFIG.
+TUNED: dict[tuple[int, int], GemvConfig] = {}
+
+
+def gemv_config(hidden: int, inter: int) -> GemvConfig:
+    return TUNED.get((hidden, inter), DEFAULT_CONFIG)
+
+
+def gemv1(x, ids_flat, k, ex, alpha, limit, act, launch: GemvLaunch) -> None:
+    """act [P, I] bf16 = clamped SwiGLU(W1[e] x[token] + b1[e]) for each pair (token = pair // k)."""
+    two_i, h = ex.w1.shape[1], ex.hidden
+    s1 = ex.s1 if ex.fp8 else ex.w1
+    _gemv1_kernel[(ids_flat.numel(), two_i // launch.block_n)](
+        x, ids_flat, ex.w1, s1, ex.b1, act, k, h, x.stride(0), ex.w1.stride(0),
+        ex.w1.stride(1), s1.stride(0), s1.stride(1), ex.b1.stride(0), act.stride(0),
+        FP8=ex.fp8, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, ALPHA=alpha, LIMIT=limit, LATE=launch.late,
+        num_warps=launch.num_warps, num_stages=launch.num_stages)
+
+
+def gemv2(act, ids_flat, route_w_flat, ex, y, launch: GemvLaunch) -> None:
+    """y [P, H] fp32 = route_w * (W2[e] act + b2[e]) for each pair."""
+    h, inter = ex.hidden, act.shape[1]
+    s2 = ex.s2 if ex.fp8 else ex.w2
+    _gemv2_kernel[(ids_flat.numel(), triton.cdiv(h, launch.block_n))](
+        act, ids_flat, route_w_flat, ex.w2, s2, ex.b2, y, inter, h, act.stride(0),
+        ex.w2.stride(0), ex.w2.stride(1), s2.stride(0), s2.stride(1), ex.b2.stride(0), y.stride(0),
+        FP8=ex.fp8, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, LATE=launch.late, num_warps=launch.num_warps,
+        num_stages=launch.num_stages)
+
+
+def moe_gemv(x, ids, route_w, ex, alpha, limit, block_n1=None, block_n2=None, block_k=None, num_warps=None,
+             num_stages=None, combine=True, config: GemvConfig | None = None):
     """Experts `ids` [T, k] of x [T, H] weighted by route_w [T, k] (ex: kernels.moe.MoEWeights, bf16 or fp8),
-    -> [T, H] bf16, or with combine=False the weighted outputs fp32 [T, k, H] before their sum."""
+    -> [T, H] bf16, or with combine=False the weighted outputs fp32 [T, k, H] before their sum. `config`
+    (default: the shape's entry in TUNED) sets both launches; the block_*/num_* arguments override it."""
     t, k = ids.shape
     two_i, h = ex.w1.shape[1], ex.hidden
     inter = two_i // 2
-    if two_i % block_n1 or 128 % min(block_n1, 128) or 128 % min(block_n2, 128):
+    cfg = config or gemv_config(h, inter)
+    l1, l2 = cfg.w1, cfg.w2
+    over = {kk: v for kk, v in (("block_k", block_k), ("num_warps", num_warps), ("num_stages", num_stages))
+            if v is not None}
+    l1 = replace(l1, **over, **({"block_n": block_n1} if block_n1 else {}))
+    l2 = replace(l2, **over, **({"block_n": block_n2} if block_n2 else {}))
+    if two_i % l1.block_n or 128 % min(l1.block_n, 128) or 128 % min(l2.block_n, 128):
         raise ValueError("gemv tiles must divide 2I and sit inside one 128-row scale block")
-    act = torch.empty(t * k, inter, dtype=torch.bfloat16, device=x.device)
     ids_flat = ids.reshape(-1)
-    s1 = ex.s1 if ex.fp8 else ex.w1
-    _gemv1_kernel[(t * k, two_i // block_n1)](
-        x, ids_flat, ex.w1, s1, ex.b1, act, k, h, x.stride(0), ex.w1.stride(0), ex.w1.stride(1),
-        s1.stride(0), s1.stride(1), ex.b1.stride(0), act.stride(0),
-        FP8=ex.fp8, BLOCK_N=block_n1, BLOCK_K=block_k, ALPHA=alpha, LIMIT=limit, num_warps=num_warps,
-        num_stages=num_stages)
+    act = torch.empty(t * k, inter, dtype=torch.bfloat16, device=x.device)
+    gemv1(x, ids_flat, k, ex, alpha, limit, act, l1)
     y = torch.empty(t * k, h, dtype=torch.float32, device=x.device)
-    s2 = ex.s2 if ex.fp8 else ex.w2
-    _gemv2_kernel[(t * k, triton.cdiv(h, block_n2))](
-        act, ids_flat, route_w.reshape(-1), ex.w2, s2, ex.b2, y, inter, h, act.stride(0),
-        ex.w2.stride(0), ex.w2.stride(1), s2.stride(0), s2.stride(1), ex.b2.stride(0), y.stride(0),
-        FP8=ex.fp8, BLOCK_N=block_n2, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+    gemv2(act, ids_flat, route_w.reshape(-1), ex, y, l2)
     if not combine:
         return y.view(t, k, h)
     out = torch.empty(t, h, dtype=torch.bfloat16, device=x.device)

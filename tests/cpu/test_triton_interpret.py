@@ -132,6 +132,15 @@ def test_moe_decode_gemv_interpreted():
     out = moe.moe_experts(x, ids, wts, experts, path="gemv")
     ref = refs.moe_ref(x, ids, wts, w1, b1, w2, b2)
     assert refs.rel_err(out, ref) < 2e-2
+    # the LATE reduction variant and narrower K steps (several K iterations), as bench/sweep_gemv.py
+    # times them: the same result up to the fp32 summation order
+    from kvrelay.kernels.moe_gemv import GemvConfig, GemvLaunch, moe_gemv
+    for late in (False, True):
+        cfg = GemvConfig(GemvLaunch(16, 64, num_warps=2, num_stages=1, late=late),
+                         GemvLaunch(32, 32, num_warps=1, num_stages=2, late=late))
+        alt = moe_gemv(x, ids, wts, experts, 1.702, 7.0, config=cfg)
+        assert refs.rel_err(alt, ref) < 2e-2
+        assert refs.rel_err(alt, out) < 1e-2, late
 
 
 @_interpreted

@@ -1,0 +1,167 @@
+"""Sweep the launch of the MoE decode GEMVs (kernels/moe_gemv.py: GEMM1 with the clamped SwiGLU, GEMM2 with
+the routing weight) at decode batch sizes, each GEMM on its own, and print the best launch per point
+beside today's (kernels.moe_gemv.gemv_config) with its share of the bandwidth floor.
+
+At batch 1 the two GEMVs are ~40% of a gpt-oss-20b decode step on the H200 and run at ~65% of the copy
+ceiling (bench/results/profile-decode-*-b1-8k-graph-*.json), whatever the tile (bench/kernels.py's 120b
+variants). The space: N tile x K step x warps x stages x the LATE reduction (kernels.moe_gemv: reduce
+over K after the loop instead of inside it), sampled at random up to --samples launches per GEMM plus
+today's, every one checked against today's output (relative error < 2e-3: the math is the same, the fp32
+summation order is not) before it is timed. Timing: calls back to back in a CUDA graph, median of 5
+replays (bench/tune_moe_space.time_ms), on experts of the real shape (random FP8, never zeros) and
+distinct random experts per token, the weights (>= 0.6 GB) far larger than L2.
+
+    python -m kvrelay.bench.sweep_gemv --budget-s 120 --out bench/results
+    python -m kvrelay.bench.sweep_gemv --device cpu --models gpt-oss-tiny --samples 3    # plumbing only
+
+A winner becomes the shape's entry in kernels.moe_gemv.TUNED by hand, with this file's JSON beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import random
+import time
+
+import torch
+
+from kvrelay.bench import common as C
+from kvrelay.bench import tune_moe_space as S
+from kvrelay.kernels import moe_gemv as G
+
+ALPHA, LIMIT = 1.702, 7.0
+CEIL_TBS = 4.19  # bench/kernels.py's measured H200 copy ceiling
+CHECK_TOL = 2e-3
+SPACE = {"block_n": (8, 16, 32, 64), "block_k": (128, 256, 512, 1024), "num_warps": (1, 2, 4, 8),
+         "num_stages": (1, 2, 3, 4), "late": (False, True)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="gpt-oss-20b,gpt-oss-120b")
+    p.add_argument("--tokens", default="1,4", help="decode batch sizes (pairs = tokens x top-k)")
+    p.add_argument("--samples", type=int, default=40, help="random launches per GEMM and point, besides today's")
+    p.add_argument("--budget-s", type=float, default=150.0)
+    p.add_argument("--rep-ms", type=float, default=20.0)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench/results")
+    return p
+
+
+def candidates(rng: random.Random, n: int, two_i: int, hidden: int) -> list[G.GemvLaunch]:
+    """n distinct random launches valid for both GEMMs (N tiles inside one 128-row scale block)."""
+    pool = [G.GemvLaunch(*v) for v in itertools.product(*SPACE.values())
+            if two_i % v[0] == 0 and hidden % min(v[0], 128) == 0]
+    rng.shuffle(pool)
+    return pool[:n]
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+
+
+def sweep_point(ex, tokens: int, top_k: int, cands: list[G.GemvLaunch], args, deadline: float, gen) -> dict:
+    dev = ex.w1.device
+    h, inter = ex.hidden, ex.w1.shape[1] // 2
+    cuda = dev.type == "cuda"
+    x = torch.randn(tokens, h, generator=gen, device=dev).bfloat16()
+    ids = torch.stack([torch.randperm(ex.num_experts, generator=gen, device=dev)[:top_k] for _ in range(tokens)])
+    ids = ids.to(torch.int32).reshape(-1)
+    rw = torch.softmax(torch.randn(tokens * top_k, generator=gen, device=dev), -1).bfloat16()
+    act = torch.empty(tokens * top_k, inter, dtype=torch.bfloat16, device=dev)
+    y = torch.empty(tokens * top_k, h, dtype=torch.float32, device=dev)
+    today = G.gemv_config(h, inter)
+    nbytes = {"w1": top_k * tokens * ex.w1[0].numel(), "w2": top_k * tokens * ex.w2[0].numel()}  # fp8: 1 byte each
+    G.gemv1(x, ids, top_k, ex, ALPHA, LIMIT, act, today.w1)
+    ref_act = act.clone()
+    G.gemv2(ref_act, ids, rw, ex, y, today.w2)
+    ref_y = y.clone()
+    runs = {"w1": lambda l: G.gemv1(x, ids, top_k, ex, ALPHA, LIMIT, act, l),
+            "w2": lambda l: G.gemv2(ref_act, ids, rw, ex, y, l)}
+    outs = {"w1": (act, ref_act), "w2": (y, ref_y)}
+    res = {"tokens": tokens, "pairs": tokens * top_k, "today": today.label(), "gemms": {}}
+    for gemm in ("w1", "w2"):
+        rows = []
+        for launch in [getattr(today, gemm), *cands]:
+            if time.monotonic() > deadline and rows:
+                break
+            row = {"launch": dataclasses.asdict(launch), "label": launch.label(), "us": None}
+            try:
+                out, ref = outs[gemm]
+                out.fill_(float("nan"))
+                runs[gemm](launch)
+                err = rel_err(out, ref)
+                row["rel_err"] = err
+                if not err < CHECK_TOL:
+                    row["error"] = f"check failed: rel err {err:.3g}"
+                else:
+                    row["us"] = 1e3 * S.time_ms(lambda: runs[gemm](launch), cuda, 5.0, args.rep_ms)
+                    row["tbs"] = nbytes[gemm] / (row["us"] * 1e-6) / 1e12
+                    row["floor_share"] = row["tbs"] / CEIL_TBS
+            except Exception as exc:  # noqa: BLE001 - a launch that does not compile or run is recorded
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            rows.append(row)
+        timed = [r for r in rows if r["us"] is not None]
+        best = min(timed, key=lambda r: r["us"]) if timed else None
+        res["gemms"][gemm] = {"today": rows[0], "best": best, "measured": rows, "floor_us":
+                              nbytes[gemm] / (CEIL_TBS * 1e12) * 1e6}
+    return res
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    con = C.console()
+    dev = torch.device(args.device)
+    rng = random.Random(args.seed)
+    gen = torch.Generator(device=dev).manual_seed(args.seed)
+    deadline = time.monotonic() + args.budget_s
+    payload = {"env": C.env_info(args.device, "kvrelay.bench.sweep_gemv", argv), "kind": "sweep-gemv",
+               "space": {k: list(v) for k, v in SPACE.items()}, "check_tol": CHECK_TOL, "points": [],
+               "complete": True}
+    models = [C.resolve_config(m) for m in args.models.split(",")]
+    tokens = C.parse_ints(args.tokens)
+    per_model = args.budget_s / max(1, len(models))
+    for i, cfg in enumerate(models):
+        ex = S.make_experts(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, dev, gen)
+        cands = candidates(rng, args.samples, 2 * cfg.intermediate_size, cfg.hidden_size)
+        model_deadline = min(deadline, time.monotonic() + per_model * (1 if i < len(models) - 1 else 10))
+        for t in tokens:
+            point_deadline = min(model_deadline, time.monotonic() + (model_deadline - time.monotonic()) / max(
+                1, len(tokens) - tokens.index(t)))
+            p = sweep_point(ex, t, cfg.experts_per_token, cands, args, point_deadline, gen)
+            p["model"] = cfg.name
+            payload["points"].append(p)
+            n = sum(len(g["measured"]) for g in p["gemms"].values())
+            payload["complete"] &= n == 2 * (len(cands) + 1)
+            _print(con, p)
+        del ex
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    stem = f"sweep-gemv-{C.slug(payload['env']['gpu'])}-{C.stamp()}"
+    payload["files"] = C.save_result(args.out, stem, payload)
+    con.print(f"saved {payload['files']}")
+    return payload
+
+
+def _print(con, p: dict) -> None:
+    from rich.table import Table
+
+    tab = Table(title=f"{p['model']} decode GEMVs, {p['tokens']} token(s), {p['pairs']} pairs")
+    for c in ("GEMM", "today", "today us", "best", "best us", "TB/s", "of 4.19 TB/s", "floor us", "speed-up"):
+        tab.add_column(c)
+    for gemm, g in p["gemms"].items():
+        t, b = g["today"], g["best"]
+        if b is None:
+            tab.add_row(gemm, t["label"], "-", t.get("error", "-"), "-", "-", "-", f"{g['floor_us']:.1f}", "-")
+            continue
+        tab.add_row(gemm, t["label"], f"{t['us']:.1f}" if t["us"] else t.get("error", "-"), b["label"],
+                    f"{b['us']:.1f}", f"{b['tbs']:.2f}", f"{b['floor_share']:.0%}", f"{g['floor_us']:.1f}",
+                    f"{t['us'] / b['us']:.2f}x" if t["us"] else "-")
+    con.print(tab)
+
+
+if __name__ == "__main__":
+    raise SystemExit(C.run_cli(main))

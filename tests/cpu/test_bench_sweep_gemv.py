@@ -1,0 +1,54 @@
+"""bench/sweep_gemv.py end to end on CPU under TRITON_INTERPRET=1 (a child process: the flag must precede
+triton's import): every launch is checked against today's before it is timed, a launch that gives
+other numbers is refused, and the JSON names today's and the best launch per GEMM."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def _run(tmp_path, *extra):
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-m", "kvrelay.bench.sweep_gemv", "--device", "cpu", "--models",
+                          "gpt-oss-tiny", "--tokens", "1,2", "--samples", "3", "--out", str(tmp_path), *extra],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    (path,) = tmp_path.glob("sweep-gemv-*.json")
+    return json.loads(path.read_text()), res.stdout
+
+
+def test_sweep_checks_and_records_every_launch(tmp_path):
+    payload, out = _run(tmp_path)
+    assert [p["tokens"] for p in payload["points"]] == [1, 2] and payload["complete"]
+    assert "decode GEMVs" in out
+    for p in payload["points"]:
+        for gemm in ("w1", "w2"):
+            g = p["gemms"][gemm]
+            assert len(g["measured"]) == 4  # today's + 3 samples
+            assert g["today"]["label"] == g["measured"][0]["label"]
+            for r in g["measured"]:
+                assert r["us"] is not None and r["rel_err"] < 2e-3, r
+            assert g["best"]["us"] == min(r["us"] for r in g["measured"])
+
+
+def test_a_launch_with_other_numbers_is_refused(tmp_path, monkeypatch):
+    # A deliberately wrong kernel variant (the SwiGLU limit changed) must fail the check, not be timed.
+    env_code = ("import sys; from kvrelay.bench import sweep_gemv as S; import kvrelay.kernels.moe_gemv as G\n"
+                "orig = G.gemv1\n"
+                "def bad(x, ids, k, ex, a, l, act, launch):\n"
+                "    orig(x, ids, k, ex, a, l, act, launch)\n"
+                "    if launch != G.gemv_config(ex.hidden, ex.w1.shape[1] // 2).w1: act.mul_(1.01)\n"
+                "G.gemv1 = bad\n"
+                "sys.exit(S.C.run_cli(lambda: S.main(sys.argv[1:])))\n")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", env_code, "--device", "cpu", "--models", "gpt-oss-tiny",
+                          "--tokens", "1", "--samples", "2", "--out", str(tmp_path)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    (path,) = tmp_path.glob("sweep-gemv-*.json")
+    g = json.loads(path.read_text())["points"][0]["gemms"]["w1"]
+    assert all("check failed" in r["error"] and r["us"] is None for r in g["measured"][1:]), g["measured"]
+    assert g["best"]["label"] == g["today"]["label"]
