@@ -19,6 +19,7 @@ metadata in fixed buffers so `decode` can be captured in a CUDA graph and re-pla
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -99,6 +100,7 @@ class FlashInferSinkAttention:
             self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_tensor_cores=True)
         self._sinks_f32: dict[int, torch.Tensor] = {}
+        self._no_split = self.window_left >= 0 and os.environ.get("KVRELAY_FI_SLIDING_SPLIT") != "1"
 
     def _sinks(self, sinks: torch.Tensor) -> torch.Tensor:
         # The FA3 sink variant reads float32 sinks; convert each layer's tensor once.
@@ -123,9 +125,13 @@ class FlashInferSinkAttention:
 
     # -- decode -------------------------------------------------------------------------------------
     def plan_decode(self, kv_indptr, kv_indices, kv_last_page_len) -> None:
+        # A sliding layer reads at most one window (128 keys, 9 pages) per sequence: splitting that over
+        # CTAs buys no parallelism worth its merge kernel (3 us a layer at batch 1 on the H200, beside an
+        # 8.5 us attention kernel; bench/results/profile-decode-*-b1-8k-graph-*.json), so its plan does
+        # not split. KVRELAY_FI_SLIDING_SPLIT=1 restores FlashInfer's own choice (A/B).
         self._decode.plan(kv_indptr, kv_indices, kv_last_page_len, self.hq, self.hkv, self.d, self.page,
                           window_left=self.window_left, sm_scale=self.sm_scale, q_data_type=self.dtype,
-                          kv_data_type=self.dtype)
+                          kv_data_type=self.dtype, disable_split_kv=self._no_split)
 
     def decode_nosink(self, q: torch.Tensor, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.graph_batch is not None:
