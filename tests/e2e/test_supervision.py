@@ -20,6 +20,7 @@ import pytest
 from greedy_judge import assert_same_greedy
 from kvrelay.engine.sampling import SamplingParams
 
+from supervised_cluster import supervised_running
 from test_cluster import assert_no_pages_left, prompt_of
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
@@ -33,12 +34,7 @@ device: cpu
 """
 
 
-@pytest.fixture(scope="module")
-def running():
-    from conftest import serving
-
-    with serving(TOPOLOGY, supervise=True, check_every_s=0.5, health_timeout_s=5.0) as (run, server):
-        yield run, server
+running = supervised_running(TOPOLOGY, check_every_s=0.5, health_timeout_s=5.0)
 
 
 def many(reference, jobs: list[tuple[list[int], int]]) -> list[list[int]]:

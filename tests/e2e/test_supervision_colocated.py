@@ -10,6 +10,7 @@ import time
 import pytest
 
 from greedy_judge import assert_same_greedy
+from supervised_cluster import supervised_running
 from test_cluster import assert_no_pages_left, prompt_of
 from test_supervision import completion, grpc_stream, kill_by_pid, undisturbed, wait_states, worker_row
 
@@ -25,12 +26,7 @@ colocate: true
 """
 
 
-@pytest.fixture(scope="module")
-def running():
-    from conftest import serving
-
-    with serving(TOPOLOGY, supervise=True, check_every_s=0.5) as (run, server):
-        yield run, server
+running = supervised_running(TOPOLOGY, check_every_s=0.5)
 
 
 def test_killed_colocated_worker_is_replaced_and_its_requests_resume(running, reference):

@@ -19,6 +19,7 @@ import time
 import pytest
 
 from greedy_judge import assert_same_greedy
+from supervised_cluster import supervised_running
 from test_cluster import assert_no_pages_left, prompt_of
 from test_supervision import _retries, completion, undisturbed, wait_states, worker_row
 
@@ -36,13 +37,7 @@ device: cpu
 """
 
 
-@pytest.fixture(scope="module")
-def running():
-    from conftest import serving
-
-    with serving(TOPOLOGY, supervise=True, check_every_s=0.5, health_timeout_s=5.0) as (run, server):
-        run.client.stall_check_s = WORKER_TIMEOUT_S / 2  # as `kvrelay serve` derives it (conftest sets 5 s)
-        yield run, server
+running = supervised_running(TOPOLOGY, stall_check_s=WORKER_TIMEOUT_S / 2, check_every_s=0.5, health_timeout_s=5.0)
 
 
 @pytest.fixture()

@@ -22,6 +22,7 @@ import time
 import pytest
 
 from greedy_judge import assert_same_greedy
+from supervised_cluster import supervised_running
 from test_cluster import assert_no_pages_left, prompt_of
 from test_supervision import completion, undisturbed, wait_states
 
@@ -36,12 +37,7 @@ device: cpu
 """
 
 
-@pytest.fixture(scope="module")
-def running():
-    from conftest import serving
-
-    with serving(TOPOLOGY, supervise=True, check_every_s=0.5, health_timeout_s=5.0) as (run, server):
-        yield run, server
+running = supervised_running(TOPOLOGY, check_every_s=0.5, health_timeout_s=5.0)
 
 
 def resumed_at(records) -> dict[int, int]:
