@@ -4,7 +4,12 @@ the sum against the step's wall time. A large gap between the two means launch-b
 above their share of the bytes they read are the ones to fuse or retune.
 
 usage (H200): python -m kvrelay.bench.profile_decode --model gpt-oss-20b --dummy --quant fp8-block128 \
-                 --device cuda --batch 1 --context 2048 [--out DIR]
+                 --device cuda --batch 1 --context 2048 [--graphs --chain 50] [--out DIR]
+
+--chain N also times N chained steps the way the decode worker runs greedy rows (bench/decode_loop.py:
+step N+1 launched on step N's tokens on the device before N is read back), so the wall time per step can
+be set against the kernel time with the host work hidden; with --graphs only (an eager step waits for the
+one before it: Runner.decode_launch).
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ import os
 import time
 from pathlib import Path
 
-from kvrelay.bench.common import add_common_args, build_runner, env_info, resolve_config
+from kvrelay.bench import decode_loop
+from kvrelay.bench.common import Budget, add_common_args, build_runner, env_info, resolve_config
 from kvrelay.engine.kv_geometry import FULL, SLIDING
 
 
@@ -27,13 +33,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--graphs", action="store_true",
                    help="profile a replayed CUDA-graph step (captured at --batch) instead of an eager one")
+    p.add_argument("--chain", type=int, default=0, metavar="N",
+                   help="also time N chained (pipelined) greedy steps, as the decode worker runs them")
     args = p.parse_args(argv)
 
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     cfg = resolve_config(args.model)
-    per_seq = -(-(args.context + 8) // args.page_size)
+    per_seq = -(-(args.context + 8 + args.chain + 5) // args.page_size)
     runner, build_s, _ = build_runner(args, num_pages={FULL: per_seq * args.batch + 8,
                                                        SLIDING: (cfg.sliding_window // args.page_size + 3)
                                                        * args.batch + 8},
@@ -67,6 +75,13 @@ def main(argv: list[str] | None = None) -> dict:
     for sid in sids:
         runner.free(sid)
         runner.import_sequence(sid, args.context)
+    pipelined_ms = None
+    if args.chain > 0:
+        timed = decode_loop.run_pipelined(runner, sids, tokens, warmup=3, iters=args.chain, budget=Budget(None))
+        pipelined_ms = sorted(timed.step_s)[len(timed.step_s) // 2] * 1e3
+        for sid in sids:
+            runner.free(sid)
+            runner.import_sequence(sid, args.context)
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
@@ -89,11 +104,14 @@ def main(argv: list[str] | None = None) -> dict:
           f"{wall_ms:.2f} ms wall ({host_ms:.2f} ms on the host until queued), {total_us / 1e3:.2f} ms of kernel "
           f"time in {launches} launches, {launches / cfg.num_hidden_layers:.1f} per layer "
           f"(model built in {build_s:.1f} s)")
+    if pipelined_ms is not None:
+        print(f"pipelined: {pipelined_ms:.2f} ms per step (median over {args.chain} chained steps, context "
+              f"{args.context}..{args.context + args.chain + 5})")
     print(f"{'kernel':90s} {'calls':>6s} {'us':>9s} {'share':>6s}")
     for r in rows:
         print(f"{r['kernel']:90s} {r['calls']:6d} {r['total_us']:9.1f} {r['share']:6.1%}")
     result = {"env": env_info(args.device, "kvrelay.bench.profile_decode", argv), "wall_ms": wall_ms,
-              "host_ms": host_ms, "graphs": args.graphs,
+              "host_ms": host_ms, "graphs": args.graphs, "pipelined_ms": pipelined_ms, "chain": args.chain,
               "kernel_ms": total_us / 1e3, "launches": launches,
               "launches_per_layer": launches / cfg.num_hidden_layers, "fused": os.environ.get("KVRELAY_FUSED") != "0",
               "top": rows,

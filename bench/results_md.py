@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 from kvrelay.bench import common as C
+from kvrelay.bench.decode_loop import headline
 from kvrelay.bench.provenance import Collection, Result, newest_per_point
 
 COMMAND = "python -m kvrelay.bench.report --results-md"
@@ -101,7 +102,11 @@ def decode_section(col: Collection, png: str | None) -> list[str]:
            "`bench.decode`, one GPU, KV pages filled with random values (real lengths and page tables), the "
            "newest qualifying result per (context, batch). Floor: the step time if the bytes one step must "
            "read (weights touched + KV, `bench/common.decode_bytes_per_step`) moved at the 4.19 TB/s copy "
-           "ceiling; 'of floor' = floor step / measured step.", ""]
+           "ceiling; 'of floor' = floor step / measured step. Step ms (and tok/s, $, the curves): the "
+           "pipelined step where the run measured it ('timed as' pipelined: step N+1 launched on step N's tokens "
+           "still on the device before N is read back, as the decode worker runs greedy rows), else the "
+           "synchronous step (decode + sample, tokens read back each step; runs before both were measured); "
+           "'sync step ms' is the synchronous step of the same run.", ""]
     if png:
         out += [f"![decode curves]({png})", ""]
     if not chosen:
@@ -112,14 +117,16 @@ def decode_section(col: Collection, png: str | None) -> list[str]:
         for key in sorted(k for k in chosen if k[:3] == group):
             r, p = chosen[key]
             floor = _floor_step_s(model, p["batch"], p["length"], quant)
-            rows.append([p["length"], p["batch"], _f(p["step_median_s"], ".2f", 1e3),
-                         _f(p["tokens_per_s_per_user"], ".1f"), _f(p["tokens_per_s_aggregate"], ",.0f"),
-                         "$" + _f(p["usd_per_m_output"], ".3f"),
+            h = headline(p)
+            rows.append([p["length"], p["batch"], _f(h["step_s"], ".2f", 1e3),
+                         _f(h["tokens_per_s_per_user"], ".1f"), _f(h["tokens_per_s_aggregate"], ",.0f"),
+                         "$" + _f(h["usd_per_m_output"], ".3f"),
                          _f(None if floor is None else 1 / floor, ",.0f"),
-                         _f(None if floor is None else floor / p["step_median_s"], ".0%"), r.source])
+                         _f(None if floor is None else floor / h["step_s"], ".0%"), h["timing"],
+                         _f(p.get("step_median_s"), ".2f", 1e3), r.source])
         out += [f"### {model}, {quant}, {config}", ""]
         out += _table(["context", "batch", "step ms", "tok/s/user", "tok/s total", "$/1M output",
-                       "floor tok/s/user", "of floor", "measured at"], rows)
+                       "floor tok/s/user", "of floor", "timed as", "sync step ms", "measured at"], rows)
     return out
 
 
@@ -140,10 +147,12 @@ def decode_plot(col: Collection):
             color = f"C{i}"
             pts = sorted((chosen[k][1] for k in keys if k[3] == s and k[1] == quant), key=lambda p: p["batch"])
             if pts:
-                ax.plot([p["usd_per_m_output"] for p in pts], [p["tokens_per_s_per_user"] for p in pts], "o-",
-                        color=color, label=f"measured, context {s}")
-                for p in pts:
-                    ax.annotate(f"B={p['batch']}", (p["usd_per_m_output"], p["tokens_per_s_per_user"]),
+                hs = [headline(p) for p in pts]
+                timing = "/".join(sorted({h["timing"] for h in hs}))
+                ax.plot([h["usd_per_m_output"] for h in hs], [h["tokens_per_s_per_user"] for h in hs], "o-",
+                        color=color, label=f"measured ({timing} step), context {s}")
+                for p, h in zip(pts, hs):
+                    ax.annotate(f"B={p['batch']}", (h["usd_per_m_output"], h["tokens_per_s_per_user"]),
                                 textcoords="offset points", xytext=(4, 4), fontsize=7)
             floor = [(b, _floor_step_s(model, b, s, quant)) for b in FLOOR_BATCHES]
             floor = [(b, t) for b, t in floor if t is not None]

@@ -227,11 +227,14 @@ def _keep_scratch_pages_like_a_gpu_runner(monkeypatch):
     monkeypatch.setattr(runner_mod.Runner, "_new_pool", new_pool)
 
 
+@pytest.mark.parametrize("mode", ["sync", "both"])
 @pytest.mark.parametrize("short", [None, "full", "sliding"])
-def test_decode_pool_holds_the_largest_point(tmp_path, monkeypatch, short):
+def test_decode_pool_holds_the_largest_point(tmp_path, monkeypatch, short, mode):
     # Issue 11: the pool was sized one page short (the scratch page was not counted), so the largest
     # batch was always skipped as "KV pool too small". The pool must hold it, with nothing to spare: one
-    # page less in either group (short=...) must skip it, which also proves this test can fail.
+    # page less in either group (short=...) must skip it, which also proves this test can fail. With both
+    # modes each sequence also has a fork (the pipelined run's, same KV): its copy of the partial last page
+    # is one page more per sequence in each group.
     from kvrelay.bench import decode
 
     _keep_scratch_pages_like_a_gpu_runner(monkeypatch)
@@ -243,12 +246,15 @@ def test_decode_pool_holds_the_largest_point(tmp_path, monkeypatch, short):
             return dict(pages, **{short: pages[short] - 1}), note
 
         monkeypatch.setattr(decode, "_pool_pages", one_short)
-    # S=17 (+ 3 steps in the sizing): 2 pages of 16 per sequence in both groups (the sliding window of 8
-    # still reaches page 0), 3 sequences + the scratch page = 7 per group, every page used.
-    argv = SMALL + ["--lengths", "17", "--batches", "1,3", "--warmup", "0", "--iters", "2", "--out", str(tmp_path)]
+    # S=17 (+ 3 or 4 steps in the sizing): 2 pages of 16 per sequence in both groups (the sliding window of
+    # 8 still reaches page 0), + 1 for the fork with both modes; 3 sequences + the scratch page = 7 (10)
+    # per group, every page used.
+    argv = SMALL + ["--lengths", "17", "--batches", "1,3", "--warmup", "0", "--iters", "2", "--mode", mode,
+                    "--out", str(tmp_path)]
     data = decode.main(argv)
-    assert data["pool_pages"] == ({"full": 7, "sliding": 7} if short is None else
-                                  dict({"full": 7, "sliding": 7}, **{short: 6}))
+    n = 7 if mode == "sync" else 10
+    assert data["pool_pages"] == ({"full": n, "sliding": n} if short is None else
+                                  dict({"full": n, "sliding": n}, **{short: n - 1}))
     if short is None:
         assert [p["batch"] for p in data["points"]] == [1, 3] and data["skipped"] == []
     else:
