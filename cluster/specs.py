@@ -19,12 +19,18 @@ def host_bytes(t: Topology) -> int:
     return int(t.prefill.prefix_cache_host_gib * (1 << 30)) if t.prefill.prefix_cache else 0
 
 
+def sliding_share(t: Topology) -> float:
+    """Share of a caching worker's KV budget for the cache's sliding windows (prefill.prefix_cache_sliding_share)."""
+    return t.prefill.prefix_cache_sliding_share if t.prefill.prefix_cache else 0.0
+
+
 def prefill_spec(t: Topology) -> PrefillSpec:
     p = t.prefill
     return PrefillSpec(model=model_spec(t), device=t.device, tp=p.tp, page_size=t.decode.page_size,
                        max_prompt_tokens=p.max_prompt_tokens, chunk_tokens=p.chunk_tokens,
                        lease_seconds=t.kv_transfer.lease_seconds, ucx=ucx_settings(t),
-                       prefix_cache=p.prefix_cache, prefix_cache_host_bytes=host_bytes(t))
+                       prefix_cache=p.prefix_cache, prefix_cache_host_bytes=host_bytes(t),
+                       prefix_cache_sliding_share=sliding_share(t))
 
 
 def decode_spec(t: Topology) -> DecodeSpec:
@@ -38,7 +44,7 @@ def decode_spec(t: Topology) -> DecodeSpec:
 def colocated_spec(t: Topology) -> ColocatedSpec:
     return ColocatedSpec(decode=decode_spec(t), max_prompt_tokens=t.prefill.max_prompt_tokens,
                          chunk_tokens=t.prefill.chunk_tokens, prefix_cache=t.prefill.prefix_cache,
-                         prefix_cache_host_bytes=host_bytes(t))
+                         prefix_cache_host_bytes=host_bytes(t), prefix_cache_sliding_share=sliding_share(t))
 
 
 def worker_spec(t: Topology, role: str) -> PrefillSpec | DecodeSpec | ColocatedSpec:

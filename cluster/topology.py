@@ -60,6 +60,10 @@ class PrefillSection:
     # its TP ranks, or each colocated worker), pinned on CUDA, where the pages the device evicts go instead of being dropped; a hit there
     # is copied back instead of recomputed (engine/host_tier.py). 0: off.
     prefix_cache_host_gib: float = 0.0
+    # With prefix_cache (prefill and colocated workers sized on the GPU): share of the KV budget given to
+    # sliding-window pages beyond the running sequences' windows, so that cached prompts keep the window
+    # before the boundary a later prompt resumes at (engine/memory.py, engine/prefix_windows.py).
+    prefix_cache_sliding_share: float = 0.05
 
 
 @dataclass(frozen=True)
@@ -321,6 +325,10 @@ def _check(t: Topology, base_dir: Path) -> Topology:
     host_gib = t.prefill.prefix_cache_host_gib
     if not (math.isfinite(host_gib) and host_gib >= 0):
         raise TopologyError(f"prefill.prefix_cache_host_gib: must be a number >= 0 (GiB; 0 is off), got {host_gib}")
+    share = t.prefill.prefix_cache_sliding_share
+    if not (math.isfinite(share) and 0.0 <= share <= 0.5):
+        raise TopologyError(f"prefill.prefix_cache_sliding_share: must be a number in [0, 0.5] (a share of the KV "
+                            f"budget), got {share}")
     if host_gib and not t.prefill.prefix_cache:
         raise TopologyError("prefill.prefix_cache_host_gib: a host tier sits under the prefix cache; set "
                             "prefill.prefix_cache: true too (or 0 here)")

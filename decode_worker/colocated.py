@@ -81,6 +81,7 @@ class ColocatedWorker(DecodeWorker):
 
     def __init__(self, spec: ColocatedSpec, rank: int = 0):
         self.chunk_tokens = spec.chunk_tokens
+        self._sliding_share = spec.prefix_cache_sliding_share  # read by _load_single, in super().__init__
         self.max_prompt_tokens = spec.max_prompt_tokens
         self.max_context = spec.decode.model.max_context
         self._prompts: collections.deque[_Prompt] = collections.deque()
@@ -93,8 +94,9 @@ class ColocatedWorker(DecodeWorker):
             self.prefix = self.runner.kv.enable_prefix_cache(spec.prefix_cache_host_bytes)
 
     def _load_single(self, spec: DecodeSpec, chunk_tokens: int | None = None):
-        # The pool is sized around a forward of a whole prompt chunk, not just a decode step.
-        return super()._load_single(spec, self.chunk_tokens)
+        # The pool is sized around a forward of a whole prompt chunk, not just a decode step, and its
+        # sliding group keeps windows for the prefix cache too (engine/memory.py).
+        return super()._load_single(spec, self.chunk_tokens, self._sliding_share)
 
     def _headroom(self, spec: DecodeSpec) -> dict[str, int]:
         """Sliding pages that a forward's prompt chunks hold beyond one window each (see Scheduler)."""

@@ -79,14 +79,16 @@ class DecodeWorker(StepThread):
         self.decode_tokens = 0  # tokens computed by decode steps (a pulled prompt is never recomputed)
         self._thread.start()
 
-    def _load_single(self, spec: DecodeSpec, chunk_tokens: int | None = None):
+    def _load_single(self, spec: DecodeSpec, chunk_tokens: int | None = None, cache_share: float = 0.0):
         """TP1: the pool is sized after the weights, from what is measured free then (engine/memory.py),
-        around one forward of `chunk_tokens` (default: a decode step of a full batch)."""
+        around one forward of `chunk_tokens` (default: a decode step of a full batch); `cache_share`: the
+        sliding group's share for a prefix cache (a colocated worker's; a decode worker has no cache)."""
         return load_sized_runner(
             spec.model, device=spec.device, page_size=spec.page_size, fraction=spec.kv_memory_fraction,
             max_seqs=spec.max_batch, chunk_tokens=max(spec.max_batch, 16) if chunk_tokens is None else chunk_tokens,
             max_tokens=spec.max_batch * spec.model.max_context, need_tokens=spec.need_tokens,
-            key="decode.kv_memory_fraction", graph_sizes=spec.graph_sizes, log=self.plan_log.append)
+            key="decode.kv_memory_fraction", graph_sizes=spec.graph_sizes, log=self.plan_log.append,
+            cache_share=cache_share)
 
     def _headroom(self, spec: DecodeSpec) -> dict[str, int]:
         return {}

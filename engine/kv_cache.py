@@ -120,6 +120,7 @@ class SequencePages:
     cached_blocks: int = 0
     cached_tail: object = None
     host_hit: int = 0  # positions of its hit that only the host tier held (PrefixHit.host_tokens)
+    prompt_blocks: int = 0  # whole blocks of its prompt: the last one is a resume point (PrefixCache.mark_end)
 
 
 @dataclass(frozen=True)
@@ -325,7 +326,7 @@ class KVCache:
             raise RuntimeError("the prefix cache is not enabled")
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
-        seq = SequencePages(tokens=[int(t) for t in tokens])
+        seq = SequencePages(tokens=[int(t) for t in tokens], prompt_blocks=len(tokens) // self.page_size)
         hit = self.prefix.lookup(seq.tokens, len(tokens) - 1) if lookup else None
         if hit is not None:
             self.allocators[FULL].share(hit.full)
@@ -334,6 +335,8 @@ class KVCache:
             seq.pages = {FULL: list(hit.full), SLIDING: list(hit.sliding)}
             seq.first_page = {FULL: 0, SLIDING: hit.sliding_first}
             seq.cached_blocks, seq.cached_tail, seq.host_hit = len(hit.full), hit.tail, hit.host_tokens
+            if seq.cached_blocks == seq.prompt_blocks:  # the prompt ends in its hit's last block
+                self.prefix.mark_end(hit.tail)
         self.seqs[seq_id] = seq
         return seq.length
 
@@ -349,7 +352,7 @@ class KVCache:
             base = seq.first_page[SLIDING]
             sliding = {base + i: p for i, p in enumerate(seq.pages[SLIDING])}
             seq.cached_tail = self.prefix.insert(seq.tokens, seq.pages[FULL], sliding, start=seq.cached_blocks,
-                                                 end=end, parent=seq.cached_tail)
+                                                 end=end, parent=seq.cached_tail, prompt_end=seq.prompt_blocks)
             seq.cached_blocks = end
             if seq.cached_tail is None:  # its blocks are another sequence's copy (see PrefixCache.insert)
                 seq.tokens = None

@@ -4,7 +4,11 @@ Why after: a pool sized from free memory *before* the weights (117 GB for 120b) 
 GPU had left. The order is: load weights -> measure the peak of one full-size prefill forward (the
 activations every later forward needs room for) -> leave room for CUDA graphs -> give a share of what
 remains to KV. Each group gets its own page count: sliding-window layers keep only the last window of
-every sequence, so they need far fewer pages than full-attention layers.
+every sequence, so they need far fewer pages than full-attention layers. A worker with the prefix cache
+gives the sliding group a share of the budget more (`prefill.prefix_cache_sliding_share`): a cached
+chain resumes at a block boundary only while the window before it is cached too, so the cache needs a
+window's pages (9 for gpt-oss at 16-token pages) for each resume point it keeps (engine/prefix_windows.py
+decides which), not one sliding page per cached block.
 
 On CPU there is nothing to measure (the pool lives in RAM): the caller's token cap decides.
 """
@@ -52,24 +56,39 @@ def chunk_headroom(*, chunk_tokens: int, page_size: int, max_seqs: int) -> int:
     return kv_geometry.pages_spanned(chunk_tokens, page_size) + 1 + max_seqs
 
 
+def cache_sliding_pages(cfg, *, budget_bytes: int, page_size: int, kv_heads: int, share: float) -> int:
+    """Sliding pages a prefix cache keeps beyond the running sequences' windows: `share` of the budget
+    (whole windows of `window_pages`, so that the count says how many resume points fit)."""
+    if share <= 0:
+        return 0
+    pb = page_bytes(cfg, page_size=page_size, kv_heads=kv_heads)[SLIDING]
+    window = kv_geometry.window_pages(cfg.sliding_window, page_size)
+    return int(share * budget_bytes) // pb // window * window
+
+
 def split_pages(cfg, *, budget_bytes: int, page_size: int, kv_heads: int, max_seqs: int,
-                chunk_tokens: int, max_tokens: int) -> dict[str, int]:
+                chunk_tokens: int, max_tokens: int, cache_share: float = 0.0) -> dict[str, int]:
     """Pages per group for `budget_bytes`: the sliding group holds every sequence's window plus one
-    forward's chunk headroom; the rest goes to the full group, capped at `max_tokens` positions (more
-    could never be used)."""
+    forward's chunk headroom, plus `cache_share` of the budget for the prefix cache's windows
+    (`cache_sliding_pages`; 0 without a cache); the rest goes to the full group; each capped at
+    `max_tokens` positions (more could never be used). Arithmetic on its arguments alone: the same
+    split wherever it runs."""
     pb = page_bytes(cfg, page_size=page_size, kv_heads=kv_heads)
     cap_pages = kv_geometry.pages_spanned(max_tokens, page_size)
     headroom = chunk_headroom(chunk_tokens=chunk_tokens, page_size=page_size, max_seqs=max_seqs)
-    sliding = min(cap_pages, max_seqs * kv_geometry.window_pages(cfg.sliding_window, page_size) + headroom)
+    cache = cache_sliding_pages(cfg, budget_bytes=budget_bytes, page_size=page_size, kv_heads=kv_heads,
+                                share=cache_share)
+    sliding = min(cap_pages, max_seqs * kv_geometry.window_pages(cfg.sliding_window, page_size) + headroom + cache)
     full = min(cap_pages, max(0, (budget_bytes - sliding * pb[SLIDING]) // pb[FULL]))
     return {FULL: int(full), SLIDING: int(sliding)}
 
 
 def plan_cuda_pool(runner, *, fraction: float, max_seqs: int, chunk_tokens: int, max_tokens: int,
-                   need_tokens: int, key: str, graph_reserve_bytes: int = 2 * GIB) -> MemoryPlan:
+                   need_tokens: int, key: str, graph_reserve_bytes: int = 2 * GIB,
+                   cache_share: float = 0.0) -> MemoryPlan:
     """Measure this process's GPU after its weights were loaded into `runner` (whose pool is still the
-    small profiling one), and size the real pool. Raises KVDoesNotFit, naming `key`, when fewer than
-    `need_tokens` positions of full-attention KV would fit."""
+    small profiling one), and size the real pool (`cache_share`: split_pages'). Raises KVDoesNotFit,
+    naming `key`, when fewer than `need_tokens` positions of full-attention KV would fit."""
     import torch
 
     dev = runner.device
@@ -86,7 +105,7 @@ def plan_cuda_pool(runner, *, fraction: float, max_seqs: int, chunk_tokens: int,
     budget = max(0, int((free - reserve) * fraction))
     pages = split_pages(runner.cfg, budget_bytes=budget, page_size=runner.page_size,
                         kv_heads=runner.kv.kv_heads, max_seqs=max_seqs, chunk_tokens=chunk_tokens,
-                        max_tokens=max_tokens)
+                        max_tokens=max_tokens, cache_share=cache_share)
     pb = page_bytes(runner.cfg, page_size=runner.page_size, kv_heads=runner.kv.kv_heads)
     plan = MemoryPlan(pages=pages, page_bytes=pb, total_bytes=total, free_after_weights_bytes=free,
                       activation_bytes=activation, reserve_bytes=reserve,

@@ -14,15 +14,18 @@ to them. A prompt's blocks are offered to the cache as its forwards commit, each
 before that page leaves the sequence's window (KVCache.begin_prefix), so any block boundary of a cached
 prompt can be resumed (prompts that share a system prompt and diverge after it); on a colocated worker the
 tokens a request generates follow (KVCache.extend_tokens), so a conversation's next turn resumes inside
-the previous answer. Each group evicts on its own demand: the sliding pool is small (about one window
-per running sequence), so under load sliding pages go much sooner than full ones, and a lookup then
-falls back to the longest boundary whose window is still cached.
+the previous answer. Each group evicts on its own demand: the sliding pool is small (running windows plus
+a share of the budget, engine/memory.py), so under load sliding pages go much sooner than full ones, and
+a lookup then falls back to the longest boundary whose window is still cached. The sliding group keeps
+the windows before the boundaries a later prompt would resume at (a chain's leaves, forks and prompt
+ends) and evicts mid-chain sliding pages first (engine/prefix_windows.py).
 
 Pages are reference-counted in the group's PageAllocator: the cache holds one reference on each page it
 keeps, each sequence one on each page in its table. A page held by the cache alone is evictable, in
-least-recently-used order (touched leaf to root on every hit and insert, so the deepest block of the
-oldest chain goes first and a chain never loses its head before its tail); a page a sequence (or a lease,
-or a pull, which pin the sequence) holds is never evicted.
+least-recently-used order (full pages touched leaf to root on every hit and insert, so the deepest block
+of the oldest chain goes first and a chain never loses its head before its tail; sliding pages in the
+order of engine/prefix_windows.py); a page a sequence (or a lease, or a pull, which pin the sequence)
+holds is never evicted.
 
 With a host tier (engine/host_tier.py, `prefill.prefix_cache_host_gib`), an evicted page is not dropped
 but moved to a host slot: the block stays in the tree with its page in host memory (each page of a block
@@ -50,9 +53,11 @@ from __future__ import annotations
 import collections
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvrelay.engine.kv_geometry import FULL, GROUPS, SLIDING, first_live_page
+from kvrelay.engine.prefix_stats import PrefixHit, PrefixStats
+from kvrelay.engine.prefix_windows import WindowLRU, reanchor, window_depth
 
 
 @dataclass(eq=False)
@@ -66,55 +71,9 @@ class _Block:
     device_children: int = 0  # ... whose full page is on the device
     host_full: int | None = None  # host slots (engine/host_tier.py) holding the pages the device evicted
     host_sliding: int | None = None
-
-
-@dataclass
-class PrefixStats:
-    """Counters for /metrics and `kvrelay status`."""
-
-    queries: int = 0  # sequences that looked up a prefix
-    hits: int = 0  # ... and reused at least one block
-    query_tokens: int = 0  # tokens those sequences asked about
-    hit_tokens: int = 0  # tokens whose prefill a hit skipped
-    inserted_blocks: int = 0
-    evicted_pages: dict[str, int] = field(default_factory=lambda: {FULL: 0, SLIDING: 0})  # from the device
-    # The host tier: hits that restored pages from it, the tokens those hits reach beyond what the
-    # device alone held (of hit_tokens), pages and bytes moved each way, slots it dropped.
-    host_hits: int = 0
-    host_hit_tokens: int = 0
-    to_host_pages: int = 0
-    to_device_pages: int = 0
-    to_host_bytes: int = 0
-    to_device_bytes: int = 0
-    host_evicted_pages: dict[str, int] = field(default_factory=lambda: {FULL: 0, SLIDING: 0})
-
-    def as_dict(self) -> dict:
-        return {"queries": self.queries, "hits": self.hits, "query_tokens": self.query_tokens,
-                "hit_tokens": self.hit_tokens, "inserted_blocks": self.inserted_blocks,
-                "evicted_pages": dict(self.evicted_pages)}
-
-    @property
-    def host_bytes(self) -> tuple[int, int]:
-        """(device -> host, host -> device) bytes so far."""
-        return self.to_host_bytes, self.to_device_bytes
-
-    def host_dict(self) -> dict:
-        return {"hits": self.host_hits, "hit_tokens": self.host_hit_tokens, "to_host_pages": self.to_host_pages,
-                "to_device_pages": self.to_device_pages, "to_host_bytes": self.to_host_bytes,
-                "to_device_bytes": self.to_device_bytes, "evicted_pages": dict(self.host_evicted_pages)}
-
-
-@dataclass(frozen=True)
-class PrefixHit:
-    """A reusable prefix: `tokens` positions, the full pages of blocks 0 .. tokens/page_size - 1 and the
-    sliding pages from logical page `sliding_first` on."""
-
-    tokens: int
-    full: tuple[int, ...]
-    sliding: tuple[int, ...]
-    sliding_first: int
-    tail: object = None  # the last block (where an insert of the sequence's later blocks continues)
-    host_tokens: int = 0  # of `tokens`, those past the longest prefix the device tier alone could resume
+    end: bool = False  # a prompt ended with this block (a resume point: engine/prefix_windows.py)
+    anchor: bool = False  # a leaf, a fork or a prompt's end: the window before its end is guarded
+    guard: int = 0  # anchors whose window covers this block's sliding page
 
 
 class PrefixCache:
@@ -129,9 +88,10 @@ class PrefixCache:
         self.host = host
         self._blocks: dict[tuple, _Block] = {}
         self._lru: collections.OrderedDict[int, _Block] = collections.OrderedDict()  # oldest first
-        self._slru: collections.OrderedDict[int, _Block] = collections.OrderedDict()  # those with a sliding page
-        # The host tier, per group: blocks with a page there, least recently used first.
-        self._hlru: dict[str, collections.OrderedDict[int, _Block]] = {g: collections.OrderedDict() for g in GROUPS}
+        self._slru = WindowLRU()  # those with a sliding page, in eviction order (unguarded first)
+        # The host tier, per group: blocks with a page there, in eviction order.
+        self._hlru: dict = {FULL: collections.OrderedDict(), SLIDING: WindowLRU()}
+        self._depth = window_depth(window, page_size) + 1  # blocks an anchor guards (prefix_windows.py)
         self._restoring: set[int] = set()  # blocks a lookup is copying back: their slots stay
         self._saves: dict[str, dict[int, int]] = {g: {} for g in GROUPS}  # slot -> device page, not yet copied
         self._ids = itertools.count(1)
@@ -300,18 +260,38 @@ class PrefixCache:
             self.stats.host_hit_tokens -= host_tokens
 
     def _touch(self, b: "_Block | None") -> None:
+        # Sliding pages: only those the boundary at `b`'s end reads (and the one before it), head first.
+        # The rest of the chain was not used, so an old resume point on the way ages from its own last use.
+        window, x = [], b
+        for _ in range(self._depth):
+            if x is None:
+                break
+            if x.sliding is not None:
+                window.append(x.id)
+            x = x.parent
+        for bid in reversed(window):
+            self._slru.move_to_end(bid)
         while b is not None:  # leaf first: the head of the chain ends up most recent
             self._lru.move_to_end(b.id)
-            if b.sliding is not None:
-                self._slru.move_to_end(b.id)
             b = b.parent
+
+    def _anchor(self, b: _Block) -> None:
+        reanchor(b, alive=self._blocks.get(b.key) is b, depth=self._depth, lrus=(self._slru, self._hlru[SLIDING]))
+
+    def mark_end(self, b: _Block) -> None:
+        """A prompt ended with block `b`: the window before its end is a resume point."""
+        if not b.end and self._blocks.get(b.key) is b:
+            b.end = True
+            self._note(8, b.id)
+            self._anchor(b)
 
     # ---- insertion -----------------------------------------------------------------------------
     def insert(self, tokens: Sequence[int], full: Sequence[int], sliding: dict[int, int], *, start: int = 0,
-               end: int | None = None, parent: "_Block | None" = None) -> "_Block | None":
+               end: int | None = None, parent: "_Block | None" = None, prompt_end: int = 0) -> "_Block | None":
         """Cache blocks [start, end) of a sequence holding `tokens`: `full[j]` is block j's full page,
         `sliding` maps logical page -> sliding page for the sliding pages the sequence holds; `parent` is
-        block start - 1 as an earlier insert returned it. A block already cached on the sequence's own
+        block start - 1 as an earlier insert returned it; `prompt_end`: the whole blocks of its prompt
+        (block prompt_end - 1 is marked as a prompt's end, `mark_end`). A block already cached on the sequence's own
         page gains the sliding page it lacks; one in the host tier takes the sequence's pages instead of
         its slots. Returns the last block, or None where the sequence holds a
         copy of its own of a cached block (it computed the block beside another sequence): its later
@@ -343,7 +323,11 @@ class PrefixCache:
                 if parent is not None:
                     parent.children += 1
                     parent.device_children += 1
+                    self._anchor(parent)  # a leaf no more, or a fork now
+                self._anchor(b)
                 new += 1
+            if j == prompt_end - 1:
+                self.mark_end(b)
             if b.sliding is None and j in sliding:
                 self._adopt_sliding(b, sliding[j])
             parent = b
@@ -357,19 +341,20 @@ class PrefixCache:
 
     def evict(self, group: str, n: int) -> int:
         """Free at least `n` device pages of `group` held by the cache alone, least recently used first (a
-        full page only from a block without device children, so a chain loses its tail first), moving
-        them to the host tier if there is one. Returns how many were freed (fewer if no more are
-        evictable)."""
+        full page only from a block without device children, so a chain loses its tail first; sliding
+        pages outside every resume point's window first, engine/prefix_windows.py), moving them to the
+        host tier if there is one. Returns how many were freed (fewer if no more are evictable)."""
         alloc = self.allocators[group]
         freed = 0
-        for b in list((self._slru if group == SLIDING else self._lru).values()):
+        if group == SLIDING:  # picked first: evicting them changes no block's guard
+            victims = list(itertools.islice((b for b in self._slru.values() if alloc.refs(b.sliding) == 1), max(0, n)))
+            for b in victims:
+                self._evict_sliding(b)
+            freed = len(victims)
+        for b in list(self._lru.values()) if group == FULL else ():
             if freed >= n:
                 break
-            if group == SLIDING:
-                if b.sliding is not None and alloc.refs(b.sliding) == 1:
-                    self._evict_sliding(b)
-                    freed += 1
-            elif b.id in self._lru and b.device_children == 0 and alloc.refs(b.full) == 1:
+            if b.id in self._lru and b.device_children == 0 and alloc.refs(b.full) == 1:
                 freed += 1
                 self._evict_full(b)
         self.stats.evicted_pages[group] += freed
@@ -457,8 +442,10 @@ class PrefixCache:
             for c in [c for c in self._blocks.values() if c.parent is b]:
                 self._remove(c)
         del self._blocks[b.key]
+        self._anchor(b)  # its window is no resume point any more
         if b.parent is not None:
             b.parent.children -= 1
+            self._anchor(b.parent)  # a leaf again, or no fork
         if b.full is not None:
             del self._lru[b.id]
             if b.parent is not None:

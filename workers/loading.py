@@ -29,11 +29,12 @@ def load_runner(model, *, device: str, page_size: int, kv_tokens: int, shard=Non
 
 def load_sized_runner(model, *, device: str, page_size: int, fraction: float, max_seqs: int,
                       chunk_tokens: int, max_tokens: int, need_tokens: int, key: str,
-                      graph_sizes: tuple[int, ...] | None = None, log=None):
+                      graph_sizes: tuple[int, ...] | None = None, log=None, cache_share: float = 0.0):
     """A single-rank Runner whose KV pool is sized after its weights (engine/memory.py): loaded with a
     pool just big enough to profile one `chunk_tokens` forward, then resized to the measured budget and
-    its decode graphs captured. On CPU the pool holds `max_tokens` positions (the old rule). Raises
-    memory.KVDoesNotFit naming `key` when one `need_tokens` request would not fit."""
+    its decode graphs captured (`cache_share`: the sliding group's share for a prefix cache,
+    memory.split_pages). On CPU the pool holds `max_tokens` positions in each group (the old rule).
+    Raises memory.KVDoesNotFit naming `key` when one `need_tokens` request would not fit."""
     from kvrelay.engine.memory import plan_cuda_pool
 
     if device != "cuda":
@@ -43,7 +44,7 @@ def load_sized_runner(model, *, device: str, page_size: int, fraction: float, ma
     runner = load_runner(model, device=device, page_size=page_size, kv_tokens=profile_tokens,
                          graph_sizes=graph_sizes)
     plan = plan_cuda_pool(runner, fraction=fraction, max_seqs=max_seqs, chunk_tokens=chunk_tokens,
-                          max_tokens=max_tokens, need_tokens=need_tokens, key=key)
+                          max_tokens=max_tokens, need_tokens=need_tokens, key=key, cache_share=cache_share)
     runner.resize_kv(plan.pages)
     runner.warmup()
     if log is not None:

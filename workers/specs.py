@@ -36,6 +36,7 @@ class PrefillSpec:
     ucx: UcxSettings
     prefix_cache: bool = False  # reuse cached prompt prefixes (engine/prefix_cache.py)
     prefix_cache_host_bytes: int = 0  # its host-memory tier (engine/host_tier.py); 0: evicted pages are dropped
+    prefix_cache_sliding_share: float = 0.0  # of the KV budget, sliding pages for the cache (engine/memory.py)
 
     @property
     def pool_tokens(self) -> int:
@@ -73,6 +74,7 @@ class ColocatedSpec:
     chunk_tokens: int  # prompt tokens a step takes into its forward
     prefix_cache: bool = False  # reuse cached prompt prefixes (engine/prefix_cache.py)
     prefix_cache_host_bytes: int = 0  # its host-memory tier (engine/host_tier.py); 0: evicted pages are dropped
+    prefix_cache_sliding_share: float = 0.0  # of the KV budget, sliding pages for the cache (engine/memory.py)
 
 
 def check_prompt_limits(request_id: str, n: int, generated: int, max_prompt_tokens: int, max_context: int) -> None:
