@@ -1,7 +1,7 @@
-"""What the prefix-cache tests of tests/cpu (test_prefix_cache, test_prefix_host_tier, test_prefix_cache_tp)
-drive a KVCache with and check it by: a prompt filled as a forward would fill it (no model), the bytes one
-cached block holds, the reference accounting every page must satisfy, and greedy decoding through a
-Runner whose cache may resume the prompt."""
+"""What the prefix-cache tests of tests/cpu (test_prefix_cache, test_prefix_host_tier, test_prefix_cache_tp,
+test_prefix_windows) drive a KVCache with and check it by: a prompt filled as a forward would fill it (no
+model), the bytes one cached block holds, the reference accounting every page must satisfy, and greedy
+decoding through a Runner whose cache may resume the prompt."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
+from prefix_kv import check_references, fill, in_use, pair_bytes
 
 from kvrelay.engine.config import PRESETS, load_model_config
 from kvrelay.engine.kv_cache import KVCache
@@ -23,10 +23,6 @@ from kvrelay.engine.runner import Runner
 CFG = PRESETS["tiny"]  # window 8: at 4-token pages a boundary needs the sliding pages of its last 2 blocks
 PS = 4
 pytestmark = pytest.mark.usefixtures("model_single_thread")
-
-
-def pair_bytes(kv: KVCache) -> int:
-    return sum(p[:, 0].numel() * p.element_size() for p in kv.pools.values())
 
 
 def turn(kv: KVCache, sid: str, prompt: list[int], answer: list[int], chunk: int = 8) -> int:
@@ -74,14 +70,7 @@ def test_conversations_resume_at_their_deepest_boundary_on_a_small_sliding_pool(
     assert [h for h, _ in got] == [best for _, best in got]
     assert sum(best for _, best in got) == 548
     kv.prefix.clear()
-    assert all(a.num_used == 0 for a in kv.allocators.values())
-
-
-def chain(kv: KVCache, sid: str, tokens: list[int]) -> int:
-    start = kv.begin_prefix(sid, tokens)
-    kv.reserve(sid, len(tokens) - start)
-    kv.commit(sid, len(tokens) - start)
-    return start
+    assert in_use(kv) == {FULL: 0, SLIDING: 0}
 
 
 def block(kv: KVCache, tokens: list[int], j: int):
@@ -99,7 +88,7 @@ def test_eviction_takes_unguarded_pages_first_then_the_least_recent_windows_neve
     assert window_depth(CFG.sliding_window, PS) == 2 and window_depth(8, 16) == 1 and pc._depth == 3
     a = list(range(100, 140))  # 40 tokens: blocks 0..9, a leaf (and its prompt's end) at 9
     b = a[:22] + [7] * 10  # forks after block 4: its own blocks 5..7
-    assert chain(kv, "a", a) == 0 and chain(kv, "b", b) == 20
+    assert fill(kv, "a", a) == 0 and fill(kv, "b", b) == 20
     kv.free("a")
     kv.free("b")
     # Guarded: the leaf's windows (blocks 7..9: the boundaries at 40 and 36), the fork's (2..4), b's leaf's.
@@ -117,7 +106,7 @@ def test_eviction_takes_unguarded_pages_first_then_the_least_recent_windows_neve
     assert sliding_gone(kv, a, 10) == [0, 1, 2, 3, 4, 7, 8, 9] and pc.cached_pages()[SLIDING] == 2
     kv.free("c")
     pc.clear()
-    assert all(x.num_used == 0 for x in kv.allocators.values())
+    assert in_use(kv) == {FULL: 0, SLIDING: 0}
 
 
 def test_a_prompt_end_inside_a_longer_chain_keeps_its_window():
@@ -138,10 +127,10 @@ def test_a_prompt_end_inside_a_longer_chain_keeps_its_window():
     pc.clear()
     kv = KVCache(CFG, num_pages=64, page_size=PS)
     pc = kv.enable_prefix_cache()
-    chain(kv, "x", prompt + [1, 2])  # 24 tokens: 6 blocks
+    fill(kv, "x", prompt + [1, 2])  # 24 tokens: 6 blocks
     kv.free("x")
     assert not block(kv, prompt, 4).end
-    assert chain(kv, "y", prompt) == 20  # its 5 whole blocks are all in the hit: the hit's tail is its end
+    assert fill(kv, "y", prompt) == 20  # its 5 whole blocks are all in the hit: the hit's tail is its end
     kv.free("y")
     assert block(kv, prompt, 4).end and block(kv, prompt, 4).anchor
     pc.clear()
@@ -151,12 +140,12 @@ def test_the_host_tier_drops_mid_chain_sliding_pages_first():
     kv = KVCache(CFG, num_pages={FULL: 64, SLIDING: 16}, page_size=PS)
     pc = kv.enable_prefix_cache(host_bytes=4 * pair_bytes(kv))  # 4 slots a group
     a, b = list(range(100, 140)), list(range(300, 320))
-    chain(kv, "a", a)
+    fill(kv, "a", a)
     kv.free("a")
     assert pc.evict(SLIDING, 10) == 10  # every sliding page of a leaves the device, the leaf's window last
     host = lambda tokens, n: [j for j in range(n) if block(kv, tokens, j).host_sliding is not None]  # noqa: E731
     assert host(a, 10)[1:] == [7, 8, 9] and pc.stats.host_evicted_pages[SLIDING] == 6
-    chain(kv, "b", b)
+    fill(kv, "b", b)
     kv.free("b")
     assert pc.evict(SLIDING, 2) == 2  # b's blocks 0, 1 (unguarded): the slots they take were unguarded ones
     assert host(a, 10) == [7, 8, 9] and host(b, 5) == [1]  # plain LRU would have dropped a's 7 for b's 1
@@ -190,10 +179,7 @@ def test_random_workload_keeps_guards_exact_and_evicts_only_cache_only_pages(hos
         assert {b.id for b in pc._slru.values()} == on_device and len(pc._slru) == len(on_device)
         assert pc._slru.guarded() == sum(1 for b in blocks if b.sliding is not None and b.guard)
         assert {b.id for b in pc._hlru[SLIDING].values()} == {b.id for b in blocks if b.host_sliding is not None}
-        for g, alloc in kv.allocators.items():
-            held = [p for s in kv.seqs.values() for p in s.pages[g]]
-            cached = [b.full if g == FULL else b.sliding for b in blocks]
-            assert alloc.num_used == len(set(held) | set(cached) - {None})
+        check_references(kv)
 
     live: dict[str, list] = {}
     for step in range(400):
@@ -233,7 +219,7 @@ def test_random_workload_keeps_guards_exact_and_evicts_only_cache_only_pages(hos
     check()
     assert pc.stats.evicted_pages[SLIDING] > 50 and pc.stats.hits > 20
     pc.clear()
-    assert all(a.num_used == 0 for a in kv.allocators.values()) and len(pc._slru) == 0
+    assert in_use(kv) == {FULL: 0, SLIDING: 0} and len(pc._slru) == 0
 
 
 def test_greedy_tokens_of_a_conversation_equal_with_and_without_the_cache():
@@ -291,7 +277,8 @@ def test_topology_key_and_the_worker_specs():
     t = parse_topology(base + "prefill: {prefix_cache: true}\ncolocate: true\n", source="t.yaml")
     assert t.prefill.prefix_cache_sliding_share == 0.05 and colocated_spec(t).prefix_cache_sliding_share == 0.05
     t = parse_topology(base + "prefill: {prefix_cache: true, prefix_cache_sliding_share: 0.1}\n", source="t.yaml")
-    assert prefill_spec(t).prefix_cache_sliding_share == 0.1 and not hasattr(decode_spec(t), "prefix_cache_sliding_share")
+    assert prefill_spec(t).prefix_cache_sliding_share == 0.1
+    assert not hasattr(decode_spec(t), "prefix_cache_sliding_share")  # a decode worker keeps today's split
     t = parse_topology(base + "prefill: {prefix_cache_sliding_share: 0.1}\n", source="t.yaml")
     assert prefill_spec(t).prefix_cache_sliding_share == 0.0  # no cache: today's split
     for value, why in (("x", "expected a number"), ("-0.1", "must be a number in \\[0, 0.5\\]"),
@@ -306,4 +293,3 @@ def test_sliding_window_first_page_matches_the_guard_depth():
     for window, ps in ((8, 4), (8, 16), (128, 16), (9, 4), (5, 1)):
         for k in range(1, 40):
             assert k - first_live_page(SLIDING, k * ps, ps, window) == min(k, window_depth(window, ps))
-    assert torch  # the pools above are torch tensors
