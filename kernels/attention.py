@@ -101,10 +101,6 @@ class FlashInferSinkAttention:
                 self.workspace, "NHD", use_tensor_cores=True)
         self._sinks_f32: dict[int, torch.Tensor] = {}
         self._no_split = self.window_left >= 0 and os.environ.get("KVRELAY_FI_SLIDING_SPLIT") != "1"
-        # KVRELAY_FI_SPLIT_PAGES=n pins the full layers' KV split at n pages per CTA (a sweep knob for
-        # bench.profile_decode; unset: FlashInfer's planner decides).
-        pages = os.environ.get("KVRELAY_FI_SPLIT_PAGES")
-        self._split_pages = int(pages) if pages else None
 
     def _sinks(self, sinks: torch.Tensor) -> torch.Tensor:
         # The FA3 sink variant reads float32 sinks; convert each layer's tensor once.
@@ -132,11 +128,12 @@ class FlashInferSinkAttention:
         # A sliding layer reads at most one window (128 keys, 9 pages) per sequence: splitting that over
         # CTAs buys no parallelism worth its merge kernel (3 us a layer at batch 1 on the H200, beside an
         # 8.5 us attention kernel; bench/results/profile-decode-*-b1-8k-graph-*.json), so its plan does
-        # not split. KVRELAY_FI_SLIDING_SPLIT=1 restores FlashInfer's own choice (A/B).
+        # not split (merge 75 -> 39 us a 20b step at batch 1, 8k). KVRELAY_FI_SLIDING_SPLIT=1 restores
+        # FlashInfer's own choice (A/B). Full layers keep the planner's split: pinning it at 16 or 64 pages
+        # a CTA made their attention 6.5x slower (142 -> 922 us a step; both measured on the H200 at 2690a31).
         self._decode.plan(kv_indptr, kv_indices, kv_last_page_len, self.hq, self.hkv, self.d, self.page,
                           window_left=self.window_left, sm_scale=self.sm_scale, q_data_type=self.dtype,
-                          kv_data_type=self.dtype, disable_split_kv=self._no_split,
-                          fixed_split_size=None if self._no_split else self._split_pages)
+                          kv_data_type=self.dtype, disable_split_kv=self._no_split)
 
     def decode_nosink(self, q: torch.Tensor, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.graph_batch is not None:

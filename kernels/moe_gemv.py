@@ -124,9 +124,13 @@ class GemvConfig:
 
 
 DEFAULT_CONFIG = GemvConfig()
-# Measured per expert shape (hidden, inter) on the H200 by bench/sweep_gemv.py (batch 1, CUDA graphs); a shape
-# not listed uses DEFAULT_CONFIG.
-TUNED: dict[tuple[int, int], GemvConfig] = {}
+# Measured per expert shape (hidden, inter) by bench/sweep_gemv.py (batch 1, CUDA graphs); a shape not listed
+# uses DEFAULT_CONFIG. gpt-oss-20b and -120b share one expert shape (they differ in the number of experts).
+# H200, 2690a31 (bench/results/sweep-gemv-NVIDIA_H200-20261201-170409.json): GEMM1 23.5-23.9 -> 20.7 us
+# (78% of the 4.19 TB/s copy ceiling); GEMM2's default was already the best (9.2 us, 88%).
+TUNED: dict[tuple[int, int], GemvConfig] = {
+    (2880, 2880): GemvConfig(w1=GemvLaunch(32, 512, num_warps=2, num_stages=2), w2=GemvLaunch(16)),
+}
 
 
 def gemv_config(hidden: int, inter: int) -> GemvConfig:
