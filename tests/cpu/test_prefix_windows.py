@@ -293,3 +293,37 @@ def test_sliding_window_first_page_matches_the_guard_depth():
     for window, ps in ((8, 4), (8, 16), (128, 16), (9, 4), (5, 1)):
         for k in range(1, 40):
             assert k - first_live_page(SLIDING, k * ps, ps, window) == min(k, window_depth(window, ps))
+
+
+def test_caching_workers_hand_their_share_to_the_pool_plan(monkeypatch):
+    """A colocated worker with the cache sizes its pool with its share, a decode worker without (today's
+    split), and load_sized_runner passes the share on to plan_cuda_pool on the GPU."""
+    from types import SimpleNamespace
+
+    from kvrelay.cluster.specs import colocated_spec, decode_spec, model_spec
+    from kvrelay.cluster.topology import parse_topology
+    from kvrelay.decode_worker import colocated, worker
+    from kvrelay.engine import memory
+    from kvrelay.workers import loading
+
+    t = parse_topology("model: {name: tiny, dummy: true}\ndevice: cpu\nprefill: {prefix_cache: true}\n"
+                       "colocate: true\n", source="t.yaml")
+    seen: list[dict] = []
+    monkeypatch.setattr(worker, "load_sized_runner", lambda model, **k: seen.append(k) or "runner")
+    w = colocated.ColocatedWorker.__new__(colocated.ColocatedWorker)
+    w.chunk_tokens, w._sliding_share, w.plan_log = 64, colocated_spec(t).prefix_cache_sliding_share, []
+    assert w._load_single(colocated_spec(t).decode) == "runner" and seen[-1]["cache_share"] == 0.05
+    d = worker.DecodeWorker.__new__(worker.DecodeWorker)
+    d.plan_log = []
+    d._load_single(decode_spec(t))
+    assert seen[-1]["cache_share"] == 0.0
+
+    plans: list[dict] = []
+    fake = SimpleNamespace(resize_kv=lambda pages: None, warmup=lambda: None)
+    monkeypatch.setattr(loading, "load_runner", lambda *a, **k: fake)
+    monkeypatch.setattr(memory, "plan_cuda_pool", lambda runner, **k: plans.append(k) or SimpleNamespace(
+        pages={FULL: 1, SLIDING: 1}, describe=lambda: "KV pool"))
+    assert loading.load_sized_runner(model_spec(t), device="cuda", page_size=16, fraction=0.9, max_seqs=4,
+                                     chunk_tokens=64, max_tokens=4096, need_tokens=64, key="k",
+                                     cache_share=0.05) is fake
+    assert plans[-1]["cache_share"] == 0.05
