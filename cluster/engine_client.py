@@ -33,6 +33,7 @@ import dataclasses
 import itertools
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -283,12 +284,10 @@ class DisaggregatedEngineClient(WorkerPool):
                 acc.kv_bytes += pull.kv_bytes
                 acc.kv_transfer_s += pull.kv_transfer_s
                 self._record_pull(pull)
-                while True:
-                    outs = await self._next(queue, decode)
-                    finished = outs[-1].finish_reason is not None
-                    yield outs
-                    if finished:
-                        return
+                async with contextlib.aclosing(self._relay(queue, decode, attempt_id)) as relayed:
+                    async for outs in relayed:
+                        finished = outs[-1].finish_reason is not None
+                        yield outs
             except _Aborted:
                 return  # generate() sees the abort it asked for
             except _Retry:
@@ -341,7 +340,9 @@ class DisaggregatedEngineClient(WorkerPool):
         one message per decode step, demultiplexed here into per-request queues."""
         ch = self._channels.get(w.rank)
         if ch is None or ch.task.done() or ch.worker is not w:  # a replaced worker gets a channel of its own
-            ch = _Channel(f"{id(self):x}-{w.rank}-{next(self._turn)}", worker=w)
+            # Unique for good, not per client object: an id built from id(self) came back when a later
+            # client reused a collected one's address, and the worker's two readers split its events.
+            ch = _Channel(f"{w.rank}-{uuid.uuid4().hex}", worker=w)
             ch.task = asyncio.ensure_future(self._pump(w, ch))
             self._channels[w.rank] = ch
         return ch
@@ -350,17 +351,27 @@ class DisaggregatedEngineClient(WorkerPool):
         import ray
 
         stream = w.actor.channel.options(num_returns="streaming").remote(ch.id)
+        ended = False
         try:
             async for ref in stream:
                 for rid, token, logprob, reason, error, top in await ref:
                     q = ch.queues.get(rid)
                     if q is not None:
                         q.put_nowait((token, logprob, reason, error, top))
+            ended = True
         except ray.exceptions.RayActorError:
             self._mark_dead(w)
+            ended = True
         except Exception as e:  # the channel broke: every request on it must learn it, not wait
             log.warning("token channel to decode %d failed: %r", w.rank, e)
         finally:
+            # This client is closing (or gave up on the stream): end the worker's side too, which Ray
+            # leaves waiting when the caller drops a stream. (ray.cancel would start Ray if it is not.)
+            if not ended and ray.is_initialized():
+                try:
+                    ray.cancel(stream)
+                except Exception as e:
+                    log.debug("cancelling the token channel to decode %d: %r", w.rank, e)
             for q in list(ch.queues.values()):
                 q.put_nowait(_CHANNEL_GONE)
 
@@ -389,10 +400,22 @@ class DisaggregatedEngineClient(WorkerPool):
                 raise _Retry(str(e.cause), "kv_transfer", prefill) from None
             raise e.cause if isinstance(e.cause, Exception) else e from None
 
-    async def _next(self, queue: asyncio.Queue, decode: _Worker) -> list[TokenOutput]:
+    async def _relay(self, queue: asyncio.Queue, decode: _Worker, attempt_id: str) -> AsyncIterator[list[TokenOutput]]:
+        """A started request's tokens from its channel queue, as they arrive, up to the batch carrying its
+        finish (an attempt's and a fork group choice's decode phase); `_next` raises what ends it early."""
+        while True:
+            outs = await self._next(queue, decode, attempt_id)
+            yield outs
+            if outs[-1].finish_reason is not None:
+                return
+
+    async def _next(self, queue: asyncio.Queue, decode: _Worker, attempt_id: str) -> list[TokenOutput]:
         """The request's tokens that arrived since the last call (waits for at least one); _Aborted once
-        the worker reports the request aborted."""
+        the worker reports the request aborted. Never waits for good: a worker that stops answering is
+        hung, and one that answers but has sent this request's last event already (`streaming`) while
+        nothing came here for two stall checks has lost its stream: both are retried (re-prefilled)."""
         items = []
+        lost = False
         while queue.empty():  # wait_for costs a timer per call: only when nothing is queued yet
             try:
                 items.append(await asyncio.wait_for(queue.get(), timeout=self.stall_check_s))
@@ -402,6 +425,15 @@ class DisaggregatedEngineClient(WorkerPool):
                 if not await self._alive(decode):
                     raise _Retry(f"decode worker {decode.rank} stopped answering", "decode_unresponsive",
                                  decode) from None
+                if await self._streaming(decode, attempt_id):
+                    lost = False
+                elif lost:  # its end left the worker a whole stall check ago and is not here
+                    log.warning("request %s: decode worker %d ended its stream, but the end never reached "
+                                "this client", attempt_id, decode.rank)
+                    raise _Retry(f"decode worker {decode.rank} ended the stream of {attempt_id}, but its "
+                                 "end never arrived", "decode_stream_lost", decode) from None
+                else:
+                    lost = True  # its last event may still be on its way: one more stall check
         while not queue.empty():
             items.append(queue.get_nowait())
         out = []
@@ -417,6 +449,15 @@ class DisaggregatedEngineClient(WorkerPool):
                 raise RuntimeError(error)
             out.append(TokenOutput(token, logprob, reason, top))
         return out
+
+    async def _streaming(self, decode: _Worker, attempt_id: str) -> bool:
+        """Does the decode worker still have events to send for the attempt? True when it cannot say in
+        time (the next ping decides whether it is hung)."""
+        try:
+            return bool(await asyncio.wait_for(decode.actor.streaming.remote(attempt_id), self.worker_timeout_s))
+        except Exception as e:
+            log.info("asking decode %d about %s: %r", decode.rank, attempt_id, e)
+            return True
 
     # ---- metrics, draining -------------------------------------------------------------------
     def _metrics(self, request_id: str, prompt_tokens: int, t0: float, acc: _Acc) -> RequestMetrics:

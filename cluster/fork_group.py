@@ -17,6 +17,7 @@ its cleanup frees what it holds (the prefill lease, the reservations, the forked
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -81,12 +82,10 @@ class ForkGroup:
                 return
             acc.kv_bytes += pull.kv_bytes
             acc.kv_transfer_s += pull.kv_transfer_s
-            while True:
-                outs = await c._next(queue, decode)
-                finished = outs[-1].finish_reason is not None
-                yield outs
-                if finished:
-                    return
+            async with contextlib.aclosing(c._relay(queue, decode, rid)) as relayed:
+                async for outs in relayed:
+                    finished = outs[-1].finish_reason is not None
+                    yield outs
         except c.Aborted:
             return
         finally:

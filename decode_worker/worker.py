@@ -36,6 +36,7 @@ from kvrelay.workers.specs import DecodeSpec
 
 RELEASE_TIMEOUT_S = 10.0  # for the prefill worker's answer to a lease release after a pull
 _ABORTED = object()  # put on a stream's queue by `abort`: end the stream without a finish reason
+_CLOSED = object()  # put on a channel's queue by `reset`: end that channel's stream
 
 req_log = logging.getLogger(REQUEST_LOG)  # per-request lines, with --log-requests (workers/logs.py)
 
@@ -74,6 +75,7 @@ class DecodeWorker(StepThread):
         self._streams: dict[str, asyncio.Queue] = {}  # request -> its own stream (generate)
         self._route: dict[str, str] = {}  # request -> channel id (start)
         self._channels: dict[str, asyncio.Queue] = {}  # channel id -> batches of events
+        self._readers: set[str] = set()  # channel ids with an open `channel` stream
         self._outbox: list = []  # (request, TokenOutput | error) of the current step (step thread)
         self.completed = 0
         self.decode_tokens = 0  # tokens computed by decode steps (a pulled prompt is never recomputed)
@@ -150,7 +152,10 @@ class DecodeWorker(StepThread):
             for rid, token, p in kids:
                 if rid != request_id:
                     if not self.scheduler.has_reservation(rid):
-                        continue  # this choice was aborted during the pull: nothing to fork for it
+                        # Aborted during the pull: nothing to fork for it, but its route is set, so its
+                        # caller hears "aborted" rather than waiting for a token that never comes.
+                        self._emit(rid, _ABORTED)
+                        continue
                     self.runner.fork_sequence(request_id, rid)
                 self.scheduler.join(rid, p, token, generated, lambda out, rid=rid: self._emit(rid, out), history,
                                     prompt_tokens)
@@ -206,16 +211,34 @@ class DecodeWorker(StepThread):
 
     async def channel(self, channel_id: str) -> AsyncIterator[list[tuple]]:
         """Streaming generator: batches of (request_id, token_id, logprob, finish_reason, error, top_logprobs)
-        for the requests started with this channel id; error is None, "aborted", or a failure's text."""
+        for the requests started with this channel id; error is None, "aborted", or a failure's text.
+        One reader per id: a second stream under an id still being read is refused, since the two would
+        take turns at its queue and each lose the other's events (a request whose finish went to the
+        other reader waited for good: a caller that dropped its stream leaves this generator waiting here,
+        Ray does not cancel it)."""
+        if channel_id in self._readers:
+            raise ValueError(f"decode worker {self.rank}: token channel {channel_id!r} is already open")
+        self._readers.add(channel_id)
         queue = self._channels.setdefault(channel_id, asyncio.Queue())
         try:
             while True:
                 batch = await queue.get()
                 while not queue.empty():
                     batch += queue.get_nowait()
+                if _CLOSED in batch:  # reset(): its router is gone
+                    return
                 yield batch
         finally:
-            self._channels.pop(channel_id, None)
+            self._readers.discard(channel_id)
+            if self._channels.get(channel_id) is queue:
+                del self._channels[channel_id]
+
+    async def streaming(self, request_id: str) -> bool:
+        """Will this worker still send an event for `request_id` (a token, its finish, an error or
+        "aborted")? The engine client asks when a request it waits for has had no token for a while:
+        False means its last event has left (or never will come), so a wait for more is a lost stream.
+        Answered at once, like `reserve`."""
+        return request_id in self._route or request_id in self._streams
 
     async def generate(self, request_id: str, handle: KVHandle, first_token: int, generated: int,
                        params: SamplingParams, prefill) -> AsyncIterator[DecodeChunk]:
@@ -364,6 +387,8 @@ class DecodeWorker(StepThread):
         n = await self._locked(self._forget_all)
         for rid in list(self._streams) + list(self._route):
             self._deliver([(rid, _ABORTED)])
+        for queue in self._channels.values():  # the earlier router's streams: nobody reads them any more
+            queue.put_nowait([_CLOSED])
         self._channels.clear()
         return n
 

@@ -427,3 +427,50 @@ def test_fork_group_budget_follows_whichever_choice_is_left():
     assert budget() == {"c1": 12}
     sched.release("c1")
     assert budget() == {} and sched._forks == {}
+
+
+def test_a_token_channel_has_one_reader_and_every_event_reaches_it(decode_worker):
+    """A caller that dropped its channel stream leaves the worker's side waiting at its queue (Ray does not
+    cancel it). A second stream under that id used to take turns with it at the queue, so a request's
+    finish could go to the dead reader and its caller wait for good; it is refused now, the open reader
+    gets every event, and `streaming` says when a request's last event has left."""
+    import asyncio
+
+    from kvrelay.transfer.handle import TransferStats
+
+    w = decode_worker
+    real_pull = w.importer.pull
+
+    async def go():
+        dropped = w.channel("ch-1")
+        waiting = asyncio.ensure_future(dropped.__anext__())  # the dropped caller's reader, at the queue
+        await asyncio.sleep(0.01)
+        second = w.channel("ch-1")
+        with pytest.raises(ValueError, match="already open"):
+            await asyncio.wait_for(second.__anext__(), 5)
+        rid = "chan-1"
+        await w.reserve(rid, 40, 6)
+        pull = await w.start(rid, _handle(w.importer.layout, rid, 40), 7, 1,
+                             SamplingParams(max_tokens=6, temperature=0.0), _Prefill(), "ch-1")
+        assert pull is not None
+        events = list(await asyncio.wait_for(waiting, 10))
+        while events[-1][3] is None:
+            events += await asyncio.wait_for(dropped.__anext__(), 10)
+        assert [e[0] for e in events] == [rid] * 5 and events[-1][3] == "length"
+        assert not await w.streaming(rid) and not w.scheduler.has_reservation(rid)
+        await dropped.aclose()
+        assert "ch-1" not in w._channels and "ch-1" not in w._readers
+        # A re-attaching router's reset ends the streams its predecessor left open.
+        left = w.channel("ch-2")
+        pending = asyncio.ensure_future(left.__anext__())
+        await asyncio.sleep(0.01)
+        await w.reset()
+        with pytest.raises(StopAsyncIteration):
+            await asyncio.wait_for(pending, 5)
+        assert "ch-2" not in w._readers
+
+    w.importer.pull = lambda handle, pages: TransferStats(0, 0.0, 0)  # the pages' bytes are not judged here
+    try:
+        asyncio.run(asyncio.wait_for(go(), 60))
+    finally:
+        w.importer.pull = real_pull
