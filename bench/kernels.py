@@ -2,7 +2,7 @@
 TFLOP/s or TB/s, and share of the measured ceilings (h200-notes: copy 4.19 TB/s, bf16 762, fp8 1378
 TFLOP/s). Saves JSON (GPU, versions, git commit, command) and a PNG under bench/results/, prints a table.
 
-usage (device machine, repo root): python3 -m kvrelay.bench.kernels [--only attn,fp8,moe,moedec] [--out DIR]
+usage (device machine, repo root): python3 -m kvrelay.bench.kernels [--only attn,fp8,fp8dec,moe,moedec] [--out DIR]
 Targets are reported, not asserted.
 """
 
@@ -144,6 +144,55 @@ def bench_fp8(dev):
             record("fp8", f"triton {bm}x{bn} w{nw} s{ns}", float("nan"), note=f"failed: {str(exc)[:80]}")
 
 
+# gpt-oss-20b/120b attention (both models alike); the bytes each timed graph streams per candidate
+FP8DEC_SHAPES = (("QKV 2880->5120", 2880, 5120), ("O 4096->2880", 4096, 2880))
+FP8DEC_STREAM_BYTES = 256 << 20
+
+
+def bench_fp8_decode(dev):
+    """The attention projections at decode batch sizes (issue #11): cuBLAS blockwise (served, bias fused), the
+    16-row Triton tiles and the FP8 GEMV tiles (kernels/fp8_gemv.py), in TB/s of the bytes one call reads and
+    writes, under CUDA-graph replay as decode runs them. Each timed graph runs the projection over enough
+    distinct weight copies (>= 256 MB, past the 50 MB L2) that every call streams its weights from HBM, as the
+    24/36 layers of a decode step do; the time is per call. `auto` is what Fp8BlockLinear(backend="auto") keeps."""
+    import triton
+    from kvrelay.kernels import fp8_gemm as fg
+    from kvrelay.kernels.fp8 import quantize_weight_block128
+    for label, k, n in FP8DEC_SHAPES:
+        wq, ws = quantize_weight_block128(torch.randn(n, k, device=dev) * 0.02)
+        bias = torch.randn(n, device=dev, dtype=torch.bfloat16)
+        first = fg.Fp8BlockLinear(wq, ws, bias, backend="cublas")
+        copies = max(2, -(-FP8DEC_STREAM_BYTES // first.w.numel()))
+        # distinct weight memory per copy (same values: the kernels' bytes, not the numbers, are timed)
+        lins = [first] + [fg.Fp8BlockLinear(wq.clone(), ws.clone(), bias.clone(), backend="cublas")
+                          for _ in range(copies - 1)]
+        kp = first.kp
+        names = ["cublas", *(t for t in fg.Fp8BlockLinear.TRITON_TILES if t != "triton"),
+                 *fg.Fp8BlockLinear.GEMV_TILES]
+        for m in (1, 2, 4, 8):
+            xq, sx = fg.quantize_act_1x128(torch.randn(m, k, device=dev, dtype=torch.bfloat16), kp)
+            nbytes = n * kp + ws.numel() * 4 + xq.numel() + sx.numel() * 4 + n * 2 + m * n * 2
+            floor_us = nbytes / (CEIL["TB/s"] * 1e6)
+            auto = fg.Fp8BlockLinear(wq, ws, bias, backend="auto")
+            auto.run_quantized(xq, sx, m)
+            picked = auto._choice[1 << max(0, (m - 1).bit_length())]
+            for name in names:
+                def fn(name=name):
+                    for lin in lins:
+                        lin._run(name, xq, sx, m)
+                try:
+                    fn()
+                    ms = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") / copies
+                except Exception as exc:  # noqa: BLE001 - a tile that does not compile is skipped
+                    record("fp8dec", f"{label} M={m} {name}", float("nan"), note=repr(exc)[:120])
+                    continue
+                record("fp8dec", f"{label} M={m} {name} (graph)", ms, nbytes=nbytes,
+                       note=f"floor {floor_us:.2f} us" + ("; auto picks this" if name == picked else ""))
+            print(f"fp8dec {label} M={m}: auto (eager do_bench) picked {picked}", flush=True)
+        del lins, first
+        torch.cuda.empty_cache()
+
+
 def _fp8_experts(e, h, i, dev):
     from kvrelay.kernels.moe import MoEWeights
     f8 = torch.float8_e4m3fn
@@ -267,13 +316,13 @@ def plot(rows, path):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="attn,fp8,moe")
+    ap.add_argument("--only", default="attn,fp8,fp8dec,moe")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     torch.manual_seed(0)
     only = args.only.split(",")
-    for name, fn in (("attn", bench_attention), ("fp8", bench_fp8), ("moe", bench_moe),
+    for name, fn in (("attn", bench_attention), ("fp8", bench_fp8), ("fp8dec", bench_fp8_decode), ("moe", bench_moe),
                      ("moedec", bench_moe_decode)):
         if name in only:
             try:

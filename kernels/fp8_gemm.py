@@ -7,6 +7,7 @@ per K block, scaled, summed, + bias, bf16). Backends:
   expanded to one per output column, [K/128, N] contiguous. cuBLAS has no bias here, so bias is one extra
   in-place pass over the output.
 - "triton": a block-scaled Triton GEMM whose epilogue adds the bias before the bf16 store (no extra pass).
+- "gemv-*": kernels/fp8_gemv.py, a CUDA-core GEMV over narrow N tiles for decode batches (M <= 8).
 - "deepgemm": only if `deep_gemm` is importable (it is not on our H200 image).
 `Fp8BlockLinear(backend="auto")` times the available backends once per M bucket on first use and keeps the
 faster one (never while a CUDA graph is being captured).
@@ -18,6 +19,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .fp8_gemv import triton_fp8_gemv
 
 BLOCK = 128
 FP8 = torch.float8_e4m3fn
@@ -160,6 +163,11 @@ class Fp8BlockLinear:
     # to SMALL_M only, and chosen only where measured faster.
     TRITON_TILES = {"triton": (128, 128, 8, 4), "triton-m16n32": (16, 32, 4, 4), "triton-m16n64": (16, 64, 4, 4)}
     SMALL_M = 64
+    # The FP8 GEMV's tiles (kernels/fp8_gemv.py): (block_n, block_k, num_warps). Timed for M buckets up to
+    # GEMV_MAX_M (decode batch sizes), beside cuBLAS and the 16-row tiles, and kept only where faster.
+    GEMV_TILES = {"gemv-n16k256w4": (16, 256, 4), "gemv-n16k512w4": (16, 512, 4), "gemv-n32k256w4": (32, 256, 4),
+                  "gemv-n32k512w4": (32, 512, 4), "gemv-n64k512w8": (64, 512, 8)}
+    GEMV_MAX_M = 8
 
     def __init__(self, w_fp8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
                  backend: str = "auto", choice_cache: dict[int, str] | None = None):
@@ -173,16 +181,21 @@ class Fp8BlockLinear:
         self.w_scale = w_scale.float().contiguous()
         self.sb_cols = cublas_column_scales(self.w_scale, n)
         self.bias = bias
-        if backend not in ("auto", "cublas", *self.TRITON_TILES):
+        if backend not in ("auto", "cublas", *self.TRITON_TILES, *self.GEMV_TILES):
             raise ValueError(f"unknown backend {backend}")
         self.backend = backend
         # M bucket -> backend. Layers of one shape may share one dict (`choice_cache`), so a model with
         # 24 identical projections times each bucket once rather than 24 times.
         self._choice: dict[int, str] = {} if choice_cache is None else choice_cache
 
-    def _run(self, backend: str, xq, sx):
+    def _run(self, backend: str, xq, sx, m: int | None = None):
+        """[>= m, N]: the GEMMs compute every (padding) row of xq, the GEMV only the first m."""
         if backend == "cublas":
             return cublas_fp8_gemm(xq, sx, self.w, self.sb_cols, self.bias)
+        if backend in self.GEMV_TILES:
+            bn, bk, nw = self.GEMV_TILES[backend]
+            return triton_fp8_gemv(xq, sx, self.w, self.w_scale, self.bias, m=m, block_n=bn, block_k=bk,
+                                   num_warps=nw)
         bm, bn, nw, ns = self.TRITON_TILES[backend]
         return triton_fp8_gemm(xq, sx, self.w, self.w_scale, self.bias, block_m=bm, block_n=bn, num_warps=nw,
                                num_stages=ns)
@@ -197,9 +210,10 @@ class Fp8BlockLinear:
             return "cublas"
         times = {}
         names = self.BACKENDS + (tuple(n for n in self.TRITON_TILES if n != "triton") if bucket <= self.SMALL_M else ())
+        names += tuple(self.GEMV_TILES) if bucket <= self.GEMV_MAX_M else ()
         for name in names:
             try:
-                times[name] = triton.testing.do_bench(lambda: self._run(name, xq, sx), warmup=5, rep=20,
+                times[name] = triton.testing.do_bench(lambda: self._run(name, xq, sx, m), warmup=5, rep=20,
                                                       return_mode="median")
             except Exception:  # a backend that cannot run this shape is simply not chosen
                 continue
@@ -209,7 +223,7 @@ class Fp8BlockLinear:
     def run_quantized(self, xq: torch.Tensor, sx: torch.Tensor, m: int) -> torch.Tensor:
         """The product of an input already quantised as quantize_act_1x128(x, self.kp) returns it (e.g. by
         kernels.fused.add_rms_norm): [m, N] bf16, the M padding rows dropped."""
-        return self._run(self._pick(m, xq, sx), xq, sx)[:m]
+        return self._run(self._pick(m, xq, sx), xq, sx, m)[:m]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

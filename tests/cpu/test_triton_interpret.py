@@ -157,3 +157,46 @@ def test_expert_sort_kernel_equals_torch_sort_interpreted():
         want = sort_by_expert(ids, num_experts, block_m, path="torch")
         for a, b, name in zip(got, want, ("sorted_ids", "block_expert", "counts")):
             assert torch.equal(a.long(), b.long()), (num_experts, tokens, name)
+
+
+@_interpreted
+def test_fp8_gemv_interpreted():
+    """The FP8 block-scaled GEMV (Fp8BlockLinear's "gemv-*" backends, decode batches) against float64 on
+    the same quantised operands. Weight row blocks and activation K blocks differ in magnitude by up to 40x,
+    so a GEMV that applied another block's scale, or skipped a K block, would be far off; bias as large as
+    the product. K not a multiple of 128 (ragged last block, K padded), N crossing a 128-row scale block and
+    not a multiple of the tile, M past 8 (a second row group)."""
+    from kvrelay.kernels import fp8, fp8_gemm
+    from kvrelay.kernels.fp8_gemv import triton_fp8_gemv
+    g = torch.Generator().manual_seed(6)
+    for m, k, n in [(1, 300, 200), (2, 256, 96), (4, 640, 136), (8, 384, 256), (11, 130, 64)]:
+        kblk = 1 + 3 * torch.arange(-(-k // 128)).float().repeat_interleave(128)[:k]  # 1, 4, 7, ... per K block
+        nblk = 1 + 13 * (torch.arange(n) // 128).float()  # 1, 14, ... per 128-row block
+        x = (torch.randn(m, k, generator=g) * kblk).bfloat16()
+        w = torch.randn(n, k, generator=g) * 0.02 * nblk[:, None]
+        b = (torch.randn(n, generator=g) * 3).bfloat16()
+        wq, ws = fp8.quantize_weight_block128(w)
+        wd = fp8.dequantize_weight_block128(wq, ws, torch.float32).double()
+        for name in fp8_gemm.Fp8BlockLinear.GEMV_TILES:
+            lin = fp8_gemm.Fp8BlockLinear(wq, ws, b, backend=name)
+            xq, sx = fp8_gemm.quantize_act_1x128(x, lin.kp)
+            y = lin.run_quantized(xq, sx, m)
+            xd = xq[:m, :k].double() * sx[:m].double().repeat_interleave(128, 1)[:, :k]
+            ref = xd @ wd.T + b.double()
+            assert y.shape == (m, n) and y.dtype == torch.bfloat16
+            # 1e-2: the bound of the other fp8 GEMM tests (under the interpreter the bf16 store truncates)
+            assert refs.rel_err(y, ref) < 1e-2, (name, m, k, n, refs.rel_err(y, ref))
+            assert refs.rel_err(y, ref - b.double()) > 5e-2, "bias not added"
+            # the same product through the 16-row tensor-core tile: the two backends agree
+            t = fp8_gemm.Fp8BlockLinear(wq, ws, b, backend="triton-m16n32").run_quantized(xq, sx, m)
+            assert refs.rel_err(y, t) < 1e-2
+        # a wrong scale must fail: every weight block scale of row block 0 used for all rows
+        wrong = ws.clone()
+        wrong[1:] = ws[:1]
+        lin = fp8_gemm.Fp8BlockLinear(wq, wrong, b, backend="gemv-n16k512w4")
+        if n > 128:
+            assert refs.rel_err(lin.run_quantized(xq, sx, m), ref) > 0.1
+    # m rows of a padded activation: rows past m are never read into the output, which has m rows
+    xq, sx = fp8_gemm.quantize_act_1x128(torch.randn(3, 256, generator=g).bfloat16(), 256)
+    wq, ws = fp8.quantize_weight_block128(torch.randn(64, 256, generator=g) * 0.02)
+    assert triton_fp8_gemv(xq, sx, wq, ws, m=3).shape == (3, 64) and xq.shape[0] == 4

@@ -1,5 +1,5 @@
-"""FP8 block GEMM with bias (cuBLAS blockwise, Triton with its prefill and decode tiles) against the float32
-dequantised product."""
+"""FP8 block GEMM with bias (cuBLAS blockwise, Triton with its prefill and decode tiles, the decode GEMV) against
+the float32 dequantised product."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ def _ref(xq, sx, wq, ws, bias, n):
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 2880, 5120), (37, 2880, 4096), (300, 4096, 2880), (129, 200, 333)])
-@pytest.mark.parametrize("backend", ["cublas", "triton", "triton-m16n32", "triton-m16n64"])
+@pytest.mark.parametrize("backend", ["cublas", "triton", "triton-m16n32", "triton-m16n64", "gemv-n16k512w4",
+                                     "gemv-n64k512w8"])
 def test_fp8_block_linear(m, k, n, backend):
     from kvrelay.kernels.fp8 import fp8_block_linear_ref, quantize_weight_block128
     from kvrelay.kernels.fp8_gemm import Fp8BlockLinear, quantize_act_1x128
@@ -61,3 +62,114 @@ def test_act_quant_matches_reference():
     assert torch.allclose(s[:77], rs, rtol=1e-6)
     assert (q[:77, :2880].float() == rq.float()).float().mean() > 0.999
     assert (q[:, 2880:].float() == 0).all() and (q[77:].float() == 0).all()
+
+
+# gpt-oss-20b and -120b share the attention shapes: QKV 2880 -> (64 + 2 * 8) * 64 = 5120, O 4096 -> 2880 (K=2880
+# is not a multiple of 128: padded to 2944); the TP=2 shards of both, QKV 2880 -> 2560 and O 2048 -> 2880.
+GPT_OSS_SHAPES = [(2880, 5120), (4096, 2880), (2880, 2560), (2048, 2880)]
+
+
+def _act(m, k, dev, g):
+    kblk = 1 + (torch.arange(k) // 128 % 5).float()
+    return (torch.randn(m, k, generator=g) * kblk).bfloat16().to(dev)
+
+
+def _operands(m, k, n, dev, seed):
+    from kvrelay.kernels.fp8 import quantize_weight_block128
+    g = torch.Generator().manual_seed(seed)
+    # per-block magnitudes that differ (a GEMV applying another block's scale is far off); no zeros
+    x = _act(m, k, dev, g)
+    nblk = 1 + (torch.arange(n) // 128 % 7).float()
+    w = (torch.randn(n, k, generator=g) * 0.02 * nblk[:, None]).to(dev)
+    bias = torch.randn(n, generator=g).bfloat16().to(dev)
+    wq, ws = quantize_weight_block128(w)
+    return x, wq, ws, bias
+
+
+def _bf16_ulp(v: torch.Tensor) -> torch.Tensor:
+    _, e = torch.frexp(v.abs().clamp_min(1e-30))
+    return torch.ldexp(torch.ones_like(v), e - 8)  # bf16: 8 significant bits
+
+
+@pytest.mark.parametrize("k,n", GPT_OSS_SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
+def test_fp8_gemv_decode_shapes(m, k, n):
+    """Every GEMV tile at decode batch sizes on the served shapes: each output within one bf16 ulp (plus the
+    fp32 accumulation's share) of the float64 product of the same quantised operands, i.e. what a correctly
+    rounded fp32 GEMM gives; within the fp8 tests' bound of the torch reference and of cuBLAS."""
+    from kvrelay.kernels.fp8 import fp8_block_linear_ref
+    from kvrelay.kernels.fp8_gemm import Fp8BlockLinear, quantize_act_1x128
+    dev = _cuda()
+    x, wq, ws, bias = _operands(m, k, n, dev, seed=m * 131 + k + n)
+    cublas = Fp8BlockLinear(wq, ws, bias, backend="cublas")
+    xq, sx = quantize_act_1x128(x, cublas.kp)
+    ref = _ref(xq[:m, :k], sx[:m], wq, ws, bias.float(), n).double()
+    a = (xq[:m, :k].double() * sx[:m].double().repeat_interleave(128, 1)[:, :k]).abs()
+    wd = (wq.double() * ws.double().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]).abs()
+    tol = _bf16_ulp(ref) + 1e-5 * (a @ wd.t())
+    torch_ref = fp8_block_linear_ref(x, wq, ws, bias)
+    want_cublas = cublas.run_quantized(xq, sx, m)
+    for name in Fp8BlockLinear.GEMV_TILES:
+        lin = Fp8BlockLinear(wq, ws, bias, backend=name)
+        out = lin.run_quantized(xq, sx, m)
+        torch.cuda.synchronize()
+        assert out.shape == (m, n) and out.dtype == torch.bfloat16
+        bad = ((out.double() - ref).abs() > tol).sum().item()
+        assert bad == 0, (name, bad, (out.double() - ref).abs().max().item())
+        assert rel_err(out, torch_ref) < 1e-2 and rel_err(out, want_cublas) < 1e-2, (name, rel_err(out, torch_ref), rel_err(out, want_cublas))
+        assert torch.equal(lin(x), out), name  # the unquantised entry point: the same kernel, same bits
+        assert rel_err(out, ref - bias.double()) > 5e-2  # the bias is in
+
+
+@pytest.mark.parametrize("k,n", GPT_OSS_SHAPES[:2])
+def test_fp8_gemv_graph_replay_is_bit_exact(k, n):
+    """A CUDA graph of the GEMV (how decode runs it) replays to exactly the eager bits, for new inputs copied
+    into its static buffers too (no atomics, no split-K: one fixed summation order)."""
+    from kvrelay.kernels.fp8_gemm import Fp8BlockLinear, quantize_act_1x128
+    dev = _cuda()
+    for name in ("gemv-n16k256w4", "gemv-n32k512w4"):
+        x, wq, ws, bias = _operands(4, k, n, dev, seed=k + n)
+        lin = Fp8BlockLinear(wq, ws, bias, backend=name)
+        xq, sx = quantize_act_1x128(x, lin.kp)
+        static_q, static_s = xq.clone(), sx.clone()
+        for m in (1, 4):
+            lin.run_quantized(static_q, static_s, m)  # compile outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = lin.run_quantized(static_q, static_s, m)
+            for seed in range(3):
+                x2 = _act(4, k, dev, torch.Generator().manual_seed(100 + seed))
+                q2, s2 = quantize_act_1x128(x2, lin.kp)
+                static_q.copy_(q2)
+                static_s.copy_(s2)
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(out, lin.run_quantized(q2, s2, m)), (name, m, seed)
+
+
+def test_auto_times_the_gemv_at_decode_sizes():
+    """backend="auto" times the GEMV tiles beside cuBLAS and the 16-row tiles for M <= 8 (and only there),
+    keeps one per M bucket, and the product is right whichever won."""
+    from kvrelay.kernels.fp8_gemm import Fp8BlockLinear
+    dev = _cuda()
+    x, wq, ws, bias = _operands(16, 2880, 5120, dev, seed=7)
+    choices: dict[int, str] = {}
+    lin = Fp8BlockLinear(wq, ws, bias, backend="auto", choice_cache=choices)
+    timed = []
+    orig = lin._run
+    lin._run = lambda name, *a, **kw: (timed.append(name), orig(name, *a, **kw))[1]
+    for m in (1, 16):
+        timed.clear()
+        out = lin(x[:m])
+        assert rel_err(out, _ref(*_quantized(lin, x[:m]), wq, ws, bias.float(), 5120)) < 1e-2
+        names = set(timed)
+        gemvs = set(Fp8BlockLinear.GEMV_TILES)
+        assert (gemvs <= names) if m == 1 else not (gemvs & names), (m, names)
+    print("auto choices", choices)
+
+
+def _quantized(lin, x):
+    from kvrelay.kernels.fp8_gemm import quantize_act_1x128
+    xq, sx = quantize_act_1x128(x, lin.kp)
+    return xq[: x.shape[0], : lin.k], sx[: x.shape[0]]
