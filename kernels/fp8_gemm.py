@@ -16,6 +16,8 @@ K is padded to a multiple of 128 once at load time: both kernels consume whole 1
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
@@ -25,6 +27,7 @@ from .fp8_gemv import triton_fp8_gemv
 BLOCK = 128
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+_log = logging.getLogger(__name__)
 
 
 @triton.jit
@@ -211,8 +214,18 @@ class Fp8BlockLinear:
         times = {}
         names = self.BACKENDS + (tuple(n for n in self.TRITON_TILES if n != "triton") if bucket <= self.SMALL_M else ())
         names += tuple(self.GEMV_TILES) if bucket <= self.GEMV_MAX_M else ()
+        first = first_name = None
         for name in names:
             try:
+                out = self._run(name, xq, sx, m)[:m].float()
+                # A candidate must agree with the first backend that ran (cuBLAS where it can) on this very
+                # input before its speed counts: a kernel miscompiled for this shape/GPU is never picked.
+                if first is None:
+                    first, first_name = out, name
+                elif not (out - first).norm() <= 1e-2 * first.norm() + 1e-6:
+                    _log.warning("Fp8BlockLinear [%d, %d] M=%d: backend %s disagrees with %s, not used",
+                                 self.n, self.k, m, name, first_name)
+                    continue
                 times[name] = triton.testing.do_bench(lambda: self._run(name, xq, sx, m), warmup=5, rep=20,
                                                       return_mode="median")
             except Exception:  # a backend that cannot run this shape is simply not chosen

@@ -148,24 +148,36 @@ def test_fp8_gemv_graph_replay_is_bit_exact(k, n):
                 assert torch.equal(out, lin.run_quantized(q2, s2, m)), (name, m, seed)
 
 
-def test_auto_times_the_gemv_at_decode_sizes():
+def test_auto_times_the_gemv_at_decode_sizes(caplog):
     """backend="auto" times the GEMV tiles beside cuBLAS and the 16-row tiles for M <= 8 (and only there),
-    keeps one per M bucket, and the product is right whichever won."""
+    keeps one per M bucket, and the product is right whichever won; a candidate whose output disagrees
+    with cuBLAS on the input (here one GEMV tile made to return zeros) is never picked."""
     from kvrelay.kernels.fp8_gemm import Fp8BlockLinear
     dev = _cuda()
     x, wq, ws, bias = _operands(16, 2880, 5120, dev, seed=7)
     choices: dict[int, str] = {}
     lin = Fp8BlockLinear(wq, ws, bias, backend="auto", choice_cache=choices)
     timed = []
-    orig = lin._run
-    lin._run = lambda name, *a, **kw: (timed.append(name), orig(name, *a, **kw))[1]
-    for m in (1, 16):
+    orig, broken = lin._run, "gemv-n16k512w4"
+
+    def run(name, *a, **kw):
+        timed.append(name)
+        out = orig(name, *a, **kw)
+        return out * 0 if name == broken else out
+
+    lin._run = run
+    gemvs = set(Fp8BlockLinear.GEMV_TILES)
+    for m in (1, 2, 16):
         timed.clear()
-        out = lin(x[:m])
+        with caplog.at_level("WARNING", logger="kvrelay.kernels.fp8_gemm"):
+            out = lin(x[:m])
         assert rel_err(out, _ref(*_quantized(lin, x[:m]), wq, ws, bias.float(), 5120)) < 1e-2
         names = set(timed)
-        gemvs = set(Fp8BlockLinear.GEMV_TILES)
-        assert (gemvs <= names) if m == 1 else not (gemvs & names), (m, names)
+        assert (gemvs <= names) if m <= 8 else not (gemvs & names), (m, names)
+        assert choices[1 << max(0, (m - 1).bit_length())] != broken
+        # the broken tile ran once (the check), never under the timer
+        assert timed.count(broken) == (1 if m <= 8 else 0), timed.count(broken)
+    assert f"backend {broken} disagrees with cublas" in caplog.text
     print("auto choices", choices)
 
 
