@@ -1,7 +1,7 @@
 """The prefix cache's sliding group under pressure (engine/prefix_windows.py) and its pool share
 (engine/memory.py, prefill.prefix_cache_sliding_share): on a sliding pool much smaller than the full one,
 multi-turn conversations keep resuming at their deepest boundary (plain LRU lost it: chains lose their
-sliding pages leaf first); eviction takes mid-chain pages before the windows of leaves, forks and prompt
+sliding pages leaf first), issue 16's H200 workload on 20b's pool geometry included; eviction takes mid-chain pages before the windows of leaves, forks and prompt
 ends, never a page a sequence holds, and the host tier keeps the same order; each block's guard is
 exactly the anchors covering it through a random workload; greedy decoding of such a conversation on the
 tiny model equals decoding without the cache; and the pool split gives the cache its share of windows."""
@@ -72,6 +72,35 @@ def test_conversations_resume_at_their_deepest_boundary_on_a_small_sliding_pool(
     kv.prefix.clear()
     assert in_use(kv) == {FULL: 0, SLIDING: 0}
 
+
+
+def test_the_h200_multi_turn_workload_resumes_every_turn_on_the_old_sliding_pool():
+    """Issue 16's workload (8 conversations x 7 turns over a 6k system prompt, 8k..32k prompts, 256-token
+    answers, prompts in 8192-token chunks) on 20b's pool geometry (window 128, 16-token pages, 275,657
+    full pages) with the sliding pool it had on the H200 (5,633 pages, no cache share): every turn
+    resumes at the deepest boundary (939,264 positions, all the host tier reached there). Plain LRU
+    resumed 695,600 here (856k on the GPU, where the turns overlapped). Tiny heads keep the pools small."""
+    import dataclasses
+
+    cfg = dataclasses.replace(CFG, num_hidden_layers=2, num_key_value_heads=1, num_attention_heads=1, head_dim=2,
+                              sliding_window=128)
+    ps = 16
+    kv = KVCache(cfg, num_pages={FULL: 275657, SLIDING: 5633}, page_size=ps)
+    pc = kv.enable_prefix_cache()
+    rng = random.Random(0)
+    system = [rng.randrange(1000) for _ in range(6144)]
+    hist = {c: list(system) for c in range(8)}
+    got = want = 0
+    for t in range(7):
+        for c in range(8):
+            prompt = hist[c] + [rng.randrange(1000) for _ in range(2048 if t == 0 else 3840)]
+            answer = [rng.randrange(1000) for _ in range(256)]
+            hit = turn(kv, f"{c}.{t}", prompt, answer, chunk=8192)
+            best = (len(hist[c]) - 1) // ps * ps if t else (6144 if c else 0)
+            assert hit == best, (c, t)
+            got, want = got + hit, want + best
+            hist[c] = prompt + answer
+    assert got == want == 939264 and pc.stats.evicted_pages[SLIDING] > 8000
 
 def block(kv: KVCache, tokens: list[int], j: int):
     """Block j of a cached chain of `tokens`."""
