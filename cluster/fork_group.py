@@ -133,8 +133,10 @@ class ForkGroup:
             for j in range(n):
                 self.feeds[j].put_nowait((firsts[j], info))
             live = [j for j in range(n) if firsts[j].finish_reason is None and ids[j] not in c._aborted]
-            if not live or handle is None:
+            if not live:
                 return
+            if handle is None:  # its choices would wait for a decode start that never comes
+                raise RuntimeError(f"request {ids[0]}: the prefill kept no KV, but {len(live)} choices go on")
             channel = c._channel(decode)
             for j in live:
                 channel.queues[ids[j]] = asyncio.Queue()
