@@ -474,3 +474,57 @@ def test_a_token_channel_has_one_reader_and_every_event_reaches_it(decode_worker
         asyncio.run(asyncio.wait_for(go(), 60))
     finally:
         w.importer.pull = real_pull
+
+
+def test_a_choice_aborted_during_the_group_pull_hears_aborted(decode_worker):
+    """n=2 from one pull: choice 1 is aborted while choice 0's KV is still being READ. It is not forked,
+    and its caller's channel says "aborted" (its route was set with the group's), instead of never
+    hearing of it again; choice 0 decodes to its end."""
+    import asyncio
+    import threading
+
+    from kvrelay.transfer.handle import TransferStats
+
+    w = decode_worker
+    real_pull = w.importer.pull
+    started, gate = threading.Event(), threading.Event()
+
+    def slow_pull(handle, pages):
+        started.set()
+        assert gate.wait(30), "test never opened the gate"
+        return TransferStats(0, 0.0, 0)
+
+    async def go():
+        params = SamplingParams(max_tokens=6, temperature=0.0)
+        await w.reserve("g0", 40, 6, ("g1",))
+        channel = w.channel("ch-g")
+        events: list[tuple] = []
+
+        async def read():
+            async for batch in channel:
+                events.extend(batch)
+                if {e[0] for e in events if e[3] is not None or e[4] is not None} == {"g0", "g1"}:
+                    return
+
+        reader = asyncio.ensure_future(read())
+        start = asyncio.ensure_future(w.start_group("g0", _handle(w.importer.layout, "g0", 40), 1, params,
+                                                    _Prefill(), "ch-g", (("g0", 7, params), ("g1", 9, params))))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        await w.abort("g1")
+        gate.set()
+        assert await asyncio.wait_for(start, 10) is not None
+        await asyncio.wait_for(reader, 10)
+        await channel.aclose()
+        assert [e[4] for e in events if e[0] == "g1"] == ["aborted"]
+        g0 = [e for e in events if e[0] == "g0"]
+        assert len(g0) == 5 and g0[-1][3] == "length"
+        assert not await w.streaming("g1") and not await w.streaming("g0")
+        assert w.scheduler.request_ids() == [] and not w.runner.has_sequence("g1")
+
+    w.importer.pull = slow_pull
+    try:
+        asyncio.run(asyncio.wait_for(go(), 60))
+    finally:
+        gate.set()
+        w.importer.pull = real_pull
