@@ -45,6 +45,24 @@ except ImportError:  # pragma: no cover - older triton
 # routing
 # --------------------------------------------------------------------------------------------------
 @triton.jit
+def topk_softmax(v, e, K: tl.constexpr, E_P2: tl.constexpr):
+    """Top-K of each row of v [R, E_P2] (fp32 holding bf16 values, -inf where no expert), then the softmax
+    over the K: (weights fp32 [R, K], ids int32 [R, K]) in descending order, ties to the lower id."""
+    kk = tl.arange(0, K)
+    vals = tl.zeros([v.shape[0], K], tl.float32)
+    ids = tl.zeros([v.shape[0], K], tl.int32)
+    for j in tl.static_range(K):
+        m = tl.max(v, 1)
+        # lowest index among equal maxima: deterministic ties
+        idx = tl.min(tl.where(v == m[:, None], e[None, :], E_P2), 1)
+        vals = tl.where(kk[None, :] == j, m[:, None], vals)
+        ids = tl.where(kk[None, :] == j, idx[:, None], ids)
+        v = tl.where(e[None, :] == idx[:, None], float("-inf"), v)
+    p = tl.exp(vals - tl.max(vals, 1)[:, None])
+    return p / tl.sum(p, 1)[:, None], ids
+
+
+@triton.jit
 def _route_kernel(logits, bias, w_out, id_out, T, E, s_lt, HAS_BIAS: tl.constexpr, K: tl.constexpr,
                   E_P2: tl.constexpr, BLOCK_T: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -56,18 +74,8 @@ def _route_kernel(logits, bias, w_out, id_out, T, E, s_lt, HAS_BIAS: tl.constexp
     # The served router output is bf16 (the reference's linear rounds once): top-k on those values.
     v = v.to(tl.bfloat16).to(tl.float32)
     v = tl.where(ok, v, float("-inf"))
+    w, ids = topk_softmax(v, e, K, E_P2)
     kk = tl.arange(0, K)
-    vals = tl.zeros([BLOCK_T, K], tl.float32)
-    ids = tl.zeros([BLOCK_T, K], tl.int32)
-    for j in tl.static_range(K):
-        m = tl.max(v, 1)
-        # lowest index among equal maxima: deterministic ties
-        idx = tl.min(tl.where(v == m[:, None], e[None, :], E_P2), 1)
-        vals = tl.where(kk[None, :] == j, m[:, None], vals)
-        ids = tl.where(kk[None, :] == j, idx[:, None], ids)
-        v = tl.where(e[None, :] == idx[:, None], float("-inf"), v)
-    p = tl.exp(vals - tl.max(vals, 1)[:, None])
-    w = p / tl.sum(p, 1)[:, None]
     o = t.to(tl.int64)[:, None] * K + kk[None, :]
     tl.store(w_out + o, w.to(w_out.dtype.element_ty), mask=(t < T)[:, None])
     tl.store(id_out + o, ids.to(tl.int64), mask=(t < T)[:, None])
@@ -430,7 +438,19 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, ex: M
 
 def moe_forward(h: torch.Tensor, gate_w: torch.Tensor, gate_b: torch.Tensor, ex: MoEWeights, k: int, *,
                 path: str = "auto", alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
-    """One MoE block on normed input h [T, H] (residual not included)."""
-    logits = torch.nn.functional.linear(h, gate_w, gate_b)  # bf16 like the reference's router
-    w, ids = route_topk(logits, k)
+    """One MoE block on normed input h [T, H] (residual not included), routed as the engine routes
+    (engine/layers/moe.py): the fused router kernel at decode sizes on a GPU, cuBLAS + route_topk above."""
+    from . import router
+
+    if h.is_cuda and h.shape[0] <= router.ROUTE_MAX_TOKENS:
+        w, ids = router.router_route(h, gate_w, gate_b, k, _counters(h.device))
+    else:
+        w, ids = route_topk(torch.nn.functional.linear(h, gate_w, gate_b), k)  # bf16 like the reference
     return moe_experts(h, ids, w, ex, path=path, alpha=alpha, limit=limit)
+
+
+@functools.cache
+def _counters(device: torch.device) -> torch.Tensor:
+    from . import router
+
+    return router.new_counters(device)

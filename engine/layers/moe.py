@@ -49,6 +49,11 @@ class MoE:
             else:
                 self.gpu = _gpu_experts_fp8_chunked(get, self.e0, self.e1, rows1, cols2,
                                                     get("mlp1_bias", (experts, rows1)), bias2)
+            if self.fused_router:
+                from kvrelay.kernels import router as kroute
+
+                # the fused router's arrival counters: allocated here, before any CUDA-graph capture
+                self._route_counters = kroute.new_counters(device)
             return
         self.mlp1 = ExpertLinears(get("mlp1_weight", (experts, rows1)), get("mlp1_bias", (experts, rows1)), quant)
         self.mlp2 = ExpertLinears(get("mlp2_weight", (experts, slice(None), cols2)), bias2, quant)
@@ -77,13 +82,14 @@ class MoE:
 
     def _gpu_forward(self, x: torch.Tensor, combine: bool = True) -> torch.Tensor:
         """Routing and experts on the GPU kernels: no host sync, so a decode step can be graph-captured."""
-        from kvrelay.kernels import fused, moe as kmoe
+        from kvrelay.kernels import moe as kmoe, router as kroute
 
-        if self.fused_router and x.shape[0] <= fused.ROUTER_GEMV_MAX_TOKENS:
-            logits = fused.router_logits(x, self.router.weight, self.router.bias)  # one launch, not cuBLAS's two
+        if self.fused_router and x.shape[0] <= kroute.ROUTE_MAX_TOKENS:
+            # logits + top-k + softmax in one launch (cuBLAS's split-K GEMM + reduce + route were three)
+            gate, experts = kroute.router_route(x, self.router.weight, self.router.bias, self.top_k,
+                                                self._route_counters)
         else:
-            logits = self.router(x)
-        gate, experts = kmoe.route_topk(logits, self.top_k)
+            gate, experts = kmoe.route_topk(self.router(x), self.top_k)
         n_local = self.e1 - self.e0
         if n_local < self.num_experts:
             # Expert parallel: pairs routed to another rank's experts get weight 0 (and a valid local

@@ -200,3 +200,34 @@ def test_fp8_gemv_interpreted():
     xq, sx = fp8_gemm.quantize_act_1x128(torch.randn(3, 256, generator=g).bfloat16(), 256)
     wq, ws = fp8.quantize_weight_block128(torch.randn(64, 256, generator=g) * 0.02)
     assert triton_fp8_gemv(xq, sx, wq, ws, m=3).shape == (3, 64) and xq.shape[0] == 4
+
+
+@_interpreted
+def test_fused_router_route_equals_logits_then_route_interpreted():
+    # kernels/router.py: logits + top-k + softmax in one launch, the last-arriving program routing; the
+    # same weights and ids as router_logits then route_topk, bit for bit, and the counters left at zero.
+    from kvrelay.kernels import fused, moe, router
+    g = torch.Generator().manual_seed(7)
+    cnt = router.new_counters("cpu")
+    for t, e, h, k in [(1, 32, 2880, 4), (5, 128, 2880, 4), (3, 8, 100, 2)]:
+        x = torch.randn(t, h, generator=g).bfloat16()
+        w = (torch.randn(e, h, generator=g) * h ** -0.5).bfloat16()
+        bias = torch.randn(e, generator=g).bfloat16()
+        for bb in (bias, None):
+            gw, gi = router.router_route(x, w, bb, k, cnt)
+            rw, ri = moe.route_topk(fused.router_logits(x, w, bb), k)
+            assert torch.equal(gi, ri) and torch.equal(gw, rw), (t, e, bb is None)
+            assert not cnt.any()
+            assert gi.shape == (t, k) and len(set(gi[0].tolist())) == k
+    # the route depends on the router's logits, not on which program arrived last
+    x = torch.randn(2, 64, generator=g).bfloat16()
+    w = (torch.randn(16, 64, generator=g) * 0.1).bfloat16()
+    a = router.router_route(x, w, None, 4, cnt)
+    b = router.router_route(x, -w, None, 4, cnt)
+    assert not torch.equal(a[1], b[1])
+    try:
+        router.router_route(torch.randn(65, 64).bfloat16(), w, None, 4, cnt)
+    except ValueError as exc:
+        assert "65 tokens" in str(exc)
+    else:
+        raise AssertionError("more tokens than counters must be refused")

@@ -282,3 +282,33 @@ def test_model_fused_equals_unfused(quant, monkeypatch):
     fi = runners[True].model.attention_backend == "flashinfer"
     saved = 5 if quant == "bf16" else (7 if fi else 6)
     assert counts[True] <= counts[False] - cfg.num_hidden_layers * saved
+
+
+@pytest.mark.parametrize("t,e", [(1, 32), (1, 128), (8, 32), (64, 128)])
+def test_router_route_equals_logits_then_route_and_replays(t, e):
+    """kernels/router.py (logits + top-k + softmax in one launch, routed by the last-arriving program)
+    gives router_logits + route_topk's weights and ids bit for bit, eagerly and replayed in a CUDA graph
+    on new inputs, and leaves its arrival counters at zero."""
+    from kvrelay.kernels import moe, router
+    from kvrelay.kernels.fused import router_logits
+
+    dev = _cuda()
+    g = torch.Generator().manual_seed(t * e)
+    h = 2880
+    w = (torch.randn(e, h, generator=g) * h ** -0.5).bfloat16().to(dev)
+    b = torch.randn(e, generator=g).bfloat16().to(dev)
+    cnt = router.new_counters(dev)
+    x = torch.randn(t, h, generator=g).bfloat16().to(dev)
+    got = router.router_route(x, w, b, 4, cnt)
+    ref = moe.route_topk(router_logits(x, w, b), 4)
+    assert torch.equal(got[1], ref[1]) and torch.equal(got[0], ref[0])
+    assert not cnt.any()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = router.router_route(x, w, b, 4, cnt)
+    for _ in range(3):
+        x.copy_(torch.randn(t, h, generator=g).bfloat16().to(dev))
+        graph.replay()
+        ref = moe.route_topk(router_logits(x, w, b), 4)
+        assert torch.equal(out[1], ref[1]) and torch.equal(out[0], ref[0])
+        assert not cnt.any()
