@@ -15,6 +15,8 @@
 #   host tier (prefill.prefix_cache_host_gib: 16), which is what the tier is for. Each server captures decode
 #   graphs up to batch 16 only (8 streams at most), which shortens its start-up. Expected on one H200 with
 #   gpt-oss-20b: ~4 x 60 s of start-up + ~45 s of workload with the cache off, ~20-30 s with it: ~6-7 min.
+#   MT_SOLO=WORKLOADS also runs the solo serve benchmark (concurrency 1, 2 requests each) on the cache-off
+#   server after its multi-turn run (a decode-speed figure without a server start of its own).
 #   MT_ARGS replaces the workload options (e.g. "--conversations 4 --turns 4 --user-len 7936": 8k..32k in
 #   4 turns); MT_MODES the modes (default "off on small host").
 # usage: bench/serve_h200.sh CONFIG LABEL [GPUS]     (run from the repo root, kvrelay importable)
@@ -77,6 +79,10 @@ EOF
     # shellcheck disable=SC2086  # mt_args is a list of options
     python3 -m kvrelay.bench.serve_multiturn --base-url "$url" --gpus "$gpus" --topology "$mcfg" --out-dir "$out" \
       --label "$label-mt-$mode" --prefix-cache "$pc" $mt_args || rc=1
+    if [ "$mode" = off ] && [ -n "${MT_SOLO:-}" ]; then  # e.g. MT_SOLO=1k/16,8k/256: solo runs on this server too
+      python3 -m kvrelay.bench.serve --base-url "$url" --gpus "$gpus" --topology "$mcfg" --out-dir "$out" \
+        --label "$label-solo" --workloads "$MT_SOLO" --concurrency 1 --requests 2 || rc=1
+    fi
     st "$mcfg" "mt-$mode"
     stop "$log"
   done
