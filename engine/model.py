@@ -92,6 +92,12 @@ class Block:
             return x + self.shard.all_reduce(self.mlp(self.mlp_norm(x))), None
         from kvrelay.kernels.fused import add_rms_norm
 
+        if self.shard.world_size == 1:
+            # decode sizes: the residual add, the MoE's norm and its router in one launch (kernels/router.py)
+            routed = self.mlp.fused_route_in(x, a, self.mlp_norm.scale, self.eps)
+            if routed is not None:
+                x, h, gate, experts = routed
+                return x, self.mlp.routed_uncombined(h, gate, experts)
         x, h = add_rms_norm(x, a, self.mlp_norm.scale, self.eps)
         if self.shard.world_size == 1 and self.mlp.gpu is not None:
             return x, self.mlp.uncombined(h)

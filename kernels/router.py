@@ -1,14 +1,18 @@
 """The MoE router at decode sizes in one launch: the router's logits (a GEMV) and the top-k + softmax over
-them, which were two launches (kernels.fused.router_logits, then kernels.moe.route_topk), ~4.9 + 1.5 us a
-layer at batch 1 on the H200 (bench/results/profile-decode-gpt-oss-20b-b1-8k-graph-*.json).
+them (router_route), or also the residual add + RMSNorm in front of the MoE (add_rms_norm_route, what a
+decode step runs: three launches become one). Routing alone was two launches (kernels.fused.router_logits,
+then kernels.moe.route_topk), ~4.9 + 1.5 us a layer at batch 1 on the H200, beside a 3.5 us add + norm
+(bench/results/profile-decode-gpt-oss-20b-b1-8k-graph-*.json).
 
-Each program computes BLOCK_E logits of one token exactly as router_logits does (same tiles, so the same
-fp32 sums and one rounding to bf16), writes them, and counts itself in the token's arrival counter; the
-program that arrives last reads the token's whole logit row back (from L2) and routes it with
-kernels.moe.topk_softmax, the route kernel's own code, then zeroes the counter for the next launch. So the
-result equals router_logits + route_topk bit for bit, and replay is deterministic: which program routes
-changes nothing it computes. The counters ([ROUTE_MAX_TOKENS] int32, zero between launches) belong to the
-caller, allocated before any CUDA-graph capture (engine/layers/moe.py: one per layer).
+Each program computes BLOCK_E logits of one token (router_route: exactly as router_logits does, same
+tiles, so the same fp32 sums and one rounding to bf16), writes them, and counts itself in the token's
+arrival counter; the program that arrives last reads the token's whole logit row back (from L2) and
+routes it with kernels.moe.topk_softmax, the route kernel's own code, then zeroes the counter for the next
+launch. So router_route equals router_logits + route_topk bit for bit, and replay is deterministic: which
+program routes changes nothing it computes. add_rms_norm_route recomputes the (few-KB) norm in every
+program and sums each logit in one K step, so its logits may differ from router_logits' by the fp32 order.
+The counters ([ROUTE_MAX_TOKENS] int32, zero between launches) belong to the caller, allocated before any
+CUDA-graph capture (engine/layers/moe.py: one per layer).
 """
 
 from __future__ import annotations
@@ -42,6 +46,11 @@ def _router_route_kernel(x_ptr, w_ptr, b_ptr, logit_ptr, cnt_ptr, w_out, id_out,
         acc += tl.load(b_ptr + offs_e, mask=e_ok, other=0.0).to(tl.float32)
     row = logit_ptr + t.to(tl.int64) * E
     tl.store(row + offs_e, acc.to(logit_ptr.dtype.element_ty), mask=e_ok)
+    _route_when_last(row, cnt_ptr, t, w_out, id_out, E, TOP_K, E_P2)
+
+
+@triton.jit
+def _route_when_last(row, cnt_ptr, t, w_out, id_out, E, TOP_K: tl.constexpr, E_P2: tl.constexpr):
     # Every thread's logit store is done before the one release below (the classic last-block pattern:
     # barrier, then a gpu-scope acq_rel atomic); the last arrival's acquire then sees every program's row.
     tl.debug_barrier()
@@ -57,6 +66,38 @@ def _router_route_kernel(x_ptr, w_ptr, b_ptr, logit_ptr, cnt_ptr, w_out, id_out,
         tl.store(w_out + o, w.to(w_out.dtype.element_ty))
         tl.store(id_out + o, ids.to(tl.int64))
         tl.atomic_xchg(cnt_ptr + t, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _add_norm_route_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, h_ptr, w_ptr, b_ptr, logit_ptr, cnt_ptr, w_out, id_out,
+                           H, E, eps, s_x, s_d, s_xo, s_h, s_we, HAS_BIAS: tl.constexpr, TOP_K: tl.constexpr,
+                           E_P2: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+    # kernels.fused.add_rms_norm's DELTA=1 math (torch's x + delta rounded once, then RMSNorm) in every
+    # program of token t (the row is a few KB, read from L2), program 0 storing the results; then this
+    # program's BLOCK_E router logits from the normed bf16 row still in registers, and the routing.
+    t = tl.program_id(0)
+    eb = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    m = offs < H
+    x = tl.load(x_ptr + t.to(tl.int64) * s_x + offs, mask=m, other=0.0).to(tl.float32)
+    d = tl.load(d_ptr + t.to(tl.int64) * s_d + offs, mask=m, other=0.0).to(tl.float32)
+    x = (x + d).to(x_ptr.dtype.element_ty).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
+    nw = tl.load(nw_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    y = (nw * (x * inv)).to(x_ptr.dtype.element_ty)
+    if eb == 0:
+        tl.store(xo_ptr + t.to(tl.int64) * s_xo + offs, x.to(xo_ptr.dtype.element_ty), mask=m)
+        tl.store(h_ptr + t.to(tl.int64) * s_h + offs, y, mask=m)
+    offs_e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_ok = offs_e < E
+    wt = tl.load(w_ptr + offs_e[:, None].to(tl.int64) * s_we + offs[None, :], mask=e_ok[:, None] & m[None, :],
+                 other=0.0).to(tl.float32)
+    acc = tl.sum(wt * y.to(tl.float32)[None, :], 1)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_e, mask=e_ok, other=0.0).to(tl.float32)
+    row = logit_ptr + t.to(tl.int64) * E
+    tl.store(row + offs_e, acc.to(logit_ptr.dtype.element_ty), mask=e_ok)
+    _route_when_last(row, cnt_ptr, t, w_out, id_out, E, TOP_K, E_P2)
 
 
 def new_counters(device) -> torch.Tensor:
@@ -84,3 +125,34 @@ def router_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             weight.stride(0), HAS_BIAS=bias is not None, TOP_K=k, E_P2=triton.next_power_of_2(e),
             BLOCK_E=_BLOCK_E, BLOCK_K=_BLOCK_K)
     return w, ids
+
+
+def add_rms_norm_route(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                       weight: torch.Tensor, bias: torch.Tensor | None, k: int, counters: torch.Tensor,
+                       *, logits: torch.Tensor | None = None):
+    """The residual add + RMSNorm before the MoE and its router in one launch (decode sizes):
+    x, delta [T, H] -> (x + delta, normed h, route weights bf16 [T, k], expert ids int64 [T, k]).
+    x + delta and h are kernels.fused.add_rms_norm(x, delta, norm_weight, eps)'s (the norm's fp32 sum of
+    squares may be ordered differently); the logits are the router's on h up to the order of their fp32
+    sum (one K step, not router_logits' three), and the routing is exactly route_topk of them. `logits`
+    ([T, E], x's dtype) receives them when given (tests)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    delta = delta if delta.stride(-1) == 1 else delta.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    t, h = x.shape
+    e = weight.shape[0]
+    if tuple(delta.shape) != (t, h) or t > counters.numel():
+        raise ValueError(f"add_rms_norm_route: delta {list(delta.shape)} for x {list(x.shape)}, "
+                         f"counters for {counters.numel()} tokens")
+    x_new, out = torch.empty_like(x), torch.empty_like(x)
+    w = torch.empty(t, k, dtype=torch.bfloat16, device=x.device)
+    ids = torch.empty(t, k, dtype=torch.int64, device=x.device)
+    if t:
+        lg = logits if logits is not None else torch.empty(t, e, dtype=x.dtype, device=x.device)
+        _add_norm_route_kernel[(t, triton.cdiv(e, _BLOCK_E))](
+            x, delta, norm_weight, x_new, out, weight, bias if bias is not None else weight, lg, counters, w, ids,
+            h, e, eps, x.stride(0), delta.stride(0), x_new.stride(0), out.stride(0), weight.stride(0),
+            HAS_BIAS=bias is not None, TOP_K=k, E_P2=triton.next_power_of_2(e),
+            BLOCK=triton.next_power_of_2(max(h, 128)), BLOCK_E=_BLOCK_E, num_warps=8)
+    return x_new, out, w, ids

@@ -80,6 +80,20 @@ class MoE:
         add_rms_norm sums them (as kernels.moe's combine does) inside the next residual add."""
         return self._gpu_forward(x, combine=False)
 
+    def fused_route_in(self, x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float):
+        """The block's residual add + MoE norm + router in one launch where it applies (GPU, fused glue,
+        decode sizes): (x + delta, normed, gate, experts) for `routed_uncombined`; None otherwise."""
+        from kvrelay.kernels import router as kroute
+
+        if self.gpu is None or not self.fused_router or x.shape[0] > kroute.ROUTE_MAX_TOKENS or delta.dim() != 2:
+            return None
+        return kroute.add_rms_norm_route(x, delta, norm_weight, eps, self.router.weight, self.router.bias,
+                                         self.top_k, self._route_counters)
+
+    def routed_uncombined(self, x: torch.Tensor, gate: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """`uncombined` with the routing already done (fused_route_in)."""
+        return self._experts(x, gate, experts, combine=False)
+
     def _gpu_forward(self, x: torch.Tensor, combine: bool = True) -> torch.Tensor:
         """Routing and experts on the GPU kernels: no host sync, so a decode step can be graph-captured."""
         from kvrelay.kernels import moe as kmoe, router as kroute
@@ -90,6 +104,11 @@ class MoE:
                                                 self._route_counters)
         else:
             gate, experts = kmoe.route_topk(self.router(x), self.top_k)
+        return self._experts(x, gate, experts, combine)
+
+    def _experts(self, x: torch.Tensor, gate: torch.Tensor, experts: torch.Tensor, combine: bool) -> torch.Tensor:
+        from kvrelay.kernels import moe as kmoe
+
         n_local = self.e1 - self.e0
         if n_local < self.num_experts:
             # Expert parallel: pairs routed to another rank's experts get weight 0 (and a valid local

@@ -231,3 +231,29 @@ def test_fused_router_route_equals_logits_then_route_interpreted():
         assert "65 tokens" in str(exc)
     else:
         raise AssertionError("more tokens than counters must be refused")
+
+
+@_interpreted
+def test_add_norm_route_equals_add_rms_norm_and_router_interpreted():
+    # kernels/router.add_rms_norm_route: the residual add + MoE norm as add_rms_norm computes them, the
+    # router's logits on the normed row within one bf16 step of float32, and the routing exactly
+    # route_topk of those logits; counters left at zero.
+    from kvrelay.kernels import fused, moe, router
+    g = torch.Generator().manual_seed(9)
+    cnt = router.new_counters("cpu")
+    for t, e, h, k in [(1, 32, 2880, 4), (5, 128, 2880, 4), (3, 8, 100, 2)]:
+        x = torch.randn(t, h, generator=g).bfloat16()
+        d = torch.randn(t, h, generator=g).bfloat16()
+        nw = (1 + 0.1 * torch.randn(h, generator=g)).bfloat16()
+        w = (torch.randn(e, h, generator=g) * h ** -0.5).bfloat16()
+        bias = torch.randn(e, generator=g).bfloat16()
+        for bb in (bias, None):
+            lg = torch.empty(t, e, dtype=torch.bfloat16)
+            xn, hn, gw, gi = router.add_rms_norm_route(x, d, nw, 1e-5, w, bb, k, cnt, logits=lg)
+            rx, rh = fused.add_rms_norm(x, d, nw, 1e-5)
+            assert torch.equal(xn, rx) and torch.equal(hn, rh), (t, e)
+            ref = hn.float() @ w.float().T + (0 if bb is None else bb.float())
+            assert ((lg.float() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-3).all(), (t, e)
+            rw, ri = moe.route_topk(lg, k)
+            assert torch.equal(gi, ri) and torch.equal(gw, rw), (t, e)
+            assert not cnt.any()

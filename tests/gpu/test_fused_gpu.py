@@ -312,3 +312,44 @@ def test_router_route_equals_logits_then_route_and_replays(t, e):
         ref = moe.route_topk(router_logits(x, w, b), 4)
         assert torch.equal(out[1], ref[1]) and torch.equal(out[0], ref[0])
         assert not cnt.any()
+
+
+@pytest.mark.parametrize("t,e", [(1, 32), (1, 128), (8, 32), (64, 128)])
+def test_add_norm_route_matches_add_rms_norm_and_router(t, e):
+    """kernels/router.add_rms_norm_route (residual add + MoE norm + router + routing in one launch):
+    x + delta equal to add_rms_norm's, the normed row within its RMSNorm sum order (one bf16 step), the
+    logits within half a bf16 step of float32 on that row, the routing exactly route_topk of the
+    kernel's logits, also replayed in a CUDA graph; counters left at zero."""
+    from kvrelay.kernels import moe, router
+    from kvrelay.kernels.fused import add_rms_norm
+
+    dev = _cuda()
+    g = torch.Generator().manual_seed(3 * t + e)
+    h = 2880
+    x = torch.randn(t, h, generator=g).bfloat16().to(dev)
+    d = torch.randn(t, h, generator=g).bfloat16().to(dev)
+    nw = (1 + 0.1 * torch.randn(h, generator=g)).bfloat16().to(dev)
+    w = (torch.randn(e, h, generator=g) * h ** -0.5).bfloat16().to(dev)
+    b = torch.randn(e, generator=g).bfloat16().to(dev)
+    cnt = router.new_counters(dev)
+    lg = torch.empty(t, e, dtype=torch.bfloat16, device=dev)
+
+    def check(out):
+        xn, hn, gw, gi = out
+        rx, rh = add_rms_norm(x, d, nw, 1e-5)
+        assert torch.equal(xn, rx)
+        assert ((hn.float() - rh.float()).abs() <= rh.float().abs() * 2 ** -7 + 1e-6).all()
+        ref = hn.float() @ w.float().T + b.float()
+        assert ((lg.float() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-4).all()
+        rw, ri = moe.route_topk(lg, 4)
+        assert torch.equal(gi, ri) and torch.equal(gw, rw)
+        assert not cnt.any()
+
+    check(router.add_rms_norm_route(x, d, nw, 1e-5, w, b, 4, cnt, logits=lg))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = router.add_rms_norm_route(x, d, nw, 1e-5, w, b, 4, cnt, logits=lg)
+    for _ in range(3):
+        x.copy_(torch.randn(t, h, generator=g).bfloat16().to(dev))
+        graph.replay()
+        check(out)
