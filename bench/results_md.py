@@ -4,18 +4,20 @@ which qualify), in the seed write-up's layouts, each figure beside the commit an
     python -m kvrelay.bench.report --results-md          # writes bench/RESULTS.md + bench/RESULTS-decode.png
 
 Sections: prefill against the seed's EP1 DP1 TP1 row, decode curves with the bytes-per-step floor,
-kernels with the share of each H200 ceiling, the serve benchmark's tables, the multi-turn workload (prefix
+kernels with the share of each H200 ceiling, the MoE tuner / decode GEMV sweep / step profiles
+(bench/results_tuning.py), the serve benchmark's tables, the multi-turn workload (prefix
 cache off / on / on with the host tier, and the ratio of turn 2+'s TTFT), the sources, the exclusions.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from kvrelay.bench import common as C
+from kvrelay.bench import results_tuning
 from kvrelay.bench.decode_loop import headline
 from kvrelay.bench.provenance import Collection, Result, newest_per_point
+from kvrelay.bench.results_fmt import fmt as _f, head as _head, sub as _sub, table as _table
 
 COMMAND = "python -m kvrelay.bench.report --results-md"
 SEED_LENGTHS = [8192, 32768, 65536, 128000]
@@ -25,29 +27,7 @@ FLOOR_BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 # Published TensorRT-LLM output tok/s per H200 at 1k in / 1k out, and our targets (issue 11).
 TRT_LLM_1K1K = {"gpt-oss-20b": 13858.0, "gpt-oss-120b": 6868.0}
 TARGET_1K1K = {"gpt-oss-20b": 10000.0, "gpt-oss-120b": 5000.0}
-TABLED_KINDS = ("prefill", "decode", "kernels", "serve", "serve-multiturn", "structured")
-
-
-def _f(x, spec: str, scale: float = 1.0) -> str:
-    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x * scale, spec)
-
-
-def _row(cells) -> str:
-    return "| " + " | ".join(str(c) for c in cells) + " |"
-
-
-def _table(head: list[str], rows: list[list]) -> list[str]:
-    return [_row(head), _row(["---"] * len(head)), *(_row(r) for r in rows), ""]
-
-
-def _head(title: str, intro: str) -> list[str]:
-    """A section's '## title' and its paragraph saying where the figures come from."""
-    return [f"## {title}", "", intro, ""]
-
-
-def _sub(heading: str, head: list[str], rows: list[list], note: str | None = None) -> list[str]:
-    """One '### heading' table, with an optional paragraph (say, which run) between heading and table."""
-    return [f"### {heading}", "", *([note, ""] if note else []), *_table(head, rows)]
+TABLED_KINDS = ("prefill", "decode", "kernels", *results_tuning.TABLED_KINDS, "serve", "serve-multiturn", "structured")
 
 
 # ---- prefill ------------------------------------------------------------------------------------------
@@ -441,6 +421,8 @@ def _used(col: Collection) -> dict[str, int]:
             used[r.name] = len(r.data.get("points", []))
     for r in structured_choice(col).values():
         used[r.name] = len(r.data["decode_steps"])
+    for name, n in results_tuning.used(col).items():
+        used[name] = used.get(name, 0) + n
     return used
 
 
@@ -474,8 +456,9 @@ def render(col: Collection, png: str | None) -> str:
              "Every figure comes from a result whose recorded commit is a commit of this repository and whose "
              "tree was not dirty, and stands beside that commit and the run's date (UTC). Weights are the "
              "benchmarks' dummy (random) weights of the full model shapes; cost at $3.00 per H200-hour.", ""]
-    for section in (prefill_section(col), decode_section(col, png), kernels_section(col), serve_section(col),
-                    multiturn_section(col), structured_section(col), sources_section(col)):
+    for section in (prefill_section(col), decode_section(col, png), kernels_section(col),
+                    results_tuning.sections(col), serve_section(col), multiturn_section(col), structured_section(col),
+                    sources_section(col)):
         lines += section
     return "\n".join(lines).rstrip("\n") + "\n"
 
