@@ -214,12 +214,17 @@ class Fp8BlockLinear:
         times = {}
         names = self.BACKENDS + (tuple(n for n in self.TRITON_TILES if n != "triton") if bucket <= self.SMALL_M else ())
         names += tuple(self.GEMV_TILES) if bucket <= self.GEMV_MAX_M else ()
+        # Candidates run on a random input of this size, not the caller's: a warm-up step's activations
+        # may be NaN (attention over an uninitialised KV pool), which would make every check fail. The
+        # kernels' time does not depend on the values.
+        gen = torch.Generator(device=xq.device).manual_seed(m)
+        xq, sx = quantize_act_1x128(torch.randn(m, self.k, generator=gen, device=xq.device).bfloat16(), self.kp)
         first = first_name = None
         for name in names:
             try:
                 out = self._run(name, xq, sx, m)[:m].float()
-                # A candidate must agree with the first backend that ran (cuBLAS where it can) on this very
-                # input before its speed counts: a kernel miscompiled for this shape/GPU is never picked.
+                # A candidate must agree with the first backend that ran (cuBLAS where it can) before its
+                # speed counts: a kernel miscompiled for this shape/GPU is never picked.
                 if first is None:
                     first, first_name = out, name
                 elif not (out - first).norm() <= 1e-2 * first.norm() + 1e-6:
