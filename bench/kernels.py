@@ -340,7 +340,8 @@ def main(argv=None) -> int:
     except Exception:
         commit = ""
     # The device machine gets a copy of the tree without .git: the caller passes the commit along.
-    commit = os.environ.get("KVRELAY_COMMIT") or (commit if len(commit or "") == 40 else None)
+    commit = (os.environ.get("KVRELAY_COMMIT") or os.environ.get("KVRELAY_GIT_COMMIT")
+              or (commit if len(commit or "") == 40 else None))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
