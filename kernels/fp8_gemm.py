@@ -17,6 +17,7 @@ K is padded to a multiple of 128 once at load time: both kernels consume whole 1
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import triton
@@ -166,8 +167,10 @@ class Fp8BlockLinear:
     # to SMALL_M only, and chosen only where measured faster.
     TRITON_TILES = {"triton": (128, 128, 8, 4), "triton-m16n32": (16, 32, 4, 4), "triton-m16n64": (16, 64, 4, 4)}
     SMALL_M = 64
-    # The FP8 GEMV's tiles (kernels/fp8_gemv.py): (block_n, block_k, num_warps). Timed for M buckets up to
-    # GEMV_MAX_M (decode batch sizes), beside cuBLAS and the 16-row tiles, and kept only where faster.
+    # The FP8 GEMV's tiles (kernels/fp8_gemv.py): (block_n, block_k, num_warps), for M buckets up to
+    # GEMV_MAX_M (decode batch sizes). On the H200 (33d1582, bench/results/kernels-20261201-174833.json)
+    # every tile was 2-300x slower than cuBLAS's 7.3 us at M=1..8 on 20b's QKV and O, so `auto` times them
+    # only with KVRELAY_FP8_GEMV=1 (their compiles cost ~80 s of a cold server start for nothing).
     GEMV_TILES = {"gemv-n16k256w4": (16, 256, 4), "gemv-n16k512w4": (16, 512, 4), "gemv-n32k256w4": (32, 256, 4),
                   "gemv-n32k512w4": (32, 512, 4), "gemv-n64k512w8": (64, 512, 8)}
     GEMV_MAX_M = 8
@@ -213,7 +216,8 @@ class Fp8BlockLinear:
             return "cublas"
         times = {}
         names = self.BACKENDS + (tuple(n for n in self.TRITON_TILES if n != "triton") if bucket <= self.SMALL_M else ())
-        names += tuple(self.GEMV_TILES) if bucket <= self.GEMV_MAX_M else ()
+        if bucket <= self.GEMV_MAX_M and os.environ.get("KVRELAY_FP8_GEMV") == "1":
+            names += tuple(self.GEMV_TILES)
         # Candidates run on a random input of this size, not the caller's: a warm-up step's activations
         # may be NaN (attention over an uninitialised KV pool), which would make every check fail. The
         # kernels' time does not depend on the values.

@@ -148,12 +148,21 @@ def test_fp8_gemv_graph_replay_is_bit_exact(k, n):
                 assert torch.equal(out, lin.run_quantized(q2, s2, m)), (name, m, seed)
 
 
-def test_auto_times_the_gemv_at_decode_sizes(caplog):
-    """backend="auto" times the GEMV tiles beside cuBLAS and the 16-row tiles for M <= 8 (and only there),
-    keeps one per M bucket, and the product is right whichever won; a candidate whose output disagrees
-    with cuBLAS on the input (here one GEMV tile made to return zeros) is never picked."""
+def test_auto_times_the_gemv_at_decode_sizes(caplog, monkeypatch):
+    """backend="auto" with KVRELAY_FP8_GEMV=1 times the GEMV tiles beside cuBLAS and the 16-row tiles for
+    M <= 8 (and only there), keeps one per M bucket, and the product is right whichever won; a candidate
+    whose output disagrees with cuBLAS on the input (here one GEMV tile made to return zeros) is never
+    picked. Without the switch the GEMV tiles are not timed at all."""
     from kvrelay.kernels.fp8_gemm import Fp8BlockLinear
     dev = _cuda()
+    x0, wq0, ws0, bias0 = _operands(16, 2880, 5120, dev, seed=8)
+    lin0 = Fp8BlockLinear(wq0, ws0, bias0, backend="auto", choice_cache={})
+    seen = []
+    run0 = lin0._run
+    lin0._run = lambda name, *a, **kw: (seen.append(name), run0(name, *a, **kw))[1]
+    lin0(x0[:1])
+    assert seen and not set(seen) & set(Fp8BlockLinear.GEMV_TILES), seen
+    monkeypatch.setenv("KVRELAY_FP8_GEMV", "1")
     x, wq, ws, bias = _operands(16, 2880, 5120, dev, seed=7)
     choices: dict[int, str] = {}
     lin = Fp8BlockLinear(wq, ws, bias, backend="auto", choice_cache=choices)
