@@ -23,6 +23,11 @@
 set -uo pipefail
 cfg=$1; label=$2; gpus=${3:-1}
 out=${RESULTS:-bench/results}; mkdir -p "$out"
+pid=
+# A server left running (this script cut by a timeout) holds most of the GPU's memory: the next benchmark
+# on the machine would size its KV pool around it. Stop the one running on any exit.
+trap '[ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && { kill -TERM "$pid"; wait "$pid"; }' EXIT
+trap 'exit 143' TERM INT
 
 start() {  # CONFIG LOG: a fresh `kvrelay serve`; sets pid, url, ray
   kvrelay serve "$1" --dummy >"$2" 2>&1 &
