@@ -309,11 +309,10 @@ ROUTER_GEMV_MAX_TOKENS = 64  # above this cuBLAS's GEMM is the better kernel
 
 
 @triton.jit
-def _router_gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, E, K, s_xt, s_we, s_ot, HAS_BIAS: tl.constexpr,
-                        BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    t = tl.program_id(0)
-    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
-    e_ok = offs_e < E
+def router_logit_tile(x_ptr, w_ptr, b_ptr, t, offs_e, e_ok, K, s_xt, s_we, HAS_BIAS: tl.constexpr,
+                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 logits of experts offs_e for token t: bf16 products summed in fp32 per BLOCK_K step, + bias.
+    kernels/router.py calls it too, so both kernels sum in the same order (bit-equal logits)."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_E], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -324,6 +323,16 @@ def _router_gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, E, K, s_xt, s_we, s_ot, HA
         acc += tl.sum(wt * xv[None, :], 1)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_e, mask=e_ok, other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _router_gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, E, K, s_xt, s_we, s_ot, HAS_BIAS: tl.constexpr,
+                        BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0)
+    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_ok = offs_e < E
+    acc = router_logit_tile(x_ptr, w_ptr, b_ptr, t, offs_e, e_ok, K, s_xt, s_we, HAS_BIAS, BLOCK_E, BLOCK_K)
     tl.store(out_ptr + t.to(tl.int64) * s_ot + offs_e, acc.to(out_ptr.dtype.element_ty), mask=e_ok)
 
 

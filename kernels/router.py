@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fused import router_logit_tile
 from .moe import topk_softmax
 
 ROUTE_MAX_TOKENS = 64  # = kernels.fused.ROUTER_GEMV_MAX_TOKENS: above it cuBLAS's GEMM is the better router
@@ -34,16 +35,7 @@ def _router_route_kernel(x_ptr, w_ptr, b_ptr, logit_ptr, cnt_ptr, w_out, id_out,
     t = tl.program_id(0)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = offs_e < E
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_E], tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # exactly kernels.fused._router_gemv_kernel's loop
-        k_ok = k0 + offs_k < K
-        xv = tl.load(x_ptr + t.to(tl.int64) * s_xt + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        wt = tl.load(w_ptr + offs_e[:, None].to(tl.int64) * s_we + k0 + offs_k[None, :],
-                     mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(wt * xv[None, :], 1)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_e, mask=e_ok, other=0.0).to(tl.float32)
+    acc = router_logit_tile(x_ptr, w_ptr, b_ptr, t, offs_e, e_ok, K, s_xt, s_we, HAS_BIAS, BLOCK_E, BLOCK_K)
     row = logit_ptr + t.to(tl.int64) * E
     tl.store(row + offs_e, acc.to(logit_ptr.dtype.element_ty), mask=e_ok)
     _route_when_last(row, cnt_ptr, t, w_out, id_out, E, TOP_K, E_P2)
