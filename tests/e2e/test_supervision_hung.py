@@ -74,13 +74,7 @@ def test_hung_decode_worker_is_replaced_and_its_requests_resume(running, referen
     progress = [[] for _ in jobs]
     before = _retries("decode_unresponsive") + _retries("decode_died")
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-        futs = [pool.submit(completion, server.http_url, p, k, stream=i % 2 == 0, progress=progress[i])
-                for i, (p, k) in enumerate(jobs)]
-        deadline = time.monotonic() + 60
-        while not (all(progress[i] for i in range(0, 8, 2)) and worker_row(run, "decode")["running"] == 8):
-            assert time.monotonic() < deadline, "the 8 requests never ran together"
-            assert not any(f.done() for f in futs), "a request finished before the stop: make them longer"
-            time.sleep(0.02)
+        futs = _submit_running_together(pool, run, server, jobs, progress, "stop")
         old_pid = worker_row(run, "decode")["pid"]
         t_stop = stopped(old_pid)
         # Detected within the timeout plus one supervision check (0.5 s) and its status round trip.
@@ -156,13 +150,7 @@ def test_stuck_step_loop_is_taken_for_hung_and_its_requests_resume(running, refe
     old_pid, restarts = row["pid"], row["restarts"]
     before = _retries("decode_unresponsive") + _retries("decode_died")
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-        futs = [pool.submit(completion, server.http_url, p, k, stream=i % 2 == 0, progress=progress[i])
-                for i, (p, k) in enumerate(jobs)]
-        deadline = time.monotonic() + 60
-        while not (all(progress[i] for i in range(0, 6, 2)) and worker_row(run, "decode")["running"] == 6):
-            assert time.monotonic() < deadline, "the 6 requests never ran together"
-            assert not any(f.done() for f in futs), "a request finished before the stall: make them longer"
-            time.sleep(0.02)
+        futs = _submit_running_together(pool, run, server, jobs, progress, "stall")
         actor = run.cluster.decode[0]
         t_stall = time.monotonic()
         ray.get(actor.debug_stall_steps.remote(120.0), timeout=10)  # the step thread sleeps; this returns
@@ -214,3 +202,17 @@ def test_stuck_prefill_is_taken_for_hung_and_its_requests_resume(running):
     assert "step loop" in why and "router.worker_step_timeout_s" in why, why
     print(f"stuck prefill taken for hung {detected:.1f} s after it stalled (bound {STEP_TIMEOUT_S} s)")
     assert_no_pages_left(run)
+
+
+def _submit_running_together(pool, run, server, jobs, progress, event: str) -> list:
+    """Submit every job (even ones streamed) and wait until all run on the decode worker at once, with
+    the streamed ones past their first token, before the `event` is made to happen."""
+    futs = [pool.submit(completion, server.http_url, p, k, stream=i % 2 == 0, progress=progress[i])
+            for i, (p, k) in enumerate(jobs)]
+    n = len(jobs)
+    deadline = time.monotonic() + 60
+    while not (all(progress[i] for i in range(0, n, 2)) and worker_row(run, "decode")["running"] == n):
+        assert time.monotonic() < deadline, f"the {n} requests never ran together"
+        assert not any(f.done() for f in futs), f"a request finished before the {event}: make them longer"
+        time.sleep(0.02)
+    return futs
