@@ -35,11 +35,13 @@ from kvrelay.bench.estimates import (  # noqa: F401
     causal_pairs,
     decode_bytes_per_step,
     decode_usd_per_m_output,
+    expert_flops,
     fmt_cell,
     kv_bytes_per_page,
     layer_active_params,
     prefill_flops,
     prefill_usd_per_m_input,
+    projection_flops,
     weight_bytes,
 )
 from kvrelay.engine.kv_geometry import FULL

@@ -59,6 +59,19 @@ def layer_active_params(cfg) -> int:
     return attn + cfg.num_experts * h + cfg.experts_per_token * (2 * i * h + h * i)
 
 
+def expert_flops(cfg, tokens: int) -> float:
+    """The active experts' GEMMs over `tokens` tokens, all layers: top-k experts per token, each
+    w1 [2*inter, hidden] and w2 [hidden, inter], 2 FLOPs per multiply-add."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return 2.0 * tokens * cfg.experts_per_token * (h * 2 * i + i * h) * cfg.num_hidden_layers
+
+
+def projection_flops(cfg, tokens: int) -> float:
+    """The attention's QKV and output projections over `tokens` tokens, all layers."""
+    h = cfg.hidden_size
+    return 2.0 * tokens * (cfg.qkv_width * h + h * cfg.q_width) * cfg.num_hidden_layers
+
+
 def active_params(cfg) -> int:
     """Per-token active parameters incl. the unembedding (the embedding is a lookup, no FLOPs)."""
     return cfg.num_hidden_layers * layer_active_params(cfg) + cfg.vocab_size * cfg.hidden_size

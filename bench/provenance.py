@@ -21,6 +21,7 @@ _HEX = re.compile(r"^[0-9a-f]{7,40}$")
 _STAMP = re.compile(r"(\d{8})(?:-(\d{6}))?")
 # File-name prefixes of results written without a "kind" field (kernels.py, mixed.py, profile_decode.py...).
 _PREFIX_KINDS = (("kernels-", "kernels"), ("mixed-", "mixed"), ("profile-decode-", "profile"),
+                 ("profile-prefill-", "profile-prefill"),
                  ("runner-timing-", "runner-timing"), ("structured-", "structured"))
 
 

@@ -1,7 +1,8 @@
 """bench/RESULTS.md's tuning and profiling tables (bench/results_md.render calls these after the kernels):
 the grouped FP8 expert GEMM tuner (bench/tune_moe.py) against today's heuristic and issue 11's target, the
 decode GEMV launch sweep (bench/sweep_gemv.py) against the copy ceiling, and the decode step profiles
-(bench/profile_decode.py: where a step's time goes). Every figure is read from the result JSONs; only
+(bench/profile_decode.py: where a step's time goes) and the prefill profiles (bench/profile_prefill.py: where a
+batch-1 prefill's time goes, by kernel category). Every figure is read from the result JSONs; only
 qualifying results (bench/provenance.py) are tabled, each row beside its commit and date.
 """
 
@@ -11,10 +12,11 @@ import functools
 import subprocess
 
 from kvrelay.bench import common as C
+from kvrelay.bench.profile_prefill import CATEGORIES, OTHER
 from kvrelay.bench.provenance import Collection, Result, newest_per_point
 from kvrelay.bench.results_fmt import fmt, head, sub, table
 
-TABLED_KINDS = ("tune-moe", "sweep-gemv", "profile")
+TABLED_KINDS = ("tune-moe", "sweep-gemv", "profile", "profile-prefill")
 # Issue 11: the grouped FP8 expert GEMMs (both, one MoE layer) at >= 600 TFLOP/s from 4,096 tokens on.
 TARGET_MOE_TFLOPS = 600.0
 TARGET_MOE_MIN_TOKENS = 4096
@@ -215,8 +217,45 @@ def profile_section(col: Collection) -> list[str]:
                        rows)
 
 
+# ---- prefill profiles --------------------------------------------------------------------------------
+def prefill_profile_results(col: Collection) -> list[Result]:
+    return sorted(col.qualifying("profile-prefill"), key=lambda r: (r.env.get("gpu", "?"), r.data.get("model", "?"),
+                                                                   r.data.get("length", 0), r.date))
+
+
+def _rate(d: dict, category: str) -> str:
+    return fmt(((d.get("tflops") or {}).get(category) or {}).get("tflops"), ".0f")
+
+
+def prefill_profile_section(col: Collection) -> list[str]:
+    """Absent (no heading) until a prefill profile exists: RESULTS.md stays as it was before the profiler."""
+    chosen = prefill_profile_results(col)
+    if not chosen:
+        return []
+    cats = [c for c, _ in CATEGORIES] + [OTHER]
+    out = head("Prefill profiles (`bench.profile_prefill`): where a batch-1 prefill goes",
+               "One `Runner.prefill` of `length` tokens + the first token's `Runner.sample` under torch.profiler "
+               "(after two warm-up calls); wall ms = the same call timed without the profiler, kernel ms and "
+               "launches = the profiler's device events, then each category's share of the kernel time "
+               "(kernel names grouped by bench/profile_prefill.CATEGORIES) and the achieved TFLOP/s of the MoE "
+               "expert GEMMs, the attention projections (`dense linear`) and attention over the model's FLOPs "
+               "(bench/estimates.py). Env: the `KVRELAY_*` switches set. Every qualifying profile, one row each.")
+    rows = []
+    for r in chosen:
+        d = r.data
+        share = {c["category"]: c.get("share") for c in d.get("categories", [])}
+        rows.append([f"{d.get('model', '?')} ({d.get('quant', '?')})", r.env.get("gpu") or r.env.get("device", "?"),
+                     d.get("length", "-"), _env_switches(r), fmt(d.get("wall_ms"), ",.1f"),
+                     fmt(d.get("kernel_ms"), ",.1f"), d.get("launches", "-"),
+                     *(fmt(share.get(c, 0.0 if share else None), ".1%") for c in cats),
+                     _rate(d, "MoE expert GEMM"), _rate(d, "dense linear"), _rate(d, "attention"),
+                     f"{r.source} ({r.name})"])
+    return out + table(["model", "device", "length", "env", "wall ms", "kernel ms", "launches", *cats,
+                        "MoE GEMM TFLOP/s", "dense TFLOP/s", "attention TFLOP/s", "measured at"], rows)
+
+
 def sections(col: Collection) -> list[str]:
-    return tune_moe_section(col) + sweep_gemv_section(col) + profile_section(col)
+    return tune_moe_section(col) + sweep_gemv_section(col) + profile_section(col) + prefill_profile_section(col)
 
 
 def used(col: Collection) -> dict[str, int]:
@@ -225,6 +264,6 @@ def used(col: Collection) -> dict[str, int]:
     for c in (tune_moe_points(col), sweep_gemv_points(col)):
         for r, _ in c.values():
             out[r.name] = out.get(r.name, 0) + 1
-    for r in profile_results(col):
+    for r in profile_results(col) + prefill_profile_results(col):
         out[r.name] = 1
     return out

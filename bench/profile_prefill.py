@@ -1,0 +1,204 @@
+"""Where a batch-1 prefill's GPU time goes: one `Runner.prefill` of a new sequence of --length tokens and
+`Runner.sample` of its first token (exactly what bench/prefill.py times), profiled with torch.profiler;
+prints the kernels by total device time, the same time grouped into categories (MoE expert GEMMs, routing,
+dense linears, attention, ...) and the achieved TFLOP/s of the MoE GEMMs, the projections and attention.
+The prefill counterpart of bench/profile_decode.py.
+
+usage (H200): python -m kvrelay.bench.profile_prefill --model gpt-oss-20b --dummy --quant fp8-block128 \
+                 --device cuda --length 8192 [--top 30] [--out DIR]
+CPU (plumbing only: CPU ops, not kernels): --model gpt-oss-tiny --dummy --device cpu --length 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from kvrelay.bench import common as C
+from kvrelay.engine.kv_geometry import FULL, SLIDING
+
+# Kernel name -> category, first match wins (case-sensitive regex searched anywhere in the name). Our own
+# kernels are the @triton.jit functions named *_kernel in kernels/*.py, listed by name so none of them
+# falls into "other" (tests/cpu/test_bench_profile_prefill.py checks every one); they come before the
+# generic cuBLAS/CUTLASS names ("gemm", "gemv") that e.g. `_gemv1_kernel` would also match.
+CATEGORIES: tuple[tuple[str, str], ...] = (
+    # kernels/moe.py's grouped FP8 expert GEMMs (prefill) and kernels/moe_gemv.py's (decode sizes)
+    ("MoE expert GEMM", r"_grouped_kernel|_gemv[12]_kernel"),
+    # kernels/moe.py routing + sort, kernels/router.py (the fused residual+norm+router of decode sizes
+    # counts here: its router GEMV is most of its bytes), kernels/fused.py's router GEMV, moe_gemv's combine
+    ("MoE routing/sort/permute/combine",
+     r"_route_kernel|_router_route_kernel|_add_norm_route_kernel|_router_gemv_kernel|_sort_pairs_kernel"
+     r"|combine_kernel"),
+    # kernels/fp8_gemm.py's 1x128 quantisation of a GEMM's input
+    ("activation quantisation", r"_quant_act_kernel"),
+    # kernels/fused.py: rotary on q/k, and rotary + the paged KV write in one launch
+    ("rotary/KV write", r"_rotary_qk_kernel|_rotary_kv_write_kernel"),
+    # Runner.sample's greedy argmax (aten's reduce kernel over ArgMaxOps), sampling's multinomial and
+    # FlashInfer's sampling kernels (before "attention", which takes every other flashinfer name)
+    ("LM head/sampling", r"ArgMaxOps|ArgMinOps|multinomial|flashinfer::sampling"),
+    # FlashInfer's kernels, kernels/triton_attention.py's, the sink corrections (kernels/attention.py, and
+    # kernels/fused.py's correction fused with the O projection's quantisation)
+    ("attention", r"flashinfer|_sink_prefill_kernel|_sink_decode_split_kernel|_sink_decode_merge_kernel"
+                  r"|_sink_correction_kernel|_sink_quant_kernel"),
+    # kernels/fused.py: RMSNorm, and the residual add (+ MoE combine, + next GEMM's quantisation) + RMSNorm
+    ("norms/residual", r"_rms_norm_kernel|_add_rms_norm_kernel"),
+    # kernels/fp8_gemm.py / fp8_gemv.py's Triton GEMMs, cuBLAS (nvjet*, sm90_xmma_gemm*, gemv*, splitK),
+    # CUTLASS; the LM head's bf16 GEMM too (a name does not say which layer launched it)
+    ("dense linear", r"_fp8_gemm_kernel|_fp8_gemv_kernel|nvjet|cutlass|[Gg]emm|[Gg]emv|splitKreduce"),
+    ("memcpy/memset", r"^Memcpy|^Memset|[Mm]emcpy|[Mm]emset"),
+)
+OTHER = "other"
+_COMPILED = tuple((cat, re.compile(rx)) for cat, rx in CATEGORIES)
+
+
+def categorise(name: str) -> str:
+    """The category of one kernel (or CPU op) name: the first rule of CATEGORIES it matches, else "other"."""
+    for cat, rx in _COMPILED:
+        if rx.search(name):
+            return cat
+    return OTHER
+
+
+def device_events(prof, cuda: bool) -> list[tuple[str, float]]:
+    """(name, us) of every event the kernel time is made of. On CUDA only the device's own events (kernels,
+    memcpy/memset): the aten op that launched a kernel carries its kernels' time as "self device time" too,
+    and counting both would count every cuBLAS/aten kernel twice (bench/profile_decode.py's note). On CPU
+    each op's self CPU time."""
+    out = []
+    for e in prof.events():
+        if getattr(e, "is_user_annotation", False):
+            continue  # a record_function range spans the kernels under it: counting it would count them twice
+        if cuda:
+            if e.device_type.name != "CUDA":
+                continue
+            us = e.self_device_time_total
+        else:
+            us = e.self_cpu_time_total
+        if us and us > 0:
+            out.append((e.name, float(us)))
+    return out
+
+
+def summarise(events: list[tuple[str, float]], top: int) -> dict:
+    """Kernel total, launches, the top kernels by total time and the per-category table."""
+    by_name: dict[str, list[float]] = {}
+    for name, us in events:
+        acc = by_name.setdefault(name, [0, 0.0])
+        acc[0] += 1
+        acc[1] += us
+    total = sum(us for _, us in events)
+    share = (lambda us: round(us / total, 4) if total else 0.0)
+    ranked = sorted(by_name.items(), key=lambda kv: kv[1][1], reverse=True)
+    rows = [{"kernel": name[:120], "calls": n, "total_us": round(us, 1), "share": share(us),
+             "category": categorise(name)} for name, (n, us) in ranked[:top]]
+    cats: dict[str, list[float]] = {cat: [0, 0.0] for cat, _ in CATEGORIES}
+    cats[OTHER] = [0, 0.0]
+    for name, (n, us) in by_name.items():
+        acc = cats[categorise(name)]
+        acc[0] += n
+        acc[1] += us
+    categories = [{"category": cat, "us": round(us, 1), "share": share(us), "calls": n}
+                  for cat, (n, us) in sorted(cats.items(), key=lambda kv: kv[1][1], reverse=True) if n]
+    return {"kernel_us": total, "launches": len(events), "top": rows, "categories": categories}
+
+
+def rates(cfg, length: int, categories: list[dict]) -> dict[str, dict]:
+    """Achieved TFLOP/s of the categories whose FLOPs the model's shape gives (bench/estimates.py)."""
+    us = {c["category"]: c["us"] for c in categories}
+    flops = {"MoE expert GEMM": C.expert_flops(cfg, length),
+             "dense linear": C.projection_flops(cfg, length),  # + the LM head's one row and the router: small
+             "attention": C.attention_flops(cfg, length)}
+    return {cat: {"flops": f, "us": us.get(cat), "tflops": f / us[cat] / 1e6 if us.get(cat) else None}
+            for cat, f in flops.items()}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m kvrelay.bench.profile_prefill", description=__doc__.split("\n")[0])
+    C.add_common_args(p)
+    p.add_argument("--length", type=int, default=8192, help="prompt tokens of the one sequence")
+    p.add_argument("--top", type=int, default=30)
+    args = p.parse_args(argv)
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvrelay.engine.sampling import SamplingParams
+
+    cfg = C.resolve_config(args.model)
+    if args.length > cfg.max_context:
+        raise SystemExit(f"--length {args.length} is longer than {cfg.name}'s max_context {cfg.max_context}")
+    attention_fn, attention_label = C.choose_attention(args.attention, args.device)
+    # bench/prefill.py's pool: one sequence at a time, the pages of the prompt (+1 spare) in each group
+    pages = -(-args.length // args.page_size) + 1
+    runner, build_s, _ = C.build_runner(args, num_pages={FULL: pages, SLIDING: pages}, attention_fn=attention_fn,
+                                        retries=0)
+    gen = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(0, cfg.vocab_size, (args.length,), generator=gen).tolist()
+    greedy = [SamplingParams(max_tokens=1, temperature=0.0)]
+    sid = ("bench-prefill", args.length)
+    cuda = torch.device(args.device).type == "cuda"
+
+    def call() -> None:  # bench/prefill.py's timed call
+        logits = runner.prefill(sid, prompt)
+        runner.sample(logits, greedy, [0])
+
+    def cleanup() -> None:
+        if runner.has_sequence(sid):
+            runner.free(sid)
+
+    # Two warm-up calls (Triton / FlashInfer compile, Fp8BlockLinear times its backends) outside the
+    # profile, then one timed call without the profiler: the wall time the profile is set against.
+    timing, first_s = C.time_call(call, args.device, warmup=2 if args.warmup is None else args.warmup, iters=1,
+                                  cleanup=cleanup)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sw = C.StopWatch(args.device)
+    with profile(activities=acts) as prof:
+        a = sw.mark()
+        call()
+        b = sw.mark()
+        sw.sync()
+    profiled_ms = sw.elapsed(a, b) * 1e3
+    cleanup()
+
+    s = summarise(device_events(prof, cuda), args.top)
+    tf = rates(cfg, args.length, s["categories"])
+    result = {"kind": "profile-prefill", "env": C.env_info(args.device, "kvrelay.bench.profile_prefill", argv),
+              "model": cfg.name, "quant": args.quant, "length": args.length, "attention": attention_label,
+              "counted": "device events" if cuda else "cpu self time",
+              "wall_ms": timing.median * 1e3, "profiled_wall_ms": profiled_ms, "first_call_s": first_s,
+              "build_s": build_s, "kernel_ms": s["kernel_us"] / 1e3, "launches": s["launches"],
+              "launches_per_layer": s["launches"] / cfg.num_hidden_layers, "top": s["top"],
+              "categories": s["categories"], "tflops": tf, "ceilings_tflops": C.CEILING_TFLOPS}
+    _print(result, cfg)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"profile-prefill-{C.slug(cfg.name)}-{args.length}.json"
+        path.write_text(json.dumps(result, indent=1) + "\n")
+        result["file"] = str(path)
+        print(f"saved {path}")
+    return result
+
+
+def _print(r: dict, cfg) -> None:
+    unit = "kernel" if r["counted"] == "device events" else "CPU op"
+    print(f"{r['model']} {r['quant']} prefill of {r['length']} tokens + first-token sample (attention: "
+          f"{r['attention']}): {r['wall_ms']:.2f} ms wall unprofiled, {r['profiled_wall_ms']:.2f} ms profiled; "
+          f"{r['kernel_ms']:.2f} ms of {unit} time in {r['launches']} launches "
+          f"({r['launches_per_layer']:.1f} per layer; model built in {r['build_s']:.1f} s)")
+    print(f"{unit:90s} {'calls':>6s} {'us':>11s} {'share':>6s}  category")
+    for k in r["top"]:
+        print(f"{k['kernel'][:90]:90s} {k['calls']:6d} {k['total_us']:11.1f} {k['share']:6.1%}  {k['category']}")
+    print(f"\n{'category':36s} {'calls':>6s} {'us':>11s} {'share':>6s}")
+    for c in r["categories"]:
+        print(f"{c['category']:36s} {c['calls']:6d} {c['us']:11.1f} {c['share']:6.1%}")
+    for cat, t in r["tflops"].items():
+        if t["tflops"] is not None:
+            print(f"{cat}: {t['flops'] / 1e12:.2f} TFLOP in {t['us'] / 1e3:.2f} ms = {t['tflops']:.1f} TFLOP/s "
+                  f"(fp8 ceiling {C.CEILING_TFLOPS['fp8']:.0f}, bf16 {C.CEILING_TFLOPS['bf16']:.0f})")
+
+
+if __name__ == "__main__":
+    main()

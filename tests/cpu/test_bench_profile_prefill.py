@@ -1,0 +1,147 @@
+"""bench.profile_prefill: the kernel-name categoriser on real kernel names (ours, cuBLAS, FlashInfer, aten,
+the profiler's memcpy rows) and on every Triton kernel in kernels/*.py; the profiler run on CPU with the
+tiny model (the categories add up to the kernel total, the JSON has its fields); and its RESULTS.md table
+from synthetic results (absent when there are none)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvrelay.bench import profile_prefill as pp, provenance, results_tuning
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Names as the H200 profiles spell them (bench/results/profile-decode-*.json) or as kernels/*.py defines them.
+NAMES = {
+    "_gemv1_kernel": "MoE expert GEMM",
+    "_gemv2_kernel": "MoE expert GEMM",
+    "_grouped_kernel": "MoE expert GEMM",
+    "_sort_pairs_kernel": "MoE routing/sort/permute/combine",
+    "_route_kernel": "MoE routing/sort/permute/combine",
+    "_router_route_kernel": "MoE routing/sort/permute/combine",
+    "_add_norm_route_kernel": "MoE routing/sort/permute/combine",
+    "combine_kernel": "MoE routing/sort/permute/combine",
+    "_quant_act_kernel": "activation quantisation",
+    "nvjet_sm90_qqtst_64x8_128x16_4x1_v_bz_algo2_Avec128_Bvec128_bias_TNT": "dense linear",
+    "nvjet_sm90_tst_512x8_64x3_2x1_v_bz_TNT": "dense linear",
+    "void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cutlass::gemm::MainloopSm90TmaGmma": "dense linear",
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off": "dense linear",
+    "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float, false, true>": "dense linear",
+    "_fp8_gemm_kernel": "dense linear",
+    "_fp8_gemv_kernel": "dense linear",
+    "void flashinfer::BatchPrefillWithPagedKVCacheKernel<true, flashinfer::KernelTraits<(flashi": "attention",
+    "void flashinfer::BatchPrefillWithPagedKVCacheKernel<...>": "attention",
+    "_sink_prefill_kernel": "attention",
+    "_sink_correction_kernel": "attention",
+    "_sink_quant_kernel": "attention",
+    "_add_rms_norm_kernel": "norms/residual",
+    "_rms_norm_kernel": "norms/residual",
+    "_rotary_kv_write_kernel": "rotary/KV write",
+    "_rotary_qk_kernel": "rotary/KV write",
+    "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::ArgMaxOps<float>, unsigned int, "
+    "long, 4> >(at::native::ReduceOp<float, at::native::ArgMaxOps<float>, unsigned int, long, 4>)": "LM head/sampling",
+    "Memcpy HtoD (Pinned -> Device)": "memcpy/memset",
+    "Memcpy DtoH (Device -> Pageable)": "memcpy/memset",
+    "Memset (Device)": "memcpy/memset",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<int>, std::array<char*, 1ul> >"
+    "(int, at::native::FillFunctor<int>, std::array<char*, 1ul>)": "other",
+    "void at::native::index_elementwise_kernel<128, 4, at::native::gpu_index_kernel<...>": "other",
+}
+
+
+@pytest.mark.parametrize("name", sorted(NAMES))
+def test_categorise_real_kernel_names(name):
+    assert pp.categorise(name) == NAMES[name]
+
+
+def _triton_kernels() -> list[str]:
+    """Every launched Triton kernel of ours: @triton.jit functions named *_kernel (the others are
+    device helpers inlined into them: topk_softmax, swiglu, _gemv_tile, ...)."""
+    names = []
+    for path in sorted((REPO / "kernels").glob("*.py")):
+        names += re.findall(r"@triton\.jit[^\n]*\ndef (\w+_kernel)\(", path.read_text())
+    return names
+
+
+def test_every_triton_kernel_of_ours_has_a_category():
+    names = _triton_kernels()
+    assert len(names) >= 18 and "_grouped_kernel" in names and "_rotary_kv_write_kernel" in names
+    assert {n: pp.categorise(n) for n in names if pp.categorise(n) == pp.OTHER} == {}
+
+
+def test_summarise_adds_up():
+    events = [("_grouped_kernel", 300.0), ("_grouped_kernel", 100.0), ("nvjet_sm90_tst_x", 50.0),
+              ("aten_fill", 25.0), ("Memcpy HtoD (Pinned -> Device)", 25.0)]
+    s = pp.summarise(events, top=2)
+    assert s["kernel_us"] == 500.0 and s["launches"] == 5
+    assert s["top"] == [{"kernel": "_grouped_kernel", "calls": 2, "total_us": 400.0, "share": 0.8,
+                         "category": "MoE expert GEMM"},
+                        {"kernel": "nvjet_sm90_tst_x", "calls": 1, "total_us": 50.0, "share": 0.1,
+                         "category": "dense linear"}]
+    cats = {c["category"]: (c["calls"], c["us"], c["share"]) for c in s["categories"]}
+    assert cats == {"MoE expert GEMM": (2, 400.0, 0.8), "dense linear": (1, 50.0, 0.1), "other": (1, 25.0, 0.05),
+                    "memcpy/memset": (1, 25.0, 0.05)}
+
+
+def test_profile_prefill_cpu(tmp_path):
+    out = pp.main(["--model", "gpt-oss-tiny", "--dummy", "--device", "cpu", "--length", "32", "--top", "5",
+                   "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "profile-prefill-gpt-oss-tiny-32.json").read_text())
+    for key in ("env", "model", "quant", "length", "wall_ms", "profiled_wall_ms", "kernel_ms", "launches", "top",
+                "categories", "tflops"):
+        assert key in saved, key
+    assert saved["kind"] == "profile-prefill" and saved["model"] == "gpt-oss-tiny" and saved["length"] == 32
+    assert saved["env"]["command"].endswith("--length 32 --top 5 --out " + str(tmp_path))
+    assert saved["wall_ms"] > 0 and saved["profiled_wall_ms"] > 0 and saved["kernel_ms"] > 0
+    cats = saved["categories"]
+    assert abs(sum(c["us"] for c in cats) - saved["kernel_ms"] * 1e3) <= 0.1 * len(cats)
+    assert sum(c["calls"] for c in cats) == saved["launches"] > 0
+    assert abs(sum(c["share"] for c in cats) - 1.0) < 1e-3
+    assert len(saved["top"]) == 5 and saved["top"] == sorted(saved["top"], key=lambda r: -r["total_us"])
+    moe = saved["tflops"]["MoE expert GEMM"]
+    cfg = pp.C.resolve_config("gpt-oss-tiny")
+    assert moe["flops"] == 2 * 32 * cfg.experts_per_token * 3 * cfg.hidden_size * cfg.intermediate_size \
+        * cfg.num_hidden_layers
+    assert out["launches"] == saved["launches"]
+
+
+def _rev(rev: str) -> str | None:
+    res = subprocess.run(["git", "rev-parse", "-q", "--verify", f"{rev}^{{commit}}"], cwd=REPO, capture_output=True,
+                         text=True)
+    return res.stdout.strip() if res.returncode == 0 else None
+
+
+def test_results_table(tmp_path):
+    assert results_tuning.prefill_profile_section(provenance.collect([tmp_path])) == []  # none: no section
+    head = _rev("HEAD")
+    if head is None:
+        pytest.skip("not a git checkout: commits cannot be checked")
+    env = {"gpu": "NVIDIA H200", "git_commit": head, "git_dirty": False, "timestamp": "2026-12-01T20:00:00+00:00",
+           "command": "python -m kvrelay.bench.profile_prefill --length 8192", "kvrelay_env": {}}
+    data = {"kind": "profile-prefill", "env": env, "model": "gpt-oss-20b", "quant": "fp8-block128", "length": 8192,
+            "wall_ms": 250.0, "kernel_ms": 240.0, "launches": 1500,
+            "categories": [{"category": "MoE expert GEMM", "us": 120000.0, "share": 0.5, "calls": 48},
+                           {"category": "attention", "us": 60000.0, "share": 0.25, "calls": 24},
+                           {"category": "other", "us": 60000.0, "share": 0.25, "calls": 1428}],
+            "tflops": {"MoE expert GEMM": {"flops": 6e13, "us": 120000.0, "tflops": 500.0},
+                       "dense linear": {"flops": 1e13, "us": None, "tflops": None},
+                       "attention": {"flops": 3e13, "us": 60000.0, "tflops": 500.0}}}
+    (tmp_path / "profile-prefill-gpt-oss-20b-8192.json").write_text(json.dumps(data))
+    (tmp_path / "profile-prefill-dirty.json").write_text(json.dumps({**data, "env": {**env, "git_dirty": True}}))
+    col = provenance.collect([tmp_path])
+    lines = results_tuning.prefill_profile_section(col)
+    rows = [ln for ln in lines if ln.startswith("| ") and not ln.startswith("| ---")]
+    cols = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert len(rows) == 2  # the dirty one is not tabled
+    row = dict(zip(cols, [c.strip() for c in rows[1].strip("|").split("|")]))
+    assert (row["length"], row["wall ms"], row["kernel ms"], row["launches"]) == ("8192", "250.0", "240.0", "1500")
+    assert (row["MoE expert GEMM"], row["attention"], row["other"], row["dense linear"]) == \
+        ("50.0%", "25.0%", "25.0%", "0.0%")
+    assert (row["MoE GEMM TFLOP/s"], row["dense TFLOP/s"], row["attention TFLOP/s"]) == ("500", "-", "500")
+    assert row["measured at"] == f"`{head[:7]}` 2026-12-01 20:00 (profile-prefill-gpt-oss-20b-8192.json)"
+    assert results_tuning.used(col) == {"profile-prefill-gpt-oss-20b-8192.json": 1}
