@@ -2,7 +2,9 @@
 TFLOP/s or TB/s, and share of the measured ceilings (h200-notes: copy 4.19 TB/s, bf16 762, fp8 1378
 TFLOP/s). Saves JSON (GPU, versions, git commit, command) and a PNG under bench/results/, prints a table.
 
-usage (device machine, repo root): python3 -m kvrelay.bench.kernels [--only attn,fp8,fp8dec,moe,moedec] [--out DIR]
+usage (device machine, repo root): python3 -m kvrelay.bench.kernels [--only attn,attndec,fp8,fp8dec,moe,moedec]
+[--out DIR]; `attndec` (decode attention per layer kind and batch, FlashInfer vs Triton variants) is
+bench/attn_decode.py.
 Targets are reported, not asserted.
 """
 
@@ -103,6 +105,11 @@ def bench_attention(dev):
         fn = lambda: ta.sink_decode(q, pool, sinks, ip, idx, last, sm_scale=0.125, window=None, num_splits=splits,
                                     block_n=bn, num_warps=nw, num_stages=ns, workspace=ws)
         record("attn", f"decode 64x8192 triton split={splits} bn{bn} w{nw} s{ns}", bench(fn), nbytes=kv_bytes)
+
+
+def bench_attention_decode(dev):
+    from kvrelay.bench.attn_decode import bench_attention_decode as run
+    run(dev, record)
 
 
 def bench_fp8(dev):
@@ -322,8 +329,8 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     torch.manual_seed(0)
     only = args.only.split(",")
-    for name, fn in (("attn", bench_attention), ("fp8", bench_fp8), ("fp8dec", bench_fp8_decode), ("moe", bench_moe),
-                     ("moedec", bench_moe_decode)):
+    for name, fn in (("attn", bench_attention), ("attndec", bench_attention_decode), ("fp8", bench_fp8),
+                     ("fp8dec", bench_fp8_decode), ("moe", bench_moe), ("moedec", bench_moe_decode)):
         if name in only:
             try:
                 fn(dev)

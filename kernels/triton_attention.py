@@ -242,12 +242,17 @@ def sink_prefill(q: torch.Tensor, pool: torch.Tensor, sinks: torch.Tensor, qo_in
 
 
 def default_num_splits(batch: int, kv_heads: int, max_kv_len: int | None = None, num_sms: int = 132,
-                       block_n: int = 64) -> int:
+                       block_n: int = 64, window: int | None = None) -> int:
     """Splits so that batch * kv_heads * splits fills the SMs about four times over (a CUDA-graph
-    friendly function of the batch size alone unless max_kv_len caps it)."""
+    friendly function of the batch size alone unless max_kv_len caps it). A sliding layer sees at most
+    `window` keys, which the kernel cuts into BLOCK_N-aligned chunks: more than ceil(window / block_n)
+    splits would only launch empty programs (64 splits over a 128-key window: 62 of them empty) and
+    widen the merge, so the window caps the count."""
     splits = max(1, math.ceil(4 * num_sms / max(1, batch * kv_heads)))
     if max_kv_len is not None:
         splits = min(splits, max(1, math.ceil(max_kv_len / (4 * block_n))))
+    if window is not None and window > 0:
+        splits = min(splits, max(1, math.ceil(window / block_n)))
     return min(splits, 64)
 
 
@@ -264,7 +269,7 @@ def sink_decode(q: torch.Tensor, pool: torch.Tensor, sinks: torch.Tensor, kv_ind
     group = n_heads // kv_heads
     if num_splits is None:
         num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
-        num_splits = default_num_splits(batch, kv_heads, num_sms=num_sms, block_n=block_n)
+        num_splits = default_num_splits(batch, kv_heads, num_sms=num_sms, block_n=block_n, window=window)
     if out is None:
         out = torch.empty_like(q)
     if workspace is None:

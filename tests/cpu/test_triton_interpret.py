@@ -257,3 +257,30 @@ def test_add_norm_route_equals_add_rms_norm_and_router_interpreted():
             rw, ri = moe.route_topk(lg, k)
             assert torch.equal(gi, ri) and torch.equal(gw, rw), (t, e)
             assert not cnt.any()
+
+
+@_interpreted
+def test_attndec_bench_candidates_check_interpreted():
+    # bench/attn_decode.py: its decode cases (a full layer; a sliding layer holding 9 pages of which the
+    # window sees 128 keys), the Triton variants it times agree with the float32 reference on a short
+    # context (every sliding one; the full kind's first few, the interpreter being slow), and its check
+    # refuses a kernel that drops the sink or one that returns NaN.
+    from kvrelay.bench import attn_decode as ad
+    from kvrelay.kernels import triton_attention as ta
+    g = torch.Generator().manual_seed(11)
+    for window, batch, n_variants in ((None, 1, 3), (ad.WINDOW, 2, None)):
+        case = ad.decode_case(batch, 192, window, "cpu", gen=g)  # 192 = 8192 mod 16, as timed
+        if window:
+            assert case["kv_indices"].numel() == 9 * batch and case["visible"] == 128 < case["held"]
+        ref = ad.reference(case)
+        variants = ad.triton_variants(window, batch)
+        assert variants[0][0] is None  # the engine's default is among them
+        for v in variants[:n_variants]:
+            fn, n = ad.triton_candidate(case, *v)
+            if window:
+                assert n <= 4, v
+            assert ad.checked(fn, ref)[0], (window, batch, v)
+        no_sink = lambda: ta.sink_decode(case["q"], case["pool"], case["sinks"] - 1e4, case["kv_indptr"],  # noqa: E731
+                                         case["kv_indices"], case["last"], sm_scale=ad.SM_SCALE, window=window)
+        assert not ad.checked(no_sink, ref)[0]
+        assert not ad.checked(lambda: torch.full_like(case["q"], float("nan")), ref)[0]
