@@ -138,56 +138,63 @@ def _label(batch: int, window: int | None) -> str:
 
 
 def bench_attention_decode(dev, record) -> None:
-    """Time every candidate of every (batch, layer kind); `record` is bench/kernels.record."""
-    import triton
-    from kvrelay.kernels import attention as fa
-
+    """Time every candidate of every (batch, layer kind); `record` is bench/kernels.record. A case that
+    fails is one NaN row, the other cases still run."""
     gen = torch.Generator(device=dev).manual_seed(0)
     for window in (None, WINDOW):
         for batch in BATCHES:
-            case = decode_case(batch, CTX, window, dev, gen=gen)
-            label = _label(batch, window)
-            nbytes = batch * case["visible"] * HKV * D * 2 * 2
-            ref = reference(case)
-
-            def timed(name, fn, note=""):
-                fn()
-                torch.cuda.synchronize()
-                ms = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
-                cold = graph_cold_ms(fn)
-                cold_note = f"cold L2 {cold * 1e3:.1f} us ({nbytes / cold / 1e9:.2f} TB/s)"
-                record("attndec", f"{label} {name}", ms, nbytes=nbytes, note=(note + "; " if note else "") + cold_note)
-                print(f"{'':6s}   {cold_note}", flush=True)
-
-            q, pool, sinks = case["q"], case["pool"], case["sinks"]
-            host_ip, host_last = case["kv_indptr"].cpu(), case["last"].cpu()
-            splits_fi = (False, True) if window else (False,)
-            for fi_split in splits_fi:
-                att = fa.FlashInferSinkAttention(HQ, HKV, D, PAGE, window, SM_SCALE, dev, graph_batch=batch,
-                                                 graph_max_pages=case["kv_indices"].numel())
-                if fi_split:
-                    att._no_split = False  # the planner's own split (KVRELAY_FI_SLIDING_SPLIT=1)
-                att.plan_decode(host_ip, case["kv_indices"], host_last)
-                tag = "FI TC" + (" planner split (KVRELAY_FI_SLIDING_SPLIT=1)" if fi_split else "")
-                ok, err = checked(lambda: att.decode(q, pool, sinks), ref)
-                note = f"rel err {err:.2g}" + ("" if ok else " DISAGREES with the reference")
-                try:
-                    timed(f"{tag} decode+sink (engine, unfused)", lambda: att.decode(q, pool, sinks), note)
-                    timed(f"{tag} decode_nosink (engine fused path)", lambda: att.decode_nosink(q, pool))
-                except Exception as exc:  # noqa: BLE001 - recorded, the Triton rows still run
-                    record("attndec", f"{label} {tag}", float("nan"), note=f"failed: {repr(exc)[:120]}")
-                del att
-            for splits, bn, nw, ns in triton_variants(window, batch):
-                fn, n = triton_candidate(case, splits, bn, nw, ns)
-                name = f"triton split{n}{' (default)' if splits is None else ''} bn{bn} w{nw} s{ns}"
-                try:
-                    ok, err = checked(fn, ref)
-                    if not ok:
-                        record("attndec", f"{label} {name}", float("nan"),
-                               note=f"skipped: rel err {err:.3g} vs the float32 reference")
-                        continue
-                    timed(name, fn, f"rel err {err:.2g}")
-                except Exception as exc:  # noqa: BLE001 - a variant that does not compile is skipped
-                    record("attndec", f"{label} {name}", float("nan"), note=f"failed: {repr(exc)[:120]}")
-            del case, ref
+            try:
+                _bench_case(batch, window, dev, gen, record)
+            except Exception as exc:  # noqa: BLE001 - keep the other cases' numbers
+                record("attndec", f"{_label(batch, window)} CASE FAILED", float("nan"), note=repr(exc)[:300])
             torch.cuda.empty_cache()
+
+
+def _bench_case(batch: int, window: int | None, dev, gen, record) -> None:
+    import triton
+    from kvrelay.kernels import attention as fa
+
+    case = decode_case(batch, CTX, window, dev, gen=gen)
+    label = _label(batch, window)
+    nbytes = batch * case["visible"] * HKV * D * 2 * 2
+    ref = reference(case)
+
+    def timed(name, fn, note=""):
+        fn()
+        torch.cuda.synchronize()
+        ms = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+        cold = graph_cold_ms(fn)
+        cold_note = f"cold L2 {cold * 1e3:.1f} us ({nbytes / cold / 1e9:.2f} TB/s)"
+        record("attndec", f"{label} {name}", ms, nbytes=nbytes, note=(note + "; " if note else "") + cold_note)
+        print(f"{'':6s}   {cold_note}", flush=True)
+
+    q, pool, sinks = case["q"], case["pool"], case["sinks"]
+    host_ip, host_last = case["kv_indptr"].cpu(), case["last"].cpu()
+    for fi_split in ((False, True) if window else (False,)):
+        tag = "FI TC" + (" planner split (KVRELAY_FI_SLIDING_SPLIT=1)" if fi_split else "")
+        try:
+            att = fa.FlashInferSinkAttention(HQ, HKV, D, PAGE, window, SM_SCALE, dev, graph_batch=batch,
+                                             graph_max_pages=case["kv_indices"].numel())
+            if fi_split:
+                att._no_split = False  # the planner's own split, as KVRELAY_FI_SLIDING_SPLIT=1 sets it
+            att.plan_decode(host_ip, case["kv_indices"], host_last)
+            ok, err = checked(lambda: att.decode(q, pool, sinks), ref)
+            note = f"rel err {err:.2g}" + ("" if ok else " DISAGREES with the reference")
+            timed(f"{tag} decode+sink (engine, unfused)", lambda: att.decode(q, pool, sinks), note)
+            timed(f"{tag} decode_nosink (engine fused path)", lambda: att.decode_nosink(q, pool))
+            del att
+        except Exception as exc:  # noqa: BLE001 - recorded, the Triton rows still run
+            record("attndec", f"{label} {tag}", float("nan"), note=f"failed: {repr(exc)[:120]}")
+    for splits, bn, nw, ns in triton_variants(window, batch):
+        name = f"triton split{splits} bn{bn} w{nw} s{ns}"
+        try:
+            fn, n = triton_candidate(case, splits, bn, nw, ns)
+            name = f"triton split{n}{' (default)' if splits is None else ''} bn{bn} w{nw} s{ns}"
+            ok, err = checked(fn, ref)
+            if not ok:
+                record("attndec", f"{label} {name}", float("nan"),
+                       note=f"skipped: rel err {err:.3g} vs the float32 reference")
+                continue
+            timed(name, fn, f"rel err {err:.2g}")
+        except Exception as exc:  # noqa: BLE001 - a variant that does not compile is skipped
+            record("attndec", f"{label} {name}", float("nan"), note=f"failed: {repr(exc)[:120]}")
