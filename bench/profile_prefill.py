@@ -61,47 +61,118 @@ def categorise(name: str) -> str:
     return OTHER
 
 
-def device_events(prof, cuda: bool) -> list[tuple[str, float]]:
-    """(name, us) of every event the kernel time is made of. On CUDA only the device's own events (kernels,
-    memcpy/memset): the aten op that launched a kernel carries its kernels' time as "self device time" too,
-    and counting both would count every cuBLAS/aten kernel twice (bench/profile_decode.py's note). On CPU
-    each op's self CPU time."""
-    out = []
-    for e in prof.events():
-        if getattr(e, "is_user_annotation", False):
-            continue  # a record_function range spans the kernels under it: counting it would count them twice
-        if cuda:
-            if e.device_type.name != "CUDA":
-                continue
-            us = e.self_device_time_total
-        else:
-            us = e.self_cpu_time_total
-        if us and us > 0:
-            out.append((e.name, float(us)))
+# Where a kernel was launched from decides for the kernels whose name says only what library ran them (aten's
+# elementwise/reduce/sort/scan kernels, cuBLAS GEMMs): the router's bf16 GEMM and MoE sort (torch ops above
+# kernels.moe.SORT_KERNEL_MAX_PAIRS pairs, i.e. at prefill), the LM head's GEMM, the first token's argmax.
+# (category, regex searched in the Python frames "path(def line): function" of the op that launched the
+# kernel, innermost first); the first rule any frame matches wins, so a rule above beats one below whatever
+# the frames' depth. Our Triton kernels keep their name's category (they are named for what they do).
+CALL_SITES: tuple[tuple[str, str], ...] = (
+    ("LM head/sampling", r"engine/model\.py\(\d+\): head$|engine/runner\.py\(\d+\): sample$|engine/sampling\.py"),
+    ("MoE routing/sort/permute/combine",
+     r"kernels/moe\.py\(\d+\): (sort_by_expert|route_topk|_moe_grouped)$|kernels/reference\.py\(\d+\): route_topk$"
+     r"|engine/layers/moe\.py\(\d+\): (_gpu_forward|fused_route_in)$"),
+    ("rotary/KV write", r"engine/layers/rotary\.py|engine/layers/attention\.py\(\d+\): rotate_and_write$"),
+    ("attention", r"engine/layers/attention\.py\(\d+\): (run|apply)$|kernels/(attention|triton_attention)\.py"
+                  r"|kernels/reference\.py\(\d+\): paged_attention$"),
+    ("norms/residual", r"engine/layers/norm\.py|engine/model\.py\(\d+\): add_delta$"),
+)
+# The name categories a call site may replace: what a library kernel's name cannot tell apart.
+GENERIC = (OTHER, "dense linear")
+_SITES = tuple((cat, re.compile(rx)) for cat, rx in CALL_SITES)
+_PY_FRAME = re.compile(r"\.py\(\d+\): |^<built-in")
+
+
+def _is_python(e) -> bool:
+    """A Python function event of the profiler's stack tracer (with_stack), not an op."""
+    return bool(getattr(e, "is_python_function", False)) or bool(_PY_FRAME.search(e.name))
+
+
+def site_category(frames: list[str]) -> str | None:
+    """The CALL_SITES category of a launch from `frames` (innermost first), None when no rule matches."""
+    for cat, rx in _SITES:
+        if any(rx.search(f) for f in frames):
+            return cat
+    return None
+
+
+def _frames(op) -> list[str]:
+    """The Python frames an op ran under (its parents of the stack tracer), innermost first."""
+    out, p = [], getattr(op, "cpu_parent", None)
+    while p is not None:
+        if _is_python(p):
+            out.append(p.name)
+        p = p.cpu_parent
     return out
 
 
-def summarise(events: list[tuple[str, float]], top: int) -> dict:
-    """Kernel total, launches, the top kernels by total time and the per-category table."""
-    by_name: dict[str, list[float]] = {}
-    for name, us in events:
-        acc = by_name.setdefault(name, [0, 0.0])
+def _launchers(events, device: list) -> list:
+    """The CPU op that launched each of `device` (None: none known, e.g. a Triton kernel, launched by
+    Triton's own launcher outside any op). The profiler links a kernel to the op by correlation id; a torch
+    without FunctionEvent.linked_correlation_id has each op's kernels listed (name, us) in launch order."""
+    # Ops only: CUDA runtime events (cudaLaunchKernel, linked to their op) have ids of CUPTI's own count
+    ops = [e for e in events if e.device_type.name == "CPU" and not _is_python(e)
+           and not getattr(e, "linked_correlation_id", 0)]
+    if all(hasattr(d, "linked_correlation_id") for d in device):
+        by_id = {op.id: op for op in ops if op.id}
+        return [by_id.get(d.linked_correlation_id) for d in device]
+    queue: dict[tuple, list] = {}
+    for op in sorted(ops, key=lambda e: e.time_range.start, reverse=True):
+        for k in reversed(getattr(op, "kernels", [])):
+            queue.setdefault((k.name, round(k.duration, 1)), []).append(op)
+    return [(queue.get((d.name, round(d.self_device_time_total, 1))) or [None]).pop() for d in device]
+
+
+def device_events(prof, cuda: bool) -> list[tuple[str, float, str | None]]:
+    """(name, us, call-site category or None) of every event the kernel time is made of. On CUDA only the
+    device's own events (kernels, memcpy/memset): the aten op that launched a kernel carries its kernels'
+    time as "self device time" too, and counting both would count every cuBLAS/aten kernel twice
+    (bench/profile_decode.py's note). On CPU each op's self CPU time (the stack tracer's Python function
+    events left out: their self time is the interpreter's)."""
+    events = list(prof.events())
+    # a record_function range spans the kernels under it: counting it would count them twice
+    events = [e for e in events if not getattr(e, "is_user_annotation", False)]
+    if cuda:
+        device = [e for e in events if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+        device.sort(key=lambda e: e.time_range.start)
+        return [(d.name, float(d.self_device_time_total), site_category(_frames(op)) if op is not None else None)
+                for d, op in zip(device, _launchers(events, device))]
+    return [(e.name, float(e.self_cpu_time_total), site_category(_frames(e))) for e in events
+            if e.device_type.name == "CPU" and not _is_python(e) and e.self_cpu_time_total > 0]
+
+
+def event_category(name: str, site: str | None) -> str:
+    cat = categorise(name)
+    return site if site is not None and cat in GENERIC else cat
+
+
+def summarise(events: list[tuple[str, float, str | None]], top: int) -> dict:
+    """Kernel total, launches, the top kernels by total time (each with the category most of its time
+    went to) and the per-category table."""
+    by_name: dict[str, dict[str, list]] = {}  # name -> category -> [calls, us]
+    for name, us, site in events:
+        acc = by_name.setdefault(name, {}).setdefault(event_category(name, site), [0, 0.0])
         acc[0] += 1
         acc[1] += us
-    total = sum(us for _, us in events)
+    total = sum(us for _, us, _ in events)
     share = (lambda us: round(us / total, 4) if total else 0.0)
-    ranked = sorted(by_name.items(), key=lambda kv: kv[1][1], reverse=True)
-    rows = [{"kernel": name[:120], "calls": n, "total_us": round(us, 1), "share": share(us),
-             "category": categorise(name)} for name, (n, us) in ranked[:top]]
+    named = {name: (sum(n for n, _ in c.values()), sum(us for _, us in c.values()),
+                    max(c, key=lambda k: c[k][1])) for name, c in by_name.items()}
+    ranked = sorted(named.items(), key=lambda kv: kv[1][1], reverse=True)
+    rows = [{"kernel": name[:120], "calls": n, "total_us": round(us, 1), "share": share(us), "category": cat,
+             **({"split": {k: round(v[1], 1) for k, v in by_name[name].items()}} if len(by_name[name]) > 1 else {})}
+            for name, (n, us, cat) in ranked[:top]]
     cats: dict[str, list[float]] = {cat: [0, 0.0] for cat, _ in CATEGORIES}
     cats[OTHER] = [0, 0.0]
-    for name, (n, us) in by_name.items():
-        acc = cats[categorise(name)]
-        acc[0] += n
-        acc[1] += us
+    for c in by_name.values():
+        for cat, (n, us) in c.items():
+            cats[cat][0] += n
+            cats[cat][1] += us
     categories = [{"category": cat, "us": round(us, 1), "share": share(us), "calls": n}
                   for cat, (n, us) in sorted(cats.items(), key=lambda kv: kv[1][1], reverse=True) if n]
-    return {"kernel_us": total, "launches": len(events), "top": rows, "categories": categories}
+    by_site = sum(1 for name, _, site in events if site is not None and categorise(name) in GENERIC)
+    return {"kernel_us": total, "launches": len(events), "top": rows, "categories": categories,
+            "by_call_site": by_site}
 
 
 def rates(cfg, length: int, categories: list[dict]) -> dict[str, dict]:
@@ -149,12 +220,15 @@ def main(argv: list[str] | None = None) -> dict:
             runner.free(sid)
 
     # Two warm-up calls (Triton / FlashInfer compile, Fp8BlockLinear times its backends) outside the
-    # profile, then one timed call without the profiler: the wall time the profile is set against.
-    timing, first_s = C.time_call(call, args.device, warmup=2 if args.warmup is None else args.warmup, iters=1,
-                                  cleanup=cleanup)
+    # profile, then one timed call (--iters: the median of that many) without the profiler: the wall time
+    # the profile is set against.
+    timing, first_s = C.time_call(call, args.device, warmup=2 if args.warmup is None else args.warmup,
+                                  iters=1 if args.iters is None else args.iters, cleanup=cleanup)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sw = C.StopWatch(args.device)
-    with profile(activities=acts) as prof:
+    # with_stack: the Python frames each op ran under (CALL_SITES); the host time it adds is outside the
+    # kernels, whose time is what the profile counts
+    with profile(activities=acts, with_stack=True) as prof:
         a = sw.mark()
         call()
         b = sw.mark()
@@ -169,7 +243,8 @@ def main(argv: list[str] | None = None) -> dict:
               "counted": "device events" if cuda else "cpu self time",
               "wall_ms": timing.median * 1e3, "profiled_wall_ms": profiled_ms, "first_call_s": first_s,
               "build_s": build_s, "kernel_ms": s["kernel_us"] / 1e3, "launches": s["launches"],
-              "launches_per_layer": s["launches"] / cfg.num_hidden_layers, "top": s["top"],
+              "by_call_site": s["by_call_site"], "launches_per_layer": s["launches"] / cfg.num_hidden_layers,
+              "top": s["top"],
               "categories": s["categories"], "tflops": tf, "ceilings_tflops": C.CEILING_TFLOPS}
     _print(result, cfg)
     if args.out:
@@ -187,7 +262,8 @@ def _print(r: dict, cfg) -> None:
     print(f"{r['model']} {r['quant']} prefill of {r['length']} tokens + first-token sample (attention: "
           f"{r['attention']}): {r['wall_ms']:.2f} ms wall unprofiled, {r['profiled_wall_ms']:.2f} ms profiled; "
           f"{r['kernel_ms']:.2f} ms of {unit} time in {r['launches']} launches "
-          f"({r['launches_per_layer']:.1f} per layer; model built in {r['build_s']:.1f} s)")
+          f"({r['launches_per_layer']:.1f} per layer; {r['by_call_site']} categorised by their call site; model "
+          f"built in {r['build_s']:.1f} s)")
     print(f"{unit:90s} {'calls':>6s} {'us':>11s} {'share':>6s}  category")
     for k in r["top"]:
         print(f"{k['kernel'][:90]:90s} {k['calls']:6d} {k['total_us']:11.1f} {k['share']:6.1%}  {k['category']}")

@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -29,8 +30,10 @@ NAMES = {
     "_quant_act_kernel": "activation quantisation",
     "nvjet_sm90_qqtst_64x8_128x16_4x1_v_bz_algo2_Avec128_Bvec128_bias_TNT": "dense linear",
     "nvjet_sm90_tst_512x8_64x3_2x1_v_bz_TNT": "dense linear",
-    "void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cutlass::gemm::MainloopSm90TmaGmma": "dense linear",
-    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off": "dense linear",
+    "void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cutlass::gemm::MainloopSm90TmaGmma":
+        "dense linear",
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off":
+        "dense linear",
     "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float, false, true>": "dense linear",
     "_fp8_gemm_kernel": "dense linear",
     "_fp8_gemv_kernel": "dense linear",
@@ -74,35 +77,119 @@ def test_every_triton_kernel_of_ours_has_a_category():
     assert {n: pp.categorise(n) for n in names if pp.categorise(n) == pp.OTHER} == {}
 
 
+# Frames as torch.profiler's stack tracer names them (absolute path, the function's def line, its name),
+# innermost first, for kernels whose names say only which library ran them.
+SITES = [
+    # the router's bf16 cuBLAS GEMM at prefill sizes (above kernels.router.ROUTE_MAX_TOKENS)
+    (["/r/engine/layers/linear.py(103): __call__", "/r/engine/layers/moe.py(95): _gpu_forward",
+      "/r/engine/layers/moe.py(61): __call__", "/r/engine/model.py(85): attention_out_deferred"],
+     "MoE routing/sort/permute/combine"),
+    # kernels.moe.sort_by_expert's torch ops (argsort, cumsum, scatter_add) under the grouped experts
+    (["/r/kernels/moe.py(188): sort_by_expert", "/r/kernels/moe.py(359): _moe_grouped",
+      "/r/kernels/moe.py(417): moe_experts", "/r/engine/layers/moe.py(118): _experts",
+      "/r/engine/layers/moe.py(95): _gpu_forward"], "MoE routing/sort/permute/combine"),
+    # the LM head's GEMM: Unembedding under the model's head (the last block's MoE is not on this path)
+    (["/r/engine/layers/embedding.py(45): __call__", "/r/engine/model.py(183): head",
+      "/r/engine/model.py(157): forward", "/r/engine/runner.py(208): _run"], "LM head/sampling"),
+    (["/r/engine/runner.py(446): sample", "/r/bench/profile_prefill.py(150): call"], "LM head/sampling"),
+    # a dense projection's cuBLAS GEMM: no call-site rule, its name decides
+    (["/r/kernels/fp8_gemm.py(120): cublas_fp8_gemm", "/r/engine/layers/linear.py(103): __call__",
+      "/r/engine/layers/attention.py(76): project_in", "/r/engine/model.py(68): residual_attention_in",
+      "/r/engine/model.py(157): forward"], None),
+    (["/r/engine/layers/attention.py(91): rotate_and_write", "/r/engine/layers/attention.py(76): project_in"],
+     "rotary/KV write"),
+    (["/r/kernels/reference.py(40): paged_attention", "/r/engine/layers/attention.py(162): run"], "attention"),
+    (["/r/engine/layers/norm.py(21): __call__", "/r/engine/model.py(183): head"], "LM head/sampling"),
+    (["/r/engine/layers/norm.py(21): __call__", "/r/engine/model.py(59): attention_in"], "norms/residual"),
+    (["/r/engine/model.py(178): embed", "/r/engine/model.py(157): forward"], None),
+]
+
+
+@pytest.mark.parametrize("frames,want", SITES)
+def test_call_site_categories(frames, want):
+    assert pp.site_category(frames) == want
+
+
+def test_call_site_replaces_only_library_names():
+    router = SITES[0][0]
+    assert pp.event_category("nvjet_sm90_tst_128x64_64x8_1x2_h_bz_TNN", pp.site_category(router)) == \
+        "MoE routing/sort/permute/combine"
+    assert pp.event_category("void at::native::index_elementwise_kernel<128, 4>", "LM head/sampling") == \
+        "LM head/sampling"
+    # ours keep their name's category wherever they were launched from
+    assert pp.event_category("_quant_act_kernel", "MoE routing/sort/permute/combine") == "activation quantisation"
+    assert pp.event_category("Memcpy HtoD (Pinned -> Device)", "LM head/sampling") == "memcpy/memset"
+    assert pp.event_category("nvjet_sm90_qqtst_64x8_128x16_4x1_v_bz_algo2_Avec128_Bvec128_bias_TNT", None) == \
+        "dense linear"
+
+
+def _ev(name, device, start, us, id_=0, linked=None, parent=None, kernels=()):
+    e = SimpleNamespace(name=name, device_type=SimpleNamespace(name=device), id=id_, cpu_parent=parent,
+                        time_range=SimpleNamespace(start=start), self_device_time_total=us,
+                        kernels=[SimpleNamespace(name=k, duration=d) for k, d in kernels], is_python_function=False)
+    if linked is not None:
+        e.linked_correlation_id = linked
+    return e
+
+
+@pytest.mark.parametrize("linked", [True, False])
+def test_launchers(linked):
+    """A kernel's op: by the profiler's correlation link, or (a torch without it) by each op's kernel list in
+    launch order; a runtime event sharing an op's id (CUPTI counts its own) is never taken for the op."""
+    frame = _ev("/r/engine/model.py(183): head", "CPU", 0, 0)
+    frame.is_python_function = True
+    a = _ev("aten::mm", "CPU", 1, 0, id_=7, linked=0 if linked else None, parent=frame, kernels=[("gemm", 5.0)])
+    b = _ev("aten::mm", "CPU", 3, 0, id_=8, linked=0 if linked else None, kernels=[("gemm", 5.0), ("fill", 1.0)])
+    runtime = _ev("cudaLaunchKernel", "CPU", 1.5, 0, id_=8, linked=7 if linked else None)
+    k1 = _ev("gemm", "CUDA", 10, 5.0, linked=7 if linked else None)
+    k2 = _ev("gemm", "CUDA", 20, 5.0, linked=8 if linked else None)
+    k3 = _ev("fill", "CUDA", 30, 1.0, linked=8 if linked else None)
+    triton = _ev("_grouped_kernel", "CUDA", 40, 9.0, linked=0 if linked else None)
+    got = pp._launchers([frame, a, runtime, b, k1, k2, k3, triton], [k1, k2, k3, triton])
+    assert got == [a, b, b, None]
+    assert pp._frames(a) == ["/r/engine/model.py(183): head"] and pp.site_category(pp._frames(a)) == "LM head/sampling"
+
+
 def test_summarise_adds_up():
-    events = [("_grouped_kernel", 300.0), ("_grouped_kernel", 100.0), ("nvjet_sm90_tst_x", 50.0),
-              ("aten_fill", 25.0), ("Memcpy HtoD (Pinned -> Device)", 25.0)]
+    routing = "MoE routing/sort/permute/combine"
+    events = [("_grouped_kernel", 300.0, None), ("_grouped_kernel", 100.0, routing), ("nvjet_sm90_tst_x", 40.0, None),
+              ("nvjet_sm90_tst_x", 10.0, routing), ("aten_fill", 25.0, None),
+              ("Memcpy HtoD (Pinned -> Device)", 25.0, "LM head/sampling")]
     s = pp.summarise(events, top=2)
-    assert s["kernel_us"] == 500.0 and s["launches"] == 5
+    assert s["kernel_us"] == 500.0 and s["launches"] == 6 and s["by_call_site"] == 1
     assert s["top"] == [{"kernel": "_grouped_kernel", "calls": 2, "total_us": 400.0, "share": 0.8,
                          "category": "MoE expert GEMM"},
-                        {"kernel": "nvjet_sm90_tst_x", "calls": 1, "total_us": 50.0, "share": 0.1,
-                         "category": "dense linear"}]
+                        {"kernel": "nvjet_sm90_tst_x", "calls": 2, "total_us": 50.0, "share": 0.1,
+                         "category": "dense linear", "split": {"dense linear": 40.0, routing: 10.0}}]
     cats = {c["category"]: (c["calls"], c["us"], c["share"]) for c in s["categories"]}
-    assert cats == {"MoE expert GEMM": (2, 400.0, 0.8), "dense linear": (1, 50.0, 0.1), "other": (1, 25.0, 0.05),
-                    "memcpy/memset": (1, 25.0, 0.05)}
+    assert cats == {"MoE expert GEMM": (2, 400.0, 0.8), "dense linear": (1, 40.0, 0.08), routing: (1, 10.0, 0.02),
+                    "other": (1, 25.0, 0.05), "memcpy/memset": (1, 25.0, 0.05)}
 
 
 def test_profile_prefill_cpu(tmp_path):
-    out = pp.main(["--model", "gpt-oss-tiny", "--dummy", "--device", "cpu", "--length", "32", "--top", "5",
+    out = pp.main(["--model", "gpt-oss-tiny", "--dummy", "--device", "cpu", "--length", "32", "--top", "400",
                    "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "profile-prefill-gpt-oss-tiny-32.json").read_text())
     for key in ("env", "model", "quant", "length", "wall_ms", "profiled_wall_ms", "kernel_ms", "launches", "top",
                 "categories", "tflops"):
         assert key in saved, key
     assert saved["kind"] == "profile-prefill" and saved["model"] == "gpt-oss-tiny" and saved["length"] == 32
-    assert saved["env"]["command"].endswith("--length 32 --top 5 --out " + str(tmp_path))
+    assert saved["env"]["command"].endswith("--length 32 --top 400 --out " + str(tmp_path))
     assert saved["wall_ms"] > 0 and saved["profiled_wall_ms"] > 0 and saved["kernel_ms"] > 0
     cats = saved["categories"]
     assert abs(sum(c["us"] for c in cats) - saved["kernel_ms"] * 1e3) <= 0.1 * len(cats)
     assert sum(c["calls"] for c in cats) == saved["launches"] > 0
     assert abs(sum(c["share"] for c in cats) - 1.0) < 1e-3
-    assert len(saved["top"]) == 5 and saved["top"] == sorted(saved["top"], key=lambda r: -r["total_us"])
+    top = saved["top"]
+    assert top == sorted(top, key=lambda r: -r["total_us"]) and len(top) < 400  # every op name: the CPU run's
+    assert sum(r["calls"] for r in top) == saved["launches"]
+    assert not any(".py(" in r["kernel"] for r in top)  # the stack tracer's Python frames are not ops
+    # On CPU the ops are the events: the first token's argmax (Runner.sample) and the unembedding's matmul
+    # (under the model's head) are told by where they ran, not by their names
+    rows = {r["kernel"]: r for r in top}
+    assert rows["aten::argmax"]["category"] == "LM head/sampling"
+    assert rows["aten::mm"]["split"]["LM head/sampling"] > 0
+    assert saved["by_call_site"] > 0
     moe = saved["tflops"]["MoE expert GEMM"]
     cfg = pp.C.resolve_config("gpt-oss-tiny")
     assert moe["flops"] == 2 * 32 * cfg.experts_per_token * 3 * cfg.hidden_size * cfg.intermediate_size \
