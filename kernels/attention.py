@@ -25,14 +25,17 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import enter, pdl_kwargs
+
 LN2 = math.log(2.0)
 _WORKSPACE_BYTES = 128 << 20
 
 
 @triton.jit
 def _sink_correction_kernel(out, lse, sinks, n_rows, n_heads, s_ob, s_oh, HEAD_DIM: tl.constexpr,
-                            ROWS: tl.constexpr):
+                            ROWS: tl.constexpr, USE_PDL: tl.constexpr = False):
     # out[b, h, :] *= sigmoid(lse[b, h] * ln2 - sink[h]); ROWS (b, h) rows per program.
+    enter(USE_PDL)  # kernels/pdl.py: before any load (out and lse are FlashInfer's, just written) or store
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ok = r < n_rows
     b = r // n_heads
@@ -54,7 +57,7 @@ def apply_sink_correction(out: torch.Tensor, lse_log2: torch.Tensor, sinks: torc
     rows = 16
     _sink_correction_kernel[(triton.cdiv(n_rows, rows),)](
         out, lse_log2.contiguous(), sinks, n_rows, out.shape[1], out.stride(0), out.stride(1),
-        HEAD_DIM=out.shape[2], ROWS=rows, num_warps=2)
+        HEAD_DIM=out.shape[2], ROWS=rows, num_warps=2, **pdl_kwargs(out.device))
     return out
 
 

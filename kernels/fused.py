@@ -12,9 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import enter, pdl_kwargs
+
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps, BLOCK: tl.constexpr,
+                    USE_PDL: tl.constexpr = False):
+    enter(USE_PDL)  # kernels/pdl.py: before any load or store
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -31,13 +35,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x)
     if x.shape[0]:
         _rms_norm_kernel[(x.shape[0],)](x, weight, out, x.stride(0), out.stride(0), x.shape[1], eps,
-                                        BLOCK=triton.next_power_of_2(x.shape[1]))
+                                        BLOCK=triton.next_power_of_2(x.shape[1]), **pdl_kwargs(x.device))
     return out
 
 
 @triton.jit
 def _rotary_qk_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, stride_qkv, stride_cs, n_q,
-                      HALF: tl.constexpr, BLOCK: tl.constexpr):
+                      HALF: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    enter(USE_PDL)  # kernels/pdl.py: before any load or store
     t = tl.program_id(0)
     head = tl.program_id(1)  # 0..n_q-1 are query heads, then the kv heads
     offs = tl.arange(0, BLOCK)
@@ -70,7 +75,7 @@ def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q: int,
     if t:
         half = head_dim // 2
         _rotary_qk_kernel[(t, n_q + n_kv)](qkv, cos, sin, q, k, qkv.stride(0), cos.stride(0), n_q,
-                                           HALF=half, BLOCK=triton.next_power_of_2(half))
+                                           HALF=half, BLOCK=triton.next_power_of_2(half), **pdl_kwargs(qkv.device))
     return q, k
 
 
@@ -86,7 +91,9 @@ _AMAX_FLOOR = 1e-12  # kernels.fp8 / fp8_gemm: an all-zero group still gets a fi
 def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, rows_ptr, xo_ptr, out_ptr, q_ptr, s_ptr, T, H, eps,
                          s_x, s_dt, s_dk, s_xo, s_o, s_q, s_sm, s_sk,
                          DELTA: tl.constexpr, K_SUM: tl.constexpr, ROWS: tl.constexpr, STORE_X: tl.constexpr,
-                         NORM: tl.constexpr, QUANT: tl.constexpr, N_GROUPS: tl.constexpr, BLOCK: tl.constexpr):
+                         NORM: tl.constexpr, QUANT: tl.constexpr, N_GROUPS: tl.constexpr, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
+    enter(USE_PDL)  # kernels/pdl.py: before any load (rows, x, delta are the previous kernels') or store
     # One program per output row r (rows >= T only in QUANT mode: the GEMM's M padding, written as zeros
     # with the floor scale, as kernels.fp8_gemm.quantize_act_1x128 writes them).
     r = tl.program_id(0)
@@ -187,7 +194,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
             q.stride(0) if q is not None else 0, s.stride(0) if s is not None else 0,
             s.stride(1) if s is not None else 0,
             DELTA=kind, K_SUM=k_sum, ROWS=rows is not None, STORE_X=x_new is not None, NORM=norm,
-            QUANT=q is not None, N_GROUPS=(quant_k or 128) // 128, BLOCK=block)
+            QUANT=q is not None, N_GROUPS=(quant_k or 128) // 128, BLOCK=block, **pdl_kwargs(x.device))
     return x_new, ((q, s) if q is not None else out)
 
 
@@ -197,7 +204,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 @triton.jit
 def _rotary_kv_write_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, pool_ptr, pages_ptr, offsets_ptr,
                             stride_qkv, stride_cs, n_q, n_kv, s_pg, s_kv, s_off, s_head,
-                            HALF: tl.constexpr, BLOCK: tl.constexpr):
+                            HALF: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    enter(USE_PDL)  # kernels/pdl.py: before any load or store (the pool write may overwrite what the last kernel read)
     t = tl.program_id(0)
     head = tl.program_id(1)  # 0..n_q-1 are query heads, then the kv heads
     offs = tl.arange(0, BLOCK)
@@ -249,7 +257,7 @@ def rotary_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q
         _rotary_kv_write_kernel[(t, n_q + n_kv)](
             qkv, cos, sin, q, pool, pages, offsets, qkv.stride(0), cos.stride(0), n_q, n_kv,
             pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3),
-            HALF=half, BLOCK=triton.next_power_of_2(half))
+            HALF=half, BLOCK=triton.next_power_of_2(half), **pdl_kwargs(qkv.device))
     return q
 
 
@@ -259,7 +267,8 @@ def rotary_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
 def _sink_quant_kernel(out_ptr, lse_ptr, sinks_ptr, q_ptr, s_ptr, B, n_cols, s_ob, s_oh, s_lb, s_q, s_sm, s_sk,
-                       HEAD_DIM: tl.constexpr):
+                       HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr = False):
+    enter(USE_PDL)  # kernels/pdl.py: before any load or store
     # One program per (row, 128-wide K block), rows >= B (M padding) written as zeros with the floor scale.
     b = tl.program_id(0)
     kb = tl.program_id(1)
@@ -297,7 +306,7 @@ def sink_correct_quantize(out: torch.Tensor, lse_log2: torch.Tensor, sinks: torc
     if bp:
         _sink_quant_kernel[(bp, quant_k // 128)](out, lse, sinks, q, s, b, n_cols, out.stride(0), out.stride(1),
                                                  lse.stride(0), q.stride(0), s.stride(0), s.stride(1),
-                                                 HEAD_DIM=d, num_warps=1)
+                                                 HEAD_DIM=d, num_warps=1, **pdl_kwargs(out.device))
     return q, s
 
 
@@ -328,7 +337,8 @@ def router_logit_tile(x_ptr, w_ptr, b_ptr, t, offs_e, e_ok, K, s_xt, s_we, HAS_B
 
 @triton.jit
 def _router_gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, E, K, s_xt, s_we, s_ot, HAS_BIAS: tl.constexpr,
-                        BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+    enter(USE_PDL)  # kernels/pdl.py: before any load or store (the K loop loads x and w together)
     t = tl.program_id(0)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = offs_e < E
@@ -350,5 +360,5 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         block_e = 4
         _router_gemv_kernel[(t, triton.cdiv(e, block_e))](
             x, weight, bias if bias is not None else weight, out, e, h, x.stride(0), weight.stride(0),
-            out.stride(0), HAS_BIAS=bias is not None, BLOCK_E=block_e, BLOCK_K=1024)
+            out.stride(0), HAS_BIAS=bias is not None, BLOCK_E=block_e, BLOCK_K=1024, **pdl_kwargs(x.device))
     return out

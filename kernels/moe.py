@@ -34,6 +34,7 @@ from .fp8_gemm import BLOCK, quantize_act_1x128
 from .moe_configs import GemmConfig, GroupedConfig
 from .moe_gemv import moe_gemv
 from .moe_gemv import swiglu as _swiglu  # the clamped SwiGLU, fused into both paths' GEMM1
+from .pdl import enter, pdl_kwargs
 
 try:  # host-side TMA descriptors: triton >= 3.4 (the tma knob of the grouped GEMM)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -64,7 +65,8 @@ def topk_softmax(v, e, K: tl.constexpr, E_P2: tl.constexpr):
 
 @triton.jit
 def _route_kernel(logits, bias, w_out, id_out, T, E, s_lt, HAS_BIAS: tl.constexpr, K: tl.constexpr,
-                  E_P2: tl.constexpr, BLOCK_T: tl.constexpr):
+                  E_P2: tl.constexpr, BLOCK_T: tl.constexpr, USE_PDL: tl.constexpr = False):
+    enter(USE_PDL)  # kernels/pdl.py: before any load or store
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.arange(0, E_P2)
     ok = (t < T)[:, None] & (e < E)[None, :]
@@ -91,7 +93,8 @@ def route_topk(router_logits: torch.Tensor, k: int, bias: torch.Tensor | None = 
         block_t = 16
         _route_kernel[(triton.cdiv(t, block_t),)](
             router_logits, bias if bias is not None else router_logits, w, ids, t, e, router_logits.stride(0),
-            HAS_BIAS=bias is not None, K=k, E_P2=triton.next_power_of_2(e), BLOCK_T=block_t, num_warps=4)
+            HAS_BIAS=bias is not None, K=k, E_P2=triton.next_power_of_2(e), BLOCK_T=block_t, num_warps=4,
+            **pdl_kwargs(router_logits.device))
     return w, ids
 
 
@@ -146,12 +149,14 @@ class MoEWeights:
 # --------------------------------------------------------------------------------------------------
 @triton.jit
 def _sort_pairs_kernel(ids, sorted_ids, block_expert, counts_out, n, E, max_blocks,
-                       E_P2: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr):
+                       E_P2: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
+                       USE_PDL: tl.constexpr = False):
     # One program: a stable counting sort of the (token, expert) pairs by expert. Pass 1 counts pairs per
     # expert; pass 2 walks the pairs in order, ranking each among the earlier pairs of its expert (a
     # prefix sum over a one-hot [BLOCK, E] tile plus a running count per expert), and writes its pair id
     # at its expert's padded segment start + rank. Same result as the torch ops below, in ~3 launches
     # instead of ~15 (a decode step runs this once per layer).
+    enter(USE_PDL)  # kernels/pdl.py: before any load or store
     e_ax = tl.arange(0, E_P2)
     offs = tl.arange(0, BLOCK)
     counts = tl.zeros([E_P2], tl.int32)
@@ -198,7 +203,8 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, *, path: s
         counts = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
         e_p2 = triton.next_power_of_2(num_experts)
         _sort_pairs_kernel[(1,)](flat, sorted_ids, block_expert, counts, n, num_experts, max_blocks,
-                                 E_P2=e_p2, BLOCK=max(16, 8192 // e_p2), BLOCK_M=block_m, NB=64, num_warps=8)
+                                 E_P2=e_p2, BLOCK=max(16, 8192 // e_p2), BLOCK_M=block_m, NB=64, num_warps=8,
+                                 **pdl_kwargs(ids.device))
         return sorted_ids, block_expert, counts
     n = flat.numel()
     counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import enter, pdl_kwargs
+
 
 @triton.jit
 def swiglu(acc, BLOCK_N: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
@@ -56,7 +58,13 @@ def _gemv_tile(x_row, w_ptr, s_ptr, Kdim, n_ok, FP8: tl.constexpr, BLOCK_N: tl.c
 @triton.jit
 def _gemv1_kernel(x, ids, w, s, b, act, K_TOP, Kdim, s_xt, s_we, s_wn, s_se, s_sn, s_be, s_at,
                   FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  ALPHA: tl.constexpr, LIMIT: tl.constexpr, LATE: tl.constexpr = False):
+                  ALPHA: tl.constexpr, LIMIT: tl.constexpr, LATE: tl.constexpr = False,
+                  USE_PDL: tl.constexpr = False):
+    # kernels/pdl.py: before any load. Even the weights' address needs the expert id, which the router
+    # kernel just before writes, so nothing is fetched ahead of the wait; PDL still hides this launch and
+    # the ramp of its ~700 programs under the router's tail. The wait stays outside _gemv_tile's pipelined
+    # K loop (triton#11905).
+    enter(USE_PDL)
     pair = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
     tok = pair // K_TOP
@@ -73,9 +81,11 @@ def _gemv1_kernel(x, ids, w, s, b, act, K_TOP, Kdim, s_xt, s_we, s_wn, s_se, s_s
 
 @triton.jit
 def _gemv2_kernel(act, ids, route_w, w, s, b, y, Kdim, Ndim, s_at, s_we, s_wn, s_se, s_sn, s_be, s_yt,
-                  FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LATE: tl.constexpr = False):
+                  FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LATE: tl.constexpr = False,
+                  USE_PDL: tl.constexpr = False):
     # One program per (pair, N tile): every expert of every token in parallel; y = w_route * (W2 act + b2)
     # in fp32, summed over the k experts afterwards in a fixed order (no atomics).
+    enter(USE_PDL)  # kernels/pdl.py: before any load (ids, route_w, act) or store, as in _gemv1_kernel
     pair = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -90,7 +100,8 @@ def _gemv2_kernel(act, ids, route_w, w, s, b, y, Kdim, Ndim, s_at, s_we, s_wn, s
 
 
 @triton.jit
-def combine_kernel(y, out, Ndim, K_TOP: tl.constexpr, BLOCK: tl.constexpr):
+def combine_kernel(y, out, Ndim, K_TOP: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    enter(USE_PDL)  # kernels/pdl.py: before any load or store
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < Ndim
@@ -145,7 +156,7 @@ def gemv1(x, ids_flat, k, ex, alpha, limit, act, launch: GemvLaunch) -> None:
         x, ids_flat, ex.w1, s1, ex.b1, act, k, h, x.stride(0), ex.w1.stride(0),
         ex.w1.stride(1), s1.stride(0), s1.stride(1), ex.b1.stride(0), act.stride(0),
         FP8=ex.fp8, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, ALPHA=alpha, LIMIT=limit, LATE=launch.late,
-        num_warps=launch.num_warps, num_stages=launch.num_stages)
+        num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_kwargs(x.device))
 
 
 def gemv2(act, ids_flat, route_w_flat, ex, y, launch: GemvLaunch) -> None:
@@ -156,7 +167,7 @@ def gemv2(act, ids_flat, route_w_flat, ex, y, launch: GemvLaunch) -> None:
         act, ids_flat, route_w_flat, ex.w2, s2, ex.b2, y, inter, h, act.stride(0),
         ex.w2.stride(0), ex.w2.stride(1), s2.stride(0), s2.stride(1), ex.b2.stride(0), y.stride(0),
         FP8=ex.fp8, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, LATE=launch.late, num_warps=launch.num_warps,
-        num_stages=launch.num_stages)
+        num_stages=launch.num_stages, **pdl_kwargs(act.device))
 
 
 def moe_gemv(x, ids, route_w, ex, alpha, limit, block_n1=None, block_n2=None, block_k=None, num_warps=None,
@@ -183,5 +194,5 @@ def moe_gemv(x, ids, route_w, ex, alpha, limit, block_n1=None, block_n2=None, bl
     if not combine:
         return y.view(t, k, h)
     out = torch.empty(t, h, dtype=torch.bfloat16, device=x.device)
-    combine_kernel[(t, triton.cdiv(h, 1024))](y, out, h, K_TOP=k, BLOCK=1024, num_warps=4)
+    combine_kernel[(t, triton.cdiv(h, 1024))](y, out, h, K_TOP=k, BLOCK=1024, num_warps=4, **pdl_kwargs(x.device))
     return out

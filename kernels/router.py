@@ -23,6 +23,7 @@ import triton.language as tl
 
 from .fused import router_logit_tile
 from .moe import topk_softmax
+from .pdl import enter, launch_dependents, pdl_kwargs, wait
 
 ROUTE_MAX_TOKENS = 64  # = kernels.fused.ROUTER_GEMV_MAX_TOKENS: above it cuBLAS's GEMM is the better router
 _BLOCK_E, _BLOCK_K = 4, 1024  # router_logits' tiles: equal sums need equal tiles
@@ -31,7 +32,10 @@ _BLOCK_E, _BLOCK_K = 4, 1024  # router_logits' tiles: equal sums need equal tile
 @triton.jit
 def _router_route_kernel(x_ptr, w_ptr, b_ptr, logit_ptr, cnt_ptr, w_out, id_out, E, K, s_xt, s_we,
                          HAS_BIAS: tl.constexpr, TOP_K: tl.constexpr, E_P2: tl.constexpr,
-                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+    # kernels/pdl.py: before any load (x is the previous kernel's; the K loop loads x and w together), the
+    # logit store and the counter's atomic (see _route_when_last)
+    enter(USE_PDL)
     t = tl.program_id(0)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = offs_e < E
@@ -45,6 +49,13 @@ def _router_route_kernel(x_ptr, w_ptr, b_ptr, logit_ptr, cnt_ptr, w_out, id_out,
 def _route_when_last(row, cnt_ptr, t, w_out, id_out, E, TOP_K: tl.constexpr, E_P2: tl.constexpr):
     # Every thread's logit store is done before the one release below (the classic last-block pattern:
     # barrier, then a gpu-scope acq_rel atomic); the last arrival's acquire then sees every program's row.
+    # Under PDL (kernels/pdl.py) the callers' programs all passed griddepcontrol.wait first, so this
+    # launch's atomics start only after the previous kernel COMPLETED, and every kernel in between waited
+    # for its own predecessor: the last launch on these counters (its final .cg reads of its row and its
+    # zeroing xchg) is complete and visible before any increment here. A kernel launched early after this
+    # one (its trigger fired at entry) waits for all of this launch, the last arrival's routing
+    # and reset included, before it reads the weights and ids, so the early trigger cannot expose a
+    # half-routed row or a counter not yet back at zero.
     tl.debug_barrier()
     arrived = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu")
     if arrived == tl.num_programs(1) - 1:
@@ -63,7 +74,8 @@ def _route_when_last(row, cnt_ptr, t, w_out, id_out, E, TOP_K: tl.constexpr, E_P
 @triton.jit
 def _add_norm_route_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, h_ptr, w_ptr, b_ptr, logit_ptr, cnt_ptr, w_out, id_out,
                            H, E, eps, s_x, s_d, s_xo, s_h, s_we, HAS_BIAS: tl.constexpr, TOP_K: tl.constexpr,
-                           E_P2: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+                           E_P2: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
+                           USE_PDL: tl.constexpr = False):
     # kernels.fused.add_rms_norm's DELTA=1 math (torch's x + delta rounded once, then RMSNorm) in every
     # program of token t (the row is a few KB, read from L2), program 0 storing the results; then this
     # program's BLOCK_E router logits from the normed bf16 row still in registers, and the routing.
@@ -71,22 +83,29 @@ def _add_norm_route_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, h_ptr, w_ptr, b_ptr, lo
     eb = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
     m = offs < H
+    offs_e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_ok = offs_e < E
+    # The layer's parameters (norm weight, router weight and bias: never written by a decode step, see
+    # add_rms_norm_route) are loaded before the PDL wait: with PDL these loads (the router tile is the bulk of
+    # this kernel's bytes) overlap the previous kernel's tail. Everything else comes after the wait.
+    nw = tl.load(nw_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    wt = tl.load(w_ptr + offs_e[:, None].to(tl.int64) * s_we + offs[None, :], mask=e_ok[:, None] & m[None, :],
+                 other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + offs_e, mask=e_ok, other=0.0).to(tl.float32)
+    wait(USE_PDL)
+    launch_dependents(USE_PDL)  # kernels/pdl.py: right after the wait
     x = tl.load(x_ptr + t.to(tl.int64) * s_x + offs, mask=m, other=0.0).to(tl.float32)
     d = tl.load(d_ptr + t.to(tl.int64) * s_d + offs, mask=m, other=0.0).to(tl.float32)
     x = (x + d).to(x_ptr.dtype.element_ty).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
-    nw = tl.load(nw_ptr + offs, mask=m, other=0.0).to(tl.float32)
     y = (nw * (x * inv)).to(x_ptr.dtype.element_ty)
     if eb == 0:
         tl.store(xo_ptr + t.to(tl.int64) * s_xo + offs, x.to(xo_ptr.dtype.element_ty), mask=m)
         tl.store(h_ptr + t.to(tl.int64) * s_h + offs, y, mask=m)
-    offs_e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
-    e_ok = offs_e < E
-    wt = tl.load(w_ptr + offs_e[:, None].to(tl.int64) * s_we + offs[None, :], mask=e_ok[:, None] & m[None, :],
-                 other=0.0).to(tl.float32)
     acc = tl.sum(wt * y.to(tl.float32)[None, :], 1)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_e, mask=e_ok, other=0.0).to(tl.float32)
+        acc += bias
     row = logit_ptr + t.to(tl.int64) * E
     tl.store(row + offs_e, acc.to(logit_ptr.dtype.element_ty), mask=e_ok)
     _route_when_last(row, cnt_ptr, t, w_out, id_out, E, TOP_K, E_P2)
@@ -115,7 +134,7 @@ def router_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         _router_route_kernel[(t, triton.cdiv(e, _BLOCK_E))](
             x, weight, bias if bias is not None else weight, logits, counters, w, ids, e, h, x.stride(0),
             weight.stride(0), HAS_BIAS=bias is not None, TOP_K=k, E_P2=triton.next_power_of_2(e),
-            BLOCK_E=_BLOCK_E, BLOCK_K=_BLOCK_K)
+            BLOCK_E=_BLOCK_E, BLOCK_K=_BLOCK_K, **pdl_kwargs(x.device))
     return w, ids
 
 
@@ -127,7 +146,9 @@ def add_rms_norm_route(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.
     x + delta and h are kernels.fused.add_rms_norm(x, delta, norm_weight, eps)'s (the norm's fp32 sum of
     squares may be ordered differently); the logits are the router's on h up to the order of their fp32
     sum (one K step, not router_logits' three), and the routing is exactly route_topk of them. `logits`
-    ([T, E], x's dtype) receives them when given (tests)."""
+    ([T, E], x's dtype) receives them when given (tests). norm_weight, weight and bias must not be written
+    during the step (they are the layer's parameters): under PDL (kernels/pdl.py) they are read before the
+    wait, while the kernel before may still run."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     delta = delta if delta.stride(-1) == 1 else delta.contiguous()
@@ -146,5 +167,5 @@ def add_rms_norm_route(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.
             x, delta, norm_weight, x_new, out, weight, bias if bias is not None else weight, lg, counters, w, ids,
             h, e, eps, x.stride(0), delta.stride(0), x_new.stride(0), out.stride(0), weight.stride(0),
             HAS_BIAS=bias is not None, TOP_K=k, E_P2=triton.next_power_of_2(e),
-            BLOCK=triton.next_power_of_2(max(h, 128)), BLOCK_E=_BLOCK_E, num_warps=8)
+            BLOCK=triton.next_power_of_2(max(h, 128)), BLOCK_E=_BLOCK_E, num_warps=8, **pdl_kwargs(x.device))
     return x_new, out, w, ids

@@ -1,0 +1,193 @@
+"""kernels/pdl.py: when Programmatic Dependent Launch is on, and what the decode kernels compile to with it.
+
+The switch: off on CPU, under the Triton interpreter, with KVRELAY_PDL=0 and on GPUs/tritons without
+it; on (both the USE_PDL constexpr and the launch_pdl option) elsewhere, read at each launch.
+
+The kernels: each decode-step kernel is compiled here for sm_90 with USE_PDL (triton ships ptxas and
+cuobjdump, no GPU needed) and its SASS is read: griddepcontrol.wait (ACQBULK) must come before every
+global load, store and atomic (kernels/pdl.py's rule; only add_norm_route's parameter loads may come
+first) and before any branch or exit (so it dominates all of them in every program), and
+launch_dependents (PREEXIT) after it. The GPU side (bit-equal decode steps with PDL on and off) is
+tests/gpu/test_pdl_gpu.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+import triton
+
+from kvrelay.kernels import attention, fused, moe, moe_gemv, pdl, router
+
+
+@pytest.fixture
+def supported(monkeypatch):
+    """A CUDA device that supports PDL, as far as pdl.enabled can tell (this machine has none)."""
+    monkeypatch.setattr(pdl, "_device_supports", lambda index: True)
+    monkeypatch.delenv("KVRELAY_PDL", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+def test_on_by_default_where_supported(supported, monkeypatch):
+    dev = torch.device("cuda", 0)
+    assert pdl.enabled(dev) and pdl.enabled("cuda:0")
+    assert pdl.pdl_kwargs(dev) == {"USE_PDL": True, "launch_pdl": True}
+    monkeypatch.setenv("KVRELAY_PDL", "1")
+    assert pdl.enabled(dev)
+    kw = pdl.pdl_kwargs(dev)
+    kw.clear()  # a caller's dict is its own
+    assert pdl.pdl_kwargs(dev) == {"USE_PDL": True, "launch_pdl": True}
+
+
+def test_env_off_is_read_at_each_launch(supported, monkeypatch):
+    dev = torch.device("cuda", 0)
+    monkeypatch.setenv("KVRELAY_PDL", "0")
+    assert not pdl.enabled(dev) and pdl.pdl_kwargs(dev) == {}
+    monkeypatch.setenv("KVRELAY_PDL", "1")
+    assert pdl.pdl_kwargs(dev) == {"USE_PDL": True, "launch_pdl": True}
+
+
+def test_off_on_cpu_and_under_the_interpreter(supported, monkeypatch):
+    for dev in ("cpu", torch.device("cpu"), "meta"):
+        assert not pdl.enabled(dev) and pdl.pdl_kwargs(dev) == {}
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not pdl.enabled(torch.device("cuda", 0)) and pdl.pdl_kwargs("cuda:0") == {}
+
+
+def test_off_where_the_gpu_or_triton_lacks_it(monkeypatch):
+    monkeypatch.delenv("KVRELAY_PDL", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    pdl._device_supports.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
+    assert not pdl.enabled(torch.device("cuda", 0))
+    pdl._device_supports.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    assert pdl.enabled(torch.device("cuda", 0)) == pdl.triton_supports_pdl()
+    pdl._device_supports.cache_clear()
+    monkeypatch.setattr(pdl, "triton_supports_pdl", lambda: False)
+    assert not pdl.enabled(torch.device("cuda", 0))
+    pdl._device_supports.cache_clear()
+
+
+def test_installed_triton_supports_it():
+    # pyproject's triton>=3.4 has launch_pdl and tl.extra.cuda.gdc_*; the H200 runs 3.6
+    assert pdl.triton_supports_pdl(), triton.__version__
+
+
+# ---- the kernels' SASS with USE_PDL ---------------------------------------------------------------------
+I32, F32 = "i32", "fp32"
+P = {"bf16": "*bf16", "f32": "*fp32", "i64": "*i64", "i32": "*i32", "fp8": "*fp8e4nv"}
+
+
+def _spec(kernel, types: dict, consts: dict, *, early_loads=False, **options):
+    return pytest.param(kernel, types, consts, early_loads, options, id=kernel.__name__ + (
+        "-" + "-".join(f"{k}{v}" for k, v in consts.items() if k in ("DELTA", "ROWS")) if "DELTA" in consts else ""))
+
+
+def _ints(*names):
+    return {n: I32 for n in names}
+
+
+KERNELS = [
+    _spec(fused._rms_norm_kernel, {"x_ptr": P["bf16"], "w_ptr": P["bf16"], "out_ptr": P["bf16"],
+                                   **_ints("stride_x", "stride_o", "n_cols"), "eps": F32}, {"BLOCK": 256}),
+    _spec(fused._rotary_qk_kernel, {**{k: P["bf16"] for k in ("qkv_ptr", "cos_ptr", "sin_ptr", "q_ptr", "k_ptr")},
+                                    **_ints("stride_qkv", "stride_cs", "n_q")}, {"HALF": 32, "BLOCK": 32}),
+    # the decode step's two uses: the MoE's outputs combined + add + norm + FP8 quantisation; the head's rows
+    _spec(fused._add_rms_norm_kernel,
+          {"x_ptr": P["bf16"], "d_ptr": P["f32"], "w_ptr": P["bf16"], "rows_ptr": P["i64"], "xo_ptr": P["bf16"],
+           "out_ptr": P["bf16"], "q_ptr": P["fp8"], "s_ptr": P["f32"], "T": I32, "H": I32, "eps": F32,
+           **_ints("s_x", "s_dt", "s_dk", "s_xo", "s_o", "s_q", "s_sm", "s_sk")},
+          {"DELTA": 2, "K_SUM": 4, "ROWS": False, "STORE_X": True, "NORM": True, "QUANT": True, "N_GROUPS": 2,
+           "BLOCK": 256}),
+    _spec(fused._add_rms_norm_kernel,
+          {"x_ptr": P["bf16"], "d_ptr": P["bf16"], "w_ptr": P["bf16"], "rows_ptr": P["i64"], "xo_ptr": P["bf16"],
+           "out_ptr": P["bf16"], "q_ptr": P["fp8"], "s_ptr": P["f32"], "T": I32, "H": I32, "eps": F32,
+           **_ints("s_x", "s_dt", "s_dk", "s_xo", "s_o", "s_q", "s_sm", "s_sk")},
+          {"DELTA": 1, "K_SUM": 1, "ROWS": True, "STORE_X": False, "NORM": True, "QUANT": False, "N_GROUPS": 1,
+           "BLOCK": 256}),
+    _spec(fused._rotary_kv_write_kernel,
+          {**{k: P["bf16"] for k in ("qkv_ptr", "cos_ptr", "sin_ptr", "q_ptr", "pool_ptr")},
+           "pages_ptr": P["i32"], "offsets_ptr": P["i32"],
+           **_ints("stride_qkv", "stride_cs", "n_q", "n_kv", "s_pg", "s_kv", "s_off", "s_head")},
+          {"HALF": 32, "BLOCK": 32}),
+    _spec(fused._sink_quant_kernel,
+          {"out_ptr": P["bf16"], "lse_ptr": P["f32"], "sinks_ptr": P["f32"], "q_ptr": P["fp8"], "s_ptr": P["f32"],
+           **_ints("B", "n_cols", "s_ob", "s_oh", "s_lb", "s_q", "s_sm", "s_sk")}, {"HEAD_DIM": 64}, num_warps=1),
+    _spec(fused._router_gemv_kernel, {**{k: P["bf16"] for k in ("x_ptr", "w_ptr", "b_ptr", "out_ptr")},
+                                      **_ints("E", "K", "s_xt", "s_we", "s_ot")},
+          {"HAS_BIAS": True, "BLOCK_E": 4, "BLOCK_K": 256}),
+    _spec(router._router_route_kernel,
+          {**{k: P["bf16"] for k in ("x_ptr", "w_ptr", "b_ptr", "logit_ptr", "w_out")}, "cnt_ptr": P["i32"],
+           "id_out": P["i64"], **_ints("E", "K", "s_xt", "s_we")},
+          {"HAS_BIAS": True, "TOP_K": 4, "E_P2": 32, "BLOCK_E": 4, "BLOCK_K": 256}),
+    # only this one loads before its wait: the layer's norm weight, router weight and bias
+    _spec(router._add_norm_route_kernel,
+          {**{k: P["bf16"] for k in ("x_ptr", "d_ptr", "nw_ptr", "xo_ptr", "h_ptr", "w_ptr", "b_ptr", "logit_ptr",
+                                     "w_out")},
+           "cnt_ptr": P["i32"], "id_out": P["i64"], "H": I32, "E": I32, "eps": F32,
+           **_ints("s_x", "s_d", "s_xo", "s_h", "s_we")},
+          {"HAS_BIAS": True, "TOP_K": 4, "E_P2": 32, "BLOCK": 256, "BLOCK_E": 4}, early_loads=True, num_warps=8),
+    _spec(moe_gemv._gemv1_kernel,
+          {"x": P["bf16"], "ids": P["i64"], "w": P["fp8"], "s": P["f32"], "b": P["bf16"], "act": P["bf16"],
+           **_ints("K_TOP", "Kdim", "s_xt", "s_we", "s_wn", "s_se", "s_sn", "s_be", "s_at")},
+          {"FP8": True, "BLOCK_N": 32, "BLOCK_K": 512, "ALPHA": 1.702, "LIMIT": 7.0, "LATE": False},
+          num_warps=2, num_stages=2),
+    _spec(moe_gemv._gemv2_kernel,
+          {"act": P["bf16"], "ids": P["i64"], "route_w": P["bf16"], "w": P["fp8"], "s": P["f32"], "b": P["bf16"],
+           "y": P["f32"], **_ints("Kdim", "Ndim", "s_at", "s_we", "s_wn", "s_se", "s_sn", "s_be", "s_yt")},
+          {"FP8": True, "BLOCK_N": 16, "BLOCK_K": 512, "LATE": False}, num_warps=4, num_stages=3),
+    _spec(moe_gemv.combine_kernel, {"y": P["f32"], "out": P["bf16"], "Ndim": I32}, {"K_TOP": 4, "BLOCK": 256}),
+    _spec(attention._sink_correction_kernel,
+          {"out": P["bf16"], "lse": P["f32"], "sinks": P["f32"], **_ints("n_rows", "n_heads", "s_ob", "s_oh")},
+          {"HEAD_DIM": 64, "ROWS": 16}, num_warps=2),
+    _spec(moe._route_kernel, {"logits": P["bf16"], "bias": P["bf16"], "w_out": P["bf16"], "id_out": P["i64"],
+                              **_ints("T", "E", "s_lt")},
+          {"HAS_BIAS": False, "K": 4, "E_P2": 32, "BLOCK_T": 16}),
+    _spec(moe._sort_pairs_kernel, {"ids": P["i64"], "sorted_ids": P["i32"], "block_expert": P["i32"],
+                                   "counts_out": P["i32"], **_ints("n", "E", "max_blocks")},
+          {"E_P2": 32, "BLOCK": 256, "BLOCK_M": 16, "NB": 64}, num_warps=8),
+]
+
+_GLOBAL_MEM = {"LDG", "LD", "LDGSTS", "STG", "ST", "ATOMG", "ATOM", "RED", "REDG", "UTMALDG", "UTMASTG",
+               "UBLKCP", "UTMAPF", "CCTL"}
+_LOADS = {"LDG", "LD", "LDGSTS", "UTMALDG", "UBLKCP", "UTMAPF"}
+_FLOW = {"BRA", "BRX", "JMP", "JMX", "CALL", "RET", "EXIT", "WARPSYNC", "BSSY", "BREAK"}
+
+
+def _opcodes(sass: str) -> list[str]:
+    """The base opcode of each instruction (predicate and modifiers dropped), in program order."""
+    ops = []
+    for line in sass.splitlines():
+        # cuobjdump via triton: "<control codes>\t[@P0 ]OPCODE.MODS operands ;"
+        m = re.match(r"^\s*(?:[-\w]+:){4}\w+\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(?:\.[\w.]+)?\b", line)
+        if m:
+            ops.append(m.group(1))
+    return ops
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles real kernels")
+@pytest.mark.parametrize("kernel,types,consts,early_loads,options", KERNELS)
+def test_kernel_waits_before_touching_memory(kernel, types, consts, early_loads, options):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    assert "USE_PDL" in names, f"{kernel.__name__} takes no USE_PDL"
+    signature = {n: ("constexpr" if n in consts or n == "USE_PDL" else types[n]) for n in names}
+    assert set(types) | set(consts) | {"USE_PDL"} == set(names), set(names) ^ (set(types) | set(consts))
+    src = ASTSource(kernel, signature=signature, constexprs={**consts, "USE_PDL": True})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": True, **options})
+    assert compiled.metadata.launch_pdl
+    ops = _opcodes(compiled.asm["sass"])
+    assert len(ops) > 20 and "ACQBULK" in ops and "PREEXIT" in ops, ops[:40]
+    first_wait = ops.index("ACQBULK")
+    before = ops[:first_wait]
+    assert not set(before) & _FLOW, f"{kernel.__name__}: control flow before the wait: {before}"
+    touched = set(before) & (_GLOBAL_MEM - _LOADS if early_loads else _GLOBAL_MEM)
+    assert not touched, f"{kernel.__name__}: {sorted(touched)} before griddepcontrol.wait"
+    assert ops.index("PREEXIT") > first_wait
+    assert set(ops[first_wait:]) & _LOADS, "the kernel's own loads should follow the wait"

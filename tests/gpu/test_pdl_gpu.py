@@ -1,0 +1,121 @@
+"""Programmatic Dependent Launch (kernels/pdl.py) changes when kernels start, never what they compute: the
+model's CUDA-graph decode steps with KVRELAY_PDL=1 give the logits of KVRELAY_PDL=0 bit for bit, and
+back-to-back launches of the fused router on one set of arrival counters (the last-arriving-program
+barrier, kernels/router.py) route every launch exactly, replay after replay.
+(The placement of each kernel's wait is checked on the CPU, from its SASS: tests/cpu/test_pdl.py.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def _pdl_device():
+    from kvrelay.kernels import pdl
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    if torch.cuda.get_device_capability(dev)[0] < 9:
+        pytest.skip("PDL needs compute capability 9 (Hopper) or later")
+    assert pdl.triton_supports_pdl(), "triton >= 3.4 (pyproject) has PDL"
+    return dev
+
+
+def _launched_with_pdl(kernel) -> bool:
+    """Some compiled variant of this Triton kernel carries the launch_pdl option (triton's per-device
+    caches: (kernels by key, ...))."""
+    return any(getattr(k.metadata, "launch_pdl", False)
+               for entry in kernel.device_caches.values() for k in entry[0].values())
+
+
+@pytest.mark.parametrize("quant", ["fp8-block128", "bf16"])
+def test_model_decode_steps_equal_with_and_without_pdl(quant, monkeypatch):
+    from kvrelay.engine.config import PRESETS
+    from kvrelay.engine.layers.linear import TensorDictWeights
+    from kvrelay.engine.runner import Runner
+    from kvrelay.engine.weights import canonical_shapes, open_weights
+    from kvrelay.kernels import fused, moe_gemv, pdl, router
+
+    dev = _pdl_device()
+    cfg = PRESETS["tiny"].replace(
+        name="tiny-attn64", head_dim=64, num_attention_heads=64, num_key_value_heads=8, hidden_size=256,
+        intermediate_size=256, sliding_window=128, num_hidden_layers=4, initial_context_length=4096,
+        max_context=4096)
+    dummy = open_weights(None, cfg, dummy=True, seed=7)
+    w = TensorDictWeights({n: dummy.get(n, device="cpu") for n in canonical_shapes(cfg)})
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (9, 150, 40)]
+    feed = torch.randint(0, cfg.vocab_size, (10, 3), generator=g).tolist()
+    steps = {}
+    for flag in ("0", "1"):
+        # read at each launch, so it must hold while the graphs are captured (at the first decode)
+        monkeypatch.setenv("KVRELAY_PDL", flag)
+        assert pdl.enabled(dev) == (flag == "1")
+        r = Runner(cfg, w, device=dev, quant=quant, page_size=16, kv_tokens=8192, cuda_graph_batch_sizes=(1, 2, 4))
+        out = [r.prefill_batch([(i, p) for i, p in enumerate(prompts)])]
+        for i, toks in enumerate(feed):
+            # batch 3 (graph 4), then 2 and 1 (their own graphs), several replays of each
+            ids = [0, 1, 2][: 3 - (i % 3)]
+            out.append(r.decode(ids, toks[: len(ids)]))
+        torch.cuda.synchronize()
+        steps[flag] = [t.cpu() for t in out]
+        if flag == "1":
+            for k in (fused._add_rms_norm_kernel, fused._rotary_kv_write_kernel, router._add_norm_route_kernel,
+                      moe_gemv._gemv1_kernel, moe_gemv._gemv2_kernel):
+                assert _launched_with_pdl(k), k.__name__
+    for i, (off, on) in enumerate(zip(steps["0"], steps["1"])):
+        assert torch.equal(off, on), f"step {i}: PDL changed the logits ({(off.float() - on.float()).abs().max()})"
+        assert torch.equal(off.argmax(-1), on.argmax(-1))
+
+
+@pytest.mark.parametrize("t,e", [(1, 32), (4, 128)])
+def test_back_to_back_router_launches_on_one_counter_set(t, e, monkeypatch):
+    """60 fused-router launches in a row on the same counters, captured with PDL: each launch's increments
+    follow the previous launch's reset, so every one routes exactly as route_topk(router_logits)."""
+    from kvrelay.kernels import moe, pdl, router
+    from kvrelay.kernels.fused import router_logits
+
+    dev = _pdl_device()
+    monkeypatch.setenv("KVRELAY_PDL", "1")
+    assert pdl.enabled(dev)
+    g = torch.Generator().manual_seed(t + e)
+    h = 2880
+    w = (torch.randn(e, h, generator=g) * h ** -0.5).bfloat16().to(dev)
+    b = torch.randn(e, generator=g).bfloat16().to(dev)
+    nw = (1 + 0.1 * torch.randn(h, generator=g)).bfloat16().to(dev)
+    cnt = router.new_counters(dev)
+    xs = [torch.randn(t, h, generator=g).bfloat16().to(dev) for _ in range(3)]
+    d = torch.randn(t, h, generator=g).bfloat16().to(dev)
+
+    def chain():
+        outs = []
+        for i in range(30):
+            outs.append(router.router_route(xs[i % 3], w, b, 4, cnt))
+            # the norm-fused router reads x + delta: its h feeds nothing here, its routing is checked
+            outs.append(router.add_rms_norm_route(xs[i % 3], d, nw, 1e-5, w, b, 4, cnt)[2:])
+        return outs
+
+    chain()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = chain()
+    monkeypatch.setenv("KVRELAY_PDL", "0")  # the eager references below: plain launches
+    for rep in range(4):
+        for x in xs:
+            x.copy_(torch.randn(t, h, generator=g).bfloat16().to(dev))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not cnt.any(), "a launch left its counters non-zero"
+        for i in range(30):
+            x = xs[i % 3]
+            rw, ri = moe.route_topk(router_logits(x, w, b), 4)
+            gw, gi = outs[2 * i]
+            assert torch.equal(gi, ri) and torch.equal(gw, rw), (rep, i)
+            fw, fi = outs[2 * i + 1]
+            ew, ei = router.add_rms_norm_route(x, d, nw, 1e-5, w, b, 4, cnt)[2:]
+            assert torch.equal(fi, ei) and torch.equal(fw, ew), (rep, i)
