@@ -7,7 +7,8 @@ per K block, scaled, summed, + bias, bf16). Backends:
   expanded to one per output column, [K/128, N] contiguous. cuBLAS has no bias here, so bias is one extra
   in-place pass over the output.
 - "triton": a block-scaled Triton GEMM whose epilogue adds the bias before the bf16 store (no extra pass).
-- "gemv-*": kernels/fp8_gemv.py, a CUDA-core GEMV over narrow N tiles for decode batches (M <= 8).
+- "gemv-*": kernels/fp8_gemv.py, a CUDA-core GEMV over narrow N tiles (optionally split-K) for decode
+  batches (M <= 8).
 - "deepgemm": only if `deep_gemm` is importable (it is not on our H200 image).
 `Fp8BlockLinear(backend="auto")` times the available backends once per M bucket on first use and keeps the
 faster one (never while a CUDA graph is being captured).
@@ -23,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_gemv import triton_fp8_gemv
+from .fp8_gemv import Fp8GemvLaunch, new_counters, triton_fp8_gemv
 
 BLOCK = 128
 FP8 = torch.float8_e4m3fn
@@ -167,12 +168,21 @@ class Fp8BlockLinear:
     # to SMALL_M only, and chosen only where measured faster.
     TRITON_TILES = {"triton": (128, 128, 8, 4), "triton-m16n32": (16, 32, 4, 4), "triton-m16n64": (16, 64, 4, 4)}
     SMALL_M = 64
-    # The FP8 GEMV's tiles (kernels/fp8_gemv.py): (block_n, block_k, num_warps), for M buckets up to
-    # GEMV_MAX_M (decode batch sizes). On the H200 (33d1582, bench/results/kernels-20261201-174833.json)
-    # every tile was 2-300x slower than cuBLAS's 7.3 us at M=1..8 on 20b's QKV and O, so `auto` times them
-    # only with KVRELAY_FP8_GEMV=1 (their compiles cost ~80 s of a cold server start for nothing).
-    GEMV_TILES = {"gemv-n16k256w4": (16, 256, 4), "gemv-n16k512w4": (16, 512, 4), "gemv-n32k256w4": (32, 256, 4),
-                  "gemv-n32k512w4": (32, 512, 4), "gemv-n64k512w8": (64, 512, 8)}
+    # The FP8 GEMV's launches (kernels/fp8_gemv.py), timed for M buckets up to GEMV_MAX_M (decode batch
+    # sizes). The first GEMV (3-D tile, no split-K) was 2-300x slower than cuBLAS's 7.3 us at M=1..8 on 20b's
+    # QKV and O (33d1582, bench/results/kernels-20261201-174833.json); this one is moe_gemv's 2-D tile plus
+    # split-K. The candidates span moe_gemv's measured best (n32-k512-w2-s2: GEMM1 at 78% of the copy
+    # ceiling) and split-K enough for N=2880 (90 32-row tiles) to fill 132 SMs several times over; the
+    # 4- and 8-split ones hold <= 64 weights a thread (no spills at M=4..8, ptxas on sm_90a).
+    # bench/sweep_gemv.py --dense times these and more against cuBLAS under CUDA graphs.
+    GEMV_TILES = {f"gemv-{l.label()}": l for l in (
+        Fp8GemvLaunch(32, 512, 1, num_warps=2), Fp8GemvLaunch(32, 512, 2, num_warps=2),
+        Fp8GemvLaunch(32, 256, 4, num_warps=4), Fp8GemvLaunch(16, 512, 4, num_warps=4),
+        Fp8GemvLaunch(16, 256, 8, num_warps=2), Fp8GemvLaunch(64, 512, 4, num_warps=8))}
+    # `auto` times the GEMV launches only when KVRELAY_FP8_GEMV (default GEMV_DEFAULT) is "1": their
+    # compiles cost a cold server start time for nothing until the sweep shows them faster than cuBLAS.
+    # Flipping the default after the GPU sweep is this one line ("1"; KVRELAY_FP8_GEMV=0 then opts out).
+    GEMV_DEFAULT = "0"
     GEMV_MAX_M = 8
 
     def __init__(self, w_fp8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
@@ -190,6 +200,8 @@ class Fp8BlockLinear:
         if backend not in ("auto", "cublas", *self.TRITON_TILES, *self.GEMV_TILES):
             raise ValueError(f"unknown backend {backend}")
         self.backend = backend
+        # split-K GEMV arrival counters (zero between launches), allocated here: never during a graph capture
+        self._counters = new_counters(n, self.w.device, self.GEMV_MAX_M)
         # M bucket -> backend. Layers of one shape may share one dict (`choice_cache`), so a model with
         # 24 identical projections times each bucket once rather than 24 times.
         self._choice: dict[int, str] = {} if choice_cache is None else choice_cache
@@ -199,9 +211,8 @@ class Fp8BlockLinear:
         if backend == "cublas":
             return cublas_fp8_gemm(xq, sx, self.w, self.sb_cols, self.bias)
         if backend in self.GEMV_TILES:
-            bn, bk, nw = self.GEMV_TILES[backend]
-            return triton_fp8_gemv(xq, sx, self.w, self.w_scale, self.bias, m=m, block_n=bn, block_k=bk,
-                                   num_warps=nw)
+            return triton_fp8_gemv(xq, sx, self.w, self.w_scale, self.bias, m=m, launch=self.GEMV_TILES[backend],
+                                   counters=self._counters)
         bm, bn, nw, ns = self.TRITON_TILES[backend]
         return triton_fp8_gemm(xq, sx, self.w, self.w_scale, self.bias, block_m=bm, block_n=bn, num_warps=nw,
                                num_stages=ns)
@@ -216,7 +227,7 @@ class Fp8BlockLinear:
             return "cublas"
         times = {}
         names = self.BACKENDS + (tuple(n for n in self.TRITON_TILES if n != "triton") if bucket <= self.SMALL_M else ())
-        if bucket <= self.GEMV_MAX_M and os.environ.get("KVRELAY_FP8_GEMV") == "1":
+        if bucket <= self.GEMV_MAX_M and os.environ.get("KVRELAY_FP8_GEMV", self.GEMV_DEFAULT) == "1":
             names += tuple(self.GEMV_TILES)
         # Candidates run on a random input of this size, not the caller's: a warm-up step's activations
         # may be NaN (attention over an uninitialised KV pool), which would make every check fail. The

@@ -159,47 +159,94 @@ def test_expert_sort_kernel_equals_torch_sort_interpreted():
             assert torch.equal(a.long(), b.long()), (num_experts, tokens, name)
 
 
+def _gemv_operands(m, k, n, g):
+    """Random FP8 operands, never zeros: weight row blocks and activation K blocks differ in magnitude by up to
+    40x (a GEMV that applied another block's scale, or skipped a K block, is far off), a bias as large as the
+    product. The activation is quantised by the torch reference (kernels.fp8.quantize_act_1x128, what
+    fp8_block_linear_ref does) and laid out as kernels.fp8_gemm.quantize_act_1x128 lays it out: K padded to
+    a multiple of 128, rows padded to 4, the scale M-major."""
+    from kvrelay.kernels import fp8
+    kblk = 1 + 3 * torch.arange(-(-k // 128)).float().repeat_interleave(128)[:k]  # 1, 4, 7, ... per K block
+    nblk = 1 + 13 * (torch.arange(n) // 128).float()  # 1, 14, ... per 128-row block
+    x = (torch.randn(m, k, generator=g) * kblk).bfloat16()
+    w = torch.randn(n, k, generator=g) * 0.02 * nblk[:, None]
+    b = (torch.randn(n, generator=g) * (x.float() @ w.T).std()).bfloat16()
+    wq, ws = fp8.quantize_weight_block128(w)
+    q, s = fp8.quantize_act_1x128(x)
+    kp, mp = s.shape[1] * 128, -(-m // 4) * 4
+    xq = torch.zeros(mp, kp).to(torch.float8_e4m3fn)
+    xq[:m, :k] = q
+    sx = torch.ones(s.shape[1], mp).t()
+    sx[:m] = s
+    return x, wq, ws, b, xq, sx
+
+
 @_interpreted
 def test_fp8_gemv_interpreted():
-    """The FP8 block-scaled GEMV (Fp8BlockLinear's "gemv-*" backends, decode batches) against float64 on
-    the same quantised operands. Weight row blocks and activation K blocks differ in magnitude by up to 40x,
-    so a GEMV that applied another block's scale, or skipped a K block, would be far off; bias as large as
-    the product. K not a multiple of 128 (ragged last block, K padded), N crossing a 128-row scale block and
-    not a multiple of the tile, M past 8 (a second row group)."""
+    """The FP8 block-scaled GEMV (Fp8BlockLinear's "gemv-*" launches, decode batches) against float64 on the
+    same quantised operands and against kernels.fp8.fp8_block_linear_ref: M = 1, 3, 8 (one row group reusing
+    each weight tile for every row), K = 2880 (not a multiple of 128: a ragged last block, the weight
+    K-padded by Fp8BlockLinear) and 300, N crossing a 128-row scale block and not a multiple of the tile,
+    every candidate launch (split-K 1 to 8), with and without bias, and M past 8 (a second row group)."""
     from kvrelay.kernels import fp8, fp8_gemm
-    from kvrelay.kernels.fp8_gemv import triton_fp8_gemv
+    from kvrelay.kernels.fp8_gemv import Fp8GemvLaunch, new_counters, triton_fp8_gemv
     g = torch.Generator().manual_seed(6)
-    for m, k, n in [(1, 300, 200), (2, 256, 96), (4, 640, 136), (8, 384, 256), (11, 130, 64)]:
-        kblk = 1 + 3 * torch.arange(-(-k // 128)).float().repeat_interleave(128)[:k]  # 1, 4, 7, ... per K block
-        nblk = 1 + 13 * (torch.arange(n) // 128).float()  # 1, 14, ... per 128-row block
-        x = (torch.randn(m, k, generator=g) * kblk).bfloat16()
-        w = torch.randn(n, k, generator=g) * 0.02 * nblk[:, None]
-        b = (torch.randn(n, generator=g) * 3).bfloat16()
-        wq, ws = fp8.quantize_weight_block128(w)
+    launches = fp8_gemm.Fp8BlockLinear.GEMV_TILES
+    assert any(l.split_k > 1 for l in launches.values()) and any(l.split_k == 1 for l in launches.values())
+    for m, k, n in [(1, 2880, 200), (3, 2880, 136), (8, 2880, 72), (2, 300, 96)]:
+        x, wq, ws, b, xq, sx = _gemv_operands(m, k, n, g)
         wd = fp8.dequantize_weight_block128(wq, ws, torch.float32).double()
-        for name in fp8_gemm.Fp8BlockLinear.GEMV_TILES:
+        xd = xq[:m, :k].double() * sx[:m].double().repeat_interleave(128, 1)[:, :k]
+        ref = xd @ wd.T + b.double()
+        torch_ref = fp8.fp8_block_linear_ref(x, wq, ws, b)
+        for name in launches:
             lin = fp8_gemm.Fp8BlockLinear(wq, ws, b, backend=name)
-            xq, sx = fp8_gemm.quantize_act_1x128(x, lin.kp)
+            assert lin.kp == xq.shape[1]
             y = lin.run_quantized(xq, sx, m)
-            xd = xq[:m, :k].double() * sx[:m].double().repeat_interleave(128, 1)[:, :k]
-            ref = xd @ wd.T + b.double()
             assert y.shape == (m, n) and y.dtype == torch.bfloat16
             # 1e-2: the bound of the other fp8 GEMM tests (under the interpreter the bf16 store truncates)
             assert refs.rel_err(y, ref) < 1e-2, (name, m, k, n, refs.rel_err(y, ref))
+            assert refs.rel_err(y, torch_ref) < 1e-2, (name, m, k, n, refs.rel_err(y, torch_ref))
             assert refs.rel_err(y, ref - b.double()) > 5e-2, "bias not added"
-            # the same product through the 16-row tensor-core tile: the two backends agree
-            t = fp8_gemm.Fp8BlockLinear(wq, ws, b, backend="triton-m16n32").run_quantized(xq, sx, m)
-            assert refs.rel_err(y, t) < 1e-2
+            assert not lin._counters.any(), "split-K left its counters set"
+        # without bias, split 1 and split > 1 (here 23 K blocks in 3 chunks of 8 and 6 of 4)
+        lin = fp8_gemm.Fp8BlockLinear(wq, ws, None, backend="cublas")
+        for launch in (Fp8GemvLaunch(16, 256, 1, num_warps=4), Fp8GemvLaunch(32, 512, 3, num_warps=2),
+                       Fp8GemvLaunch(8, 128, 6, num_warps=1)):
+            y = triton_fp8_gemv(xq, sx, lin.w, lin.w_scale, None, m=m, launch=launch, counters=lin._counters)
+            assert refs.rel_err(y, ref - b.double()) < 1e-2, (launch, m, k, n)
+            assert refs.rel_err(y, ref) > 5e-2, "a bias appeared"
         # a wrong scale must fail: every weight block scale of row block 0 used for all rows
-        wrong = ws.clone()
-        wrong[1:] = ws[:1]
-        lin = fp8_gemm.Fp8BlockLinear(wq, wrong, b, backend="gemv-n16k512w4")
         if n > 128:
-            assert refs.rel_err(lin.run_quantized(xq, sx, m), ref) > 0.1
-    # m rows of a padded activation: rows past m are never read into the output, which has m rows
-    xq, sx = fp8_gemm.quantize_act_1x128(torch.randn(3, 256, generator=g).bfloat16(), 256)
-    wq, ws = fp8.quantize_weight_block128(torch.randn(64, 256, generator=g) * 0.02)
-    assert triton_fp8_gemv(xq, sx, wq, ws, m=3).shape == (3, 64) and xq.shape[0] == 4
+            wrong = ws.clone()
+            wrong[1:] = ws[:1]
+            for name in ("gemv-n32-k512-s1-w2-st2", "gemv-n32-k256-s4-w4-st2"):
+                bad = fp8_gemm.Fp8BlockLinear(wq, wrong, b, backend=name).run_quantized(xq, sx, m)
+                assert refs.rel_err(bad, ref) > 0.1, name
+    # split-K is deterministic: the last-arriving program sums the partials in split order, so the same
+    # inputs give the same bits, run after run (and the counters return to zero every time)
+    x, wq, ws, b, xq, sx = _gemv_operands(3, 2880, 136, g)
+    lin = fp8_gemm.Fp8BlockLinear(wq, ws, b, backend="gemv-n16-k256-s8-w2-st2")
+    first = lin.run_quantized(xq, sx, 3)
+    for _ in range(2):
+        assert torch.equal(lin.run_quantized(xq, sx, 3), first)
+        assert not lin._counters.any()
+    # m rows of a padded activation: rows past m are never read into the output, which has m rows; M=11 is
+    # two row groups (8 + 3), with split-K too
+    x, wq, ws, b, xq, sx = _gemv_operands(11, 256, 64, g)
+    wd = fp8.dequantize_weight_block128(wq, ws, torch.float32).double()
+    ref = (xq[:11].double() * sx[:11].double().repeat_interleave(128, 1)) @ wd.T + b.double()
+    for split in (1, 2):
+        y = triton_fp8_gemv(xq, sx, wq, ws, b, m=11, block_n=16, block_k=128, split_k=split,
+                            counters=new_counters(64, "cpu", 16))
+        assert y.shape == (11, 64) and refs.rel_err(y, ref) < 1e-2, split
+    assert triton_fp8_gemv(xq, sx, wq, ws, m=3).shape == (3, 64) and xq.shape[0] == 12
+    try:
+        triton_fp8_gemv(xq, sx, wq, ws, m=3, split_k=2, counters=torch.zeros(1, dtype=torch.int32))
+    except ValueError as exc:
+        assert "counters" in str(exc)
+    else:
+        raise AssertionError("too few split-K counters must be refused")
 
 
 @_interpreted
