@@ -1,6 +1,7 @@
 """bench/RESULTS.md's tuning and profiling tables (bench/results_md.render calls these after the kernels):
 the grouped FP8 expert GEMM tuner (bench/tune_moe.py) against today's heuristic and issue 11's target, the
-decode GEMV launch sweep (bench/sweep_gemv.py) against the copy ceiling, and the decode step profiles
+decode GEMV launch sweeps (bench/sweep_gemv.py: the MoE GEMVs, and with --dense the FP8 attention-projection
+GEMV against cuBLAS) against the copy ceiling, and the decode step profiles
 (bench/profile_decode.py: where a step's time goes) and the prefill profiles (bench/profile_prefill.py: where a
 batch-1 prefill's time goes, by kernel category). Every figure is read from the result JSONs; only
 qualifying results (bench/provenance.py) are tabled, each row beside its commit and date.
@@ -16,7 +17,7 @@ from kvrelay.bench.profile_prefill import CATEGORIES, OTHER
 from kvrelay.bench.provenance import Collection, Result, newest_per_point
 from kvrelay.bench.results_fmt import fmt, head, sub, table
 
-TABLED_KINDS = ("tune-moe", "sweep-gemv", "profile", "profile-prefill")
+TABLED_KINDS = ("tune-moe", "sweep-gemv", "sweep-gemv-dense", "profile", "profile-prefill")
 # Issue 11: the grouped FP8 expert GEMMs (both, one MoE layer) at >= 600 TFLOP/s from 4,096 tokens on.
 TARGET_MOE_TFLOPS = 600.0
 TARGET_MOE_MIN_TOKENS = 4096
@@ -148,6 +149,50 @@ def sweep_gemv_section(col: Collection) -> list[str]:
     return out
 
 
+# ---- dense FP8 GEMV sweep (bench/sweep_gemv_dense.py) ----------------------------------------------
+def sweep_dense_points(col: Collection) -> dict:
+    """(GPU, shape, K, N, M) -> (newest qualifying `sweep_gemv --dense` run with that point, the point)."""
+    return newest_per_point(col.qualifying("sweep-gemv-dense"), lambda r: r.data.get("points", []),
+                            lambda r, p: (_gpu(r), p["shape"], p["k"], p["n"], p["rows"]))
+
+
+def _rate_cells(row: dict | None) -> list[str]:
+    if not row or row.get("us") is None:
+        return [(row or {}).get("error", "-"), "-", "-"]
+    return [fmt(row["us"], ".2f"), fmt(row.get("tbs"), ".2f"), fmt(row.get("floor_share"), ".0%")]
+
+
+def sweep_dense_section(col: Collection) -> list[str]:
+    chosen = sweep_dense_points(col)
+    out = head("Dense FP8 GEMV vs cuBLAS at decode sizes (`bench.sweep_gemv --dense`)",
+               "The attention projections of gpt-oss-20b and -120b (the same shapes: QKV 2880 -> 5120, O 4096 -> "
+               "2880, K padded to 128) at M decode rows, each call streaming its weights from HBM, under CUDA "
+               "graphs: cuBLAS blockwise (what decode runs unless the GEMV is switched on) against the fastest "
+               "launch of kernels/fp8_gemv.py that passed the output check; us per call, TB/s of the bytes one call "
+               "reads and writes, share of the copy ceiling, the floor (those bytes at the ceiling). Newest "
+               "qualifying run per (GPU, shape, M).")
+    if not chosen:
+        return out + ["No qualifying dense GEMV sweep results.", ""]
+    for gpu in sorted({k[0] for k in chosen}):
+        keys = sorted((k for k in chosen if k[0] == gpu), key=lambda k: (-k[3], k[1], k[4]))
+        runs = sorted({chosen[k][0].name: chosen[k][0] for k in keys}.values(), key=lambda r: (r.date, r.name))
+        ceil = "/".join(sorted({f"{chosen[k][0].data.get('ceiling_tbs', 4.19):g}" for k in keys}))
+        rows = []
+        for key in keys:
+            r, p = chosen[key]
+            b = p.get("best")
+            speed = p.get("speedup_vs_cublas")
+            rows.append([f"{p['shape']} {p['k']}->{p['n']}", p["rows"], *_rate_cells(p.get("cublas")),
+                         f"`{b['label']}`" if b else "no launch passed", *_rate_cells(b), fmt(p.get("floor_us"), ".2f"),
+                         f"{speed:.2f}x" if speed else "-", r.source])
+        out += sub(f"On {gpu}", ["shape", "M", "cuBLAS us", "cuBLAS TB/s", f"cuBLAS of {ceil} TB/s", "best GEMV",
+                                 "GEMV us", "GEMV TB/s", f"GEMV of {ceil} TB/s", "floor us", "GEMV speed-up",
+                                 "measured at"], rows,
+                   _runs_note(runs, lambda r: f" ({sum(len(p.get('measured', [])) for p in r.data.get('points', []))}"
+                                              f" launches measured{'' if r.data.get('complete', True) else ', budget ran out'})"))
+    return out
+
+
 # ---- decode step profiles ----------------------------------------------------------------------------
 @functools.lru_cache(maxsize=64)
 def _counts_device_only(commit: str) -> bool | None:
@@ -255,13 +300,14 @@ def prefill_profile_section(col: Collection) -> list[str]:
 
 
 def sections(col: Collection) -> list[str]:
-    return tune_moe_section(col) + sweep_gemv_section(col) + profile_section(col) + prefill_profile_section(col)
+    return (tune_moe_section(col) + sweep_gemv_section(col) + sweep_dense_section(col) + profile_section(col)
+            + prefill_profile_section(col))
 
 
 def used(col: Collection) -> dict[str, int]:
     """Result file -> how many of its points these tables show (bench/results_md's sources count)."""
     out: dict[str, int] = {}
-    for c in (tune_moe_points(col), sweep_gemv_points(col)):
+    for c in (tune_moe_points(col), sweep_gemv_points(col), sweep_dense_points(col)):
         for r, _ in c.values():
             out[r.name] = out.get(r.name, 0) + 1
     for r in profile_results(col) + prefill_profile_results(col):

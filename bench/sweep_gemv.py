@@ -13,7 +13,9 @@ distinct random experts per token, the weights (>= 0.6 GB) far larger than L2.
 
     python -m kvrelay.bench.sweep_gemv --budget-s 120 --out bench/results
     python -m kvrelay.bench.sweep_gemv --device cpu --models gpt-oss-tiny --samples 3    # plumbing only
+    python -m kvrelay.bench.sweep_gemv --dense --out bench/results   # the dense FP8 GEMV vs cuBLAS instead
 
+--dense sweeps kernels/fp8_gemv.py on the attention projections instead (bench/sweep_gemv_dense.py).
 A winner becomes the shape's entry in kernels.moe_gemv.TUNED by hand, with this file's JSON beside it.
 """
 
@@ -28,6 +30,7 @@ import time
 import torch
 
 from kvrelay.bench import common as C
+from kvrelay.bench import sweep_gemv_dense as D
 from kvrelay.bench import tune_moe_space as S
 from kvrelay.kernels import moe_gemv as G
 
@@ -43,11 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--models", default="gpt-oss-20b,gpt-oss-120b")
     p.add_argument("--tokens", default="1,4", help="decode batch sizes (pairs = tokens x top-k)")
     p.add_argument("--samples", type=int, default=40, help="random launches per GEMM and point, besides today's")
-    p.add_argument("--budget-s", type=float, default=150.0)
+    p.add_argument("--budget-s", type=float, default=None, help="default 150 s, with --dense 75 s")
     p.add_argument("--rep-ms", type=float, default=20.0)
     p.add_argument("--device", default="cuda")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results")
+    p.add_argument("--dense", action="store_true", help="sweep the dense FP8 GEMV against cuBLAS instead")
+    D.add_args(p)
     return p
 
 
@@ -113,6 +118,10 @@ def sweep_point(ex, tokens: int, top_k: int, cands: list[G.GemvLaunch], args, de
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
+    if args.budget_s is None:
+        args.budget_s = 75.0 if args.dense else 150.0
+    if args.dense:
+        return D.main(args, argv)
     con = C.console()
     dev = torch.device(args.device)
     rng = random.Random(args.seed)

@@ -173,7 +173,8 @@ class Fp8BlockLinear:
     # QKV and O (33d1582, bench/results/kernels-20261201-174833.json); this one is moe_gemv's 2-D tile plus
     # split-K. The candidates span moe_gemv's measured best (n32-k512-w2-s2: GEMM1 at 78% of the copy
     # ceiling) and split-K enough for N=2880 (90 32-row tiles) to fill 132 SMs several times over; the
-    # 4- and 8-split ones hold <= 64 weights a thread (no spills at M=4..8, ptxas on sm_90a).
+    # 4- and 8-split ones hold <= 64 weights a thread (no spills at M=2..8, ptxas on sm_90a; the 256 of
+    # n32-k512-w2 spill from M=2 on, fine at M=1).
     # bench/sweep_gemv.py --dense times these and more against cuBLAS under CUDA graphs.
     GEMV_TILES = {f"gemv-{l.label()}": l for l in (
         Fp8GemvLaunch(32, 512, 1, num_warps=2), Fp8GemvLaunch(32, 512, 2, num_warps=2),
@@ -211,8 +212,9 @@ class Fp8BlockLinear:
         if backend == "cublas":
             return cublas_fp8_gemm(xq, sx, self.w, self.sb_cols, self.bias)
         if backend in self.GEMV_TILES:
+            # past GEMV_MAX_M rows (an explicit gemv backend) a split-K launch zeroes counters of its own
             return triton_fp8_gemv(xq, sx, self.w, self.w_scale, self.bias, m=m, launch=self.GEMV_TILES[backend],
-                                   counters=self._counters)
+                                   counters=self._counters if (m or xq.shape[0]) <= self.GEMV_MAX_M else None)
         bm, bn, nw, ns = self.TRITON_TILES[backend]
         return triton_fp8_gemm(xq, sx, self.w, self.w_scale, self.bias, block_m=bm, block_n=bn, num_warps=nw,
                                num_stages=ns)

@@ -180,3 +180,47 @@ def test_profiles_from_before_the_counting_fix_are_marked(tmp_path):
         _profile(before, False, "2026-11-29T12:00:00+00:00", graphs=False, wall=32.0, kernel=3.5, launches=1169)))
     rows = _rows("\n".join(results_tuning.profile_section(provenance.collect([tmp_path]))))
     assert [r[10] for r in rows] == ["ops + kernels (2x)"]
+
+
+def _dense_point(shape, k, n, rows, cublas_us, best_us, label="n32-k256-s4-w4-st2") -> dict:
+    nbytes = n * (-(-k // 128) * 128) + rows * n * 2
+
+    def row(name, us):
+        tbs = nbytes / (us * 1e-6) / 1e12
+        return {"backend": name, "label": name if name == "cublas" else label, "us": us, "rel_err": 1e-3,
+                "tbs": tbs, "floor_share": tbs / 4.19}
+    cub, best = row("cublas", cublas_us), (row("gemv", best_us) if best_us else None)
+    return {"shape": shape, "k": k, "n": n, "rows": rows, "bytes": nbytes, "floor_us": nbytes / 4.19e6,
+            "cublas": cub, "best": best, "speedup_vs_cublas": cublas_us / best_us if best_us else None,
+            "measured": [cub] + ([best] if best else []), "complete": True}
+
+
+def test_dense_gemv_sweep_table(tmp_path):
+    # bench/sweep_gemv --dense: cuBLAS beside the best GEMV per (shape, M), newest clean run per point, the
+    # dirty run never tabled, QKV (the larger N) first
+    head = _rev("HEAD")
+    if head is None:
+        pytest.skip("not a git checkout: commits cannot be checked")
+    files = {
+        "sweep-gemv-dense-NVIDIA_H200-20261201-100000.json": [_dense_point("QKV", 2880, 5120, 1, 7.3, 14.0),
+                                                              _dense_point("O", 4096, 2880, 1, 7.0, 5.0)],
+        "sweep-gemv-dense-NVIDIA_H200-20261201-110000.json": [_dense_point("QKV", 2880, 5120, 1, 7.2, 4.5),
+                                                              _dense_point("QKV", 2880, 5120, 8, 7.5, None)],
+        "sweep-gemv-dense-NVIDIA_H200-20261201-120000.json": [_dense_point("O", 4096, 2880, 1, 7.0, 0.77)],
+    }
+    for (name, pts), (ts, dirty) in zip(files.items(), (("2026-12-01T10:00:00+00:00", False),
+                                                        ("2026-12-01T11:00:00+00:00", False),
+                                                        ("2026-12-01T12:00:00+00:00", True))):
+        (tmp_path / name).write_text(json.dumps({"kind": "sweep-gemv-dense", "env": _env(head, dirty, ts),
+                                                 "ceiling_tbs": 4.19, "points": pts, "complete": True}))
+    col = provenance.collect([tmp_path])
+    text = "\n".join(results_tuning.sweep_dense_section(col))
+    rows = _rows(text)
+    assert [r[:2] for r in rows] == [["QKV 2880->5120", "1"], ["QKV 2880->5120", "8"], ["O 4096->2880", "1"]]
+    assert rows[0][2] == "7.20" and rows[0][5:7] == ["`n32-k256-s4-w4-st2`", "4.50"] and rows[0][10] == "1.60x"
+    assert rows[0][-1] == f"`{head[:7]}` 2026-12-01 11:00"
+    assert rows[1][5] == "no launch passed" and rows[1][10] == "-"
+    assert rows[2][6] == "5.00" and rows[2][10] == "1.40x"  # the dirty run's 0.77 us is not tabled
+    assert "0.77" not in text and "| cuBLAS of 4.19 TB/s |" in text
+    assert results_tuning.used(col) == {"sweep-gemv-dense-NVIDIA_H200-20261201-100000.json": 1,
+                                        "sweep-gemv-dense-NVIDIA_H200-20261201-110000.json": 2}

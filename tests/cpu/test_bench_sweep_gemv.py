@@ -52,3 +52,30 @@ def test_a_launch_with_other_numbers_is_refused(tmp_path, monkeypatch):
     g = json.loads(path.read_text())["points"][0]["gemms"]["w1"]
     assert all("check failed" in r["error"] and r["us"] is None for r in g["measured"][1:]), g["measured"]
     assert g["best"]["label"] == g["today"]["label"]
+
+
+def test_dense_sweep_checks_and_times_gemv_launches(tmp_path):
+    # --dense: the FP8 GEMV launches (Fp8BlockLinear.GEMV_TILES first) per (shape, M), each checked against
+    # float64 before it is timed, cuBLAS recorded beside them (on CPU it cannot run: an error row)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-m", "kvrelay.bench.sweep_gemv", "--dense", "--device", "cpu",
+                          "--dense-shapes", "QKV:300:160", "--rows", "1,3", "--max-launches", "3", "--out",
+                          str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    (path,) = tmp_path.glob("sweep-gemv-dense-*.json")
+    payload = json.loads(path.read_text())
+    from kvrelay.bench.sweep_gemv_dense import launches
+    from kvrelay.kernels.fp8_gemm import Fp8BlockLinear
+    assert payload["kind"] == "sweep-gemv-dense" and payload["complete"]
+    assert [(p["shape"], p["k"], p["n"], p["rows"]) for p in payload["points"]] == [("QKV", 300, 160, 1),
+                                                                                 ("QKV", 300, 160, 3)]
+    # at M=1 the first launches are today's candidates; from M=2 on those that spill are left out
+    assert [f"gemv-{l.label()}" for l in launches(1, 3)] == list(Fp8BlockLinear.GEMV_TILES)[:3]
+    assert all(l.block_n * l.block_k <= 128 * 32 * l.num_warps for l in launches(3))
+    for p in payload["points"]:
+        assert p["kp"] == 384 and p["cublas"]["label"] == "cublas"
+        gemv = p["measured"][1:]
+        assert [r["label"] for r in gemv] == [l.label() for l in launches(p["rows"], 3)]
+        for r in gemv:
+            assert r["us"] is not None and r["rel_err"] < 1e-2, r
+        assert p["best"]["us"] == min(r["us"] for r in gemv)

@@ -26,8 +26,8 @@ def _ref(xq, sx, wq, ws, bias, n):
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 2880, 5120), (37, 2880, 4096), (300, 4096, 2880), (129, 200, 333)])
-@pytest.mark.parametrize("backend", ["cublas", "triton", "triton-m16n32", "triton-m16n64", "gemv-n16k512w4",
-                                     "gemv-n64k512w8"])
+@pytest.mark.parametrize("backend", ["cublas", "triton", "triton-m16n32", "triton-m16n64", "gemv-n32-k512-s1-w2-st2",
+                                     "gemv-n32-k256-s4-w4-st2", "gemv-n64-k512-s4-w8-st2"])
 def test_fp8_block_linear(m, k, n, backend):
     from kvrelay.kernels.fp8 import fp8_block_linear_ref, quantize_weight_block128
     from kvrelay.kernels.fp8_gemm import Fp8BlockLinear, quantize_act_1x128
@@ -124,10 +124,11 @@ def test_fp8_gemv_decode_shapes(m, k, n):
 @pytest.mark.parametrize("k,n", GPT_OSS_SHAPES[:2])
 def test_fp8_gemv_graph_replay_is_bit_exact(k, n):
     """A CUDA graph of the GEMV (how decode runs it) replays to exactly the eager bits, for new inputs copied
-    into its static buffers too (no atomics, no split-K: one fixed summation order)."""
+    into its static buffers too, split-K included (its last-arriving program sums the partials in split
+    order, whichever program arrives last), and leaves the split-K counters at zero."""
     from kvrelay.kernels.fp8_gemm import Fp8BlockLinear, quantize_act_1x128
     dev = _cuda()
-    for name in ("gemv-n16k256w4", "gemv-n32k512w4"):
+    for name in Fp8BlockLinear.GEMV_TILES:
         x, wq, ws, bias = _operands(4, k, n, dev, seed=k + n)
         lin = Fp8BlockLinear(wq, ws, bias, backend=name)
         xq, sx = quantize_act_1x128(x, lin.kp)
@@ -146,18 +147,20 @@ def test_fp8_gemv_graph_replay_is_bit_exact(k, n):
                 graph.replay()
                 torch.cuda.synchronize()
                 assert torch.equal(out, lin.run_quantized(q2, s2, m)), (name, m, seed)
+                assert not lin._counters.any(), name
 
 
 def test_auto_times_the_gemv_at_decode_sizes(caplog, monkeypatch):
     """backend="auto" with KVRELAY_FP8_GEMV=1 times the GEMV tiles beside cuBLAS and the 16-row tiles for
     M <= 8 (and only there), keeps one per M bucket, and the product is right whichever won; a candidate
     whose output disagrees with cuBLAS on the input (here one GEMV tile made to return zeros) is never
-    picked. Without the switch the GEMV tiles are not timed at all."""
+    picked. Switched off (KVRELAY_FP8_GEMV=0) the GEMV tiles are not timed at all."""
     from kvrelay.kernels.fp8_gemm import Fp8BlockLinear
     dev = _cuda()
     x0, wq0, ws0, bias0 = _operands(16, 2880, 5120, dev, seed=8)
     lin0 = Fp8BlockLinear(wq0, ws0, bias0, backend="auto", choice_cache={})
     seen = []
+    monkeypatch.setenv("KVRELAY_FP8_GEMV", "0")  # off whatever Fp8BlockLinear.GEMV_DEFAULT says
     run0 = lin0._run
     lin0._run = lambda name, *a, **kw: (seen.append(name), run0(name, *a, **kw))[1]
     lin0(x0[:1])
@@ -167,7 +170,7 @@ def test_auto_times_the_gemv_at_decode_sizes(caplog, monkeypatch):
     choices: dict[int, str] = {}
     lin = Fp8BlockLinear(wq, ws, bias, backend="auto", choice_cache=choices)
     timed = []
-    orig, broken = lin._run, "gemv-n16k512w4"
+    orig, broken = lin._run, "gemv-n32-k256-s4-w4-st2"
 
     def run(name, *a, **kw):
         timed.append(name)
