@@ -199,7 +199,19 @@ def env_info(device, module: str, argv: list[str] | None) -> dict[str, Any]:
         "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         # the engine's switches (KVRELAY_FUSED=0, KVRELAY_ATTENTION, ...): an A/B run is told apart by them
         "kvrelay_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KVRELAY_")},
+        # kernels/pdl.py is on by default where supported: whether this run's Triton kernels used it
+        "pdl": _pdl_on(dev),
     }
+
+
+def _pdl_on(dev) -> bool:
+    if dev.type != "cuda":
+        return False
+    try:
+        from kvrelay.kernels import pdl
+    except ImportError:  # a GPU box without triton runs no Triton kernels
+        return False
+    return pdl.enabled(dev)
 
 
 # ---- model and Runner ------------------------------------------------------------------------------------

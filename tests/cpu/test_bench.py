@@ -66,6 +66,7 @@ def test_env_info_and_save(tmp_path):
     for key in ("torch", "triton", "flashinfer", "git_commit", "timestamp"):
         assert key in env
     assert env["git_commit"] == "unknown" or len(env["git_commit"]) == 40
+    assert env["pdl"] is False  # kernels/pdl.py: never on a CPU
     fig, ax = C.new_figure()
     ax.plot([1, 2], [3, 4])
     paths = C.save_result(tmp_path / "out", "x", {"a": float("nan")}, fig)
