@@ -81,7 +81,9 @@ def _rows_tile(a_ptr, s_am, sa_ptr, s_sam, s_sak, w_ptr, sb_ptr, s_sbk, klen, ro
     return acc
 
 
-@triton.jit
+# s_sbn (the weight scales' row stride, Kp/128: 23 for K=2880, 32 for K=4096) is not specialised, so the QKV
+# and O projections share one compile per launch and row count (a cold start compiles half as many).
+@triton.jit(do_not_specialize=["s_sbn"])
 def _fp8_gemv_kernel(a, b, sa, sb, bias, c, part, cnt, M, N, KP, K_SPLIT,
                      s_am, s_bn, s_sam, s_sak, s_sbn, s_sbk, s_cm,
                      HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
