@@ -6,6 +6,11 @@ the Triton kernels, which run on any CUDA GPU Triton supports. Prefill of slidin
 Triton kernel even next to FlashInfer: measured faster on the H200 (8192 tokens, window 128: 0.18 ms
 Triton vs 0.29 ms FA3, bench/results/kernels-attn-20261129.json); full-causal prefill runs FA3 (1.28 ms
 vs 2.91 ms Triton).
+Decode (one query per sequence, CUDA graphs): FlashInfer's tensor-core decode for both layer kinds by
+default (DECODE_DEFAULT); the Triton split-KV decode is the alternative per layer kind
+(`decode_attention_backend`), measured side by side by `python -m kvrelay.bench.kernels --only attndec`.
+`KVRELAY_DECODE_ATTENTION=flashinfer|triton` picks the decode kernel of every layer,
+`KVRELAY_DECODE_SLIDING=flashinfer|triton` that of the sliding layers only (it wins over the former).
 `KVRELAY_ATTENTION=reference|triton|flashinfer` overrides (for A/B runs and debugging), and
 `KVRELAY_KERNELS=reference` keeps a CUDA device on the pure-torch reference path altogether.
 Every returned callable has the reference function's signature, so callers never branch on device.
@@ -74,6 +79,35 @@ def prefill_attention_backend(backend: str, window: int | None) -> str:
     if backend == "flashinfer" and window:
         return "triton"  # faster for windowed prefill (see module docstring)
     return backend
+
+
+# The decode kernel of each layer kind where FlashInfer is the backend: the one line to change when a
+# measurement (bench/attn_decode.py) says Triton wins a kind, e.g. {"full": "flashinfer", "sliding": "triton"}.
+DECODE_DEFAULT = {"full": "flashinfer", "sliding": "flashinfer"}
+DECODE_KERNELS = ("flashinfer", "triton")
+
+
+def _decode_env(name: str) -> str | None:
+    value = os.environ.get(name)
+    if not value:
+        return None
+    if value not in DECODE_KERNELS:
+        raise ValueError(f"{name}={value!r}: must be one of {', '.join(DECODE_KERNELS)}")
+    return value
+
+
+def decode_attention_backend(backend: str, window: int | None, batch: int | None = None) -> str:
+    """Which kernel runs the decode of one layer kind (window None = full, else sliding) at `batch`
+    sequences under an attention backend. Only a "flashinfer" backend has a choice ("flashinfer" or
+    "triton"): the Triton backend has no FlashInfer to send anything to, the reference stays the
+    reference. `batch` (None: any) lets a default depend on the batch size; a CUDA graph asks once per
+    graph size, an eager step per planned batch. Env overrides: see the module docstring."""
+    if backend != "flashinfer":
+        return backend
+    forced = (_decode_env("KVRELAY_DECODE_SLIDING") if window else None) or _decode_env("KVRELAY_DECODE_ATTENTION")
+    if forced:
+        return forced
+    return DECODE_DEFAULT["sliding" if window else "full"]
 
 
 def paged_attention(device, head_dim: int | None = None):

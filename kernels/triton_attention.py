@@ -263,7 +263,9 @@ def sink_decode(q: torch.Tensor, pool: torch.Tensor, sinks: torch.Tensor, kv_ind
                 workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Split-KV decode: q [B, Hq, D] (one new token per sequence, already in the pool) -> [B, Hq, D].
 
-    Graph-safe: reads all lengths on the device; `num_splits` and `workspace` fixed per batch size."""
+    Graph-safe: reads all lengths on the device; `num_splits` and `workspace` fixed per batch size (a
+    workspace from decode_workspace for at least this batch and split count; a larger one is fine).
+    num_splits None: default_num_splits of this batch and window."""
     batch, n_heads, head_dim = q.shape
     kv_heads, page = pool.shape[3], pool.shape[2]
     group = n_heads // kv_heads
@@ -275,6 +277,9 @@ def sink_decode(q: torch.Tensor, pool: torch.Tensor, sinks: torch.Tensor, kv_ind
     if workspace is None:
         workspace = decode_workspace(batch, n_heads, head_dim, num_splits, q.device)
     o_part, lse_part = workspace
+    if lse_part.numel() < batch * n_heads * num_splits or o_part.numel() < batch * n_heads * num_splits * head_dim:
+        raise ValueError(f"decode workspace of {lse_part.numel()} rows is smaller than batch {batch} x "
+                         f"{n_heads} heads x {num_splits} splits")
     sp, skv, stok, sh = _pool_strides(pool)
     _sink_decode_split_kernel[(batch, kv_heads, num_splits)](
         q, pool, kv_indptr, kv_indices, kv_last_page_len, o_part, lse_part,

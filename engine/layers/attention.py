@@ -167,13 +167,18 @@ class BatchAttention:
 
 class GpuAttention(BatchAttention):
     """The GPU kernels. backend "flashinfer": FA3 sink prefill for full layers, Triton prefill for
-    sliding layers (faster there), tensor-core decode + fused exact sink correction for decode steps;
-    backend "triton": the Triton sink prefill and split-KV decode everywhere. Plans (FlashInfer's
-    `plan`, Triton's prefill tiles) read only host copies of the batch metadata (`BatchLayout.host`),
-    so they never wait for the device.
+    sliding layers (faster there), and for decode steps, per layer kind, FlashInfer's tensor-core decode
+    + fused exact sink correction or the Triton split-KV decode (kernels/select.decode_attention_backend;
+    a group decoded by Triton is never planned by FlashInfer); backend "triton": the Triton sink prefill
+    and split-KV decode everywhere. Plans (FlashInfer's `plan`, Triton's prefill tiles) read only host
+    copies of the batch metadata (`BatchLayout.host`), so they never wait for the device.
 
     With `graph_batch` set it serves one padded CUDA-graph batch size: decode only, FlashInfer's
-    wrappers keep their metadata in fixed buffers (re-planned outside the graph before each replay)."""
+    wrappers keep their metadata in fixed buffers (re-planned outside the graph before each replay), and
+    the Triton decode launches a split count fixed for that size into a workspace allocated here, once."""
+
+    # Triton decode launch (triton_attention.sink_decode's defaults; the split count is chosen per batch)
+    DECODE_BLOCK_N = 64
 
     def __init__(self, cfg, kv_heads: int, q_heads: int, page_size: int, device, dtype, backend: str, *,
                  workspaces: dict | None = None, graph_batch: int | None = None,
@@ -189,23 +194,57 @@ class GpuAttention(BatchAttention):
         self.prefill_kind = {g: select.prefill_attention_backend(backend, w) for g, w in self.windows.items()}
         self.block_q = max(1, 128 // (q_heads // kv_heads))  # triton_attention's default tile
         self.graph_batch = graph_batch
+        self.device = torch.device(device)
+        self._num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                         if self.device.type == "cuda" else 8)
+        self.decode_splits: dict[str, int] = {}  # Triton-decoded groups: split count of the planned batch
+        self._ws: tuple[torch.Tensor, torch.Tensor] | None = None  # their (o_part, lse_part), shared by all layers
+        # Decode kernel per group: fixed for a graph size; an eager object decides per planned batch.
+        self.decode_kind = self._decode_kinds(graph_batch)
         self.fi = {}
         if backend == "flashinfer":
             from kvrelay.kernels.attention import FlashInferSinkAttention
 
-            for g, w in self.windows.items():
+            # A graph-size object only decodes: it holds FlashInfer only for the groups FlashInfer decodes.
+            groups = [g for g in self.windows if graph_batch is None or self.decode_kind[g] == "flashinfer"]
+            for g in groups:
                 self.fi[g] = FlashInferSinkAttention(
-                    q_heads, kv_heads, cfg.head_dim, page_size, w, cfg.sm_scale, device, dtype=dtype,
+                    q_heads, kv_heads, cfg.head_dim, page_size, self.windows[g], cfg.sm_scale, device, dtype=dtype,
                     workspace=(workspaces or {}).get(g), graph_batch=graph_batch,
                     graph_max_pages=None if graph_max_pages is None else graph_max_pages[g])
+        if graph_batch is not None:
+            self._triton_decode_setup(graph_batch)
         self.tiles = None
+
+    def _decode_kinds(self, batch: int | None) -> dict[str, str]:
+        from kvrelay.kernels import select
+
+        return {g: select.decode_attention_backend(self.backend, w, batch) for g, w in self.windows.items()}
+
+    def _triton_decode_setup(self, batch: int) -> None:
+        """Split counts of the Triton-decoded groups at `batch` sequences, and a workspace big enough for
+        them (grown, never shrunk: an eager object sees many batch sizes; a graph's is sized once)."""
+        from kvrelay.kernels import triton_attention as ta
+
+        self.decode_splits = {g: ta.default_num_splits(batch, self.hkv, num_sms=self._num_sms,
+                                                       block_n=self.DECODE_BLOCK_N, window=self.windows[g])
+                              for g, kind in self.decode_kind.items() if kind == "triton"}
+        if not self.decode_splits:
+            return
+        need = batch * self.hq * max(self.decode_splits.values())
+        if self._ws is None or self._ws[1].numel() < need:
+            self._ws = ta.decode_workspace(batch, self.hq, self.d, max(self.decode_splits.values()), self.device)
 
     def plan(self, batch) -> None:
         self.batch = batch
         host = batch.host
         if batch.is_decode:
+            if self.graph_batch is None:
+                self.decode_kind = self._decode_kinds(batch.num_seqs)
+                self._triton_decode_setup(batch.num_seqs)
             for g, fi in self.fi.items():
-                fi.plan_decode(host["kv_indptr"][g], batch.kv[g].kv_indices, host["kv_last_page_len"][g])
+                if self.decode_kind[g] == "flashinfer":
+                    fi.plan_decode(host["kv_indptr"][g], batch.kv[g].kv_indices, host["kv_last_page_len"][g])
             return
         if self.graph_batch is not None:
             raise RuntimeError("a CUDA-graph attention serves decode steps only")
@@ -232,20 +271,24 @@ class GpuAttention(BatchAttention):
         (it copies device-to-device); the Triton kernels read the buffers as they are."""
         self.batch = batch
         for g, fi in self.fi.items():
-            fi.plan_decode(batch.host["kv_indptr"][g], batch.kv[g].kv_indices[: used[g]],
-                           batch.host["kv_last_page_len"][g])
+            if self.decode_kind[g] == "flashinfer":
+                fi.plan_decode(batch.host["kv_indptr"][g], batch.kv[g].kv_indices[: used[g]],
+                               batch.host["kv_last_page_len"][g])
 
     def run(self, q, pool, group, sinks, sm_scale, window, defer_sink: bool = False):
+        """-> [T, Hq, D]; a FlashInfer decode asked for defer_sink returns a SinkPending instead, a Triton
+        decode (its merge applies the sink) always the finished output."""
         from kvrelay.kernels import triton_attention as ta
 
         kv = self.batch.kv[group]
         if self.batch.is_decode:
-            if group in self.fi:
+            if self.decode_kind[group] == "flashinfer":
                 if defer_sink:
                     return SinkPending(*self.fi[group].decode_nosink(q, pool), sinks)
                 return self.fi[group].decode(q, pool, sinks)
             return ta.sink_decode(q, pool, sinks, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len,
-                                  sm_scale=sm_scale, window=window)
+                                  sm_scale=sm_scale, window=window, num_splits=self.decode_splits[group],
+                                  block_n=self.DECODE_BLOCK_N, workspace=self._ws)
         if self.prefill_kind[group] == "flashinfer":
             return self.fi[group].prefill(q, pool, sinks)
         return ta.sink_prefill(q, pool, sinks, self.batch.qo_indptr, kv.kv_indptr, kv.kv_indices,

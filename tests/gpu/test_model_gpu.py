@@ -346,3 +346,70 @@ def test_piecewise_graphs_replay_mixed_forwards(kind):
 
 def rel_err(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+def _forced(runner, prompts, toks):
+    """Prefill, then decode steps fed `toks` (another run's greedy picks): the logits of every step."""
+    ids = list(range(len(prompts)))
+    out = [runner.prefill_batch([(i, p) for i, p in zip(ids, prompts)])]
+    for step in range(len(toks[0]) - 1):
+        out.append(runner.decode(ids, [t[step] for t in toks]))
+    for i in ids:
+        runner.free(i)
+    return out
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+@pytest.mark.parametrize("env", ["KVRELAY_DECODE_SLIDING", "KVRELAY_DECODE_ATTENTION"])
+def test_triton_decoded_layers_match_flashinfer(env, graphs, monkeypatch):
+    """Decode with the sliding layers (KVRELAY_DECODE_SLIDING=triton) or every layer
+    (KVRELAY_DECODE_ATTENTION=triton) on the Triton split-KV kernel beside FlashInfer's prefill
+    (kernels/select.decode_attention_backend) on gpt-oss's attention shape: each step's logits close to the
+    all-FlashInfer run's fed the same tokens (bf16), greedy tokens following the fp32 CPU reference as
+    test_greedy_matches_cpu_reference's do, a Triton-decoded group never planned by FlashInfer (graph
+    attentions do not even hold one), and the fused path's deferred sink (SinkPending) kept for the
+    FlashInfer-decoded group only."""
+    from kvrelay.engine.runner import Runner
+
+    dev = _cuda()
+    cfg, w, prompts, ref, margins = _reference("attn64")
+    for name in ("KVRELAY_DECODE_SLIDING", "KVRELAY_DECODE_ATTENTION"):
+        monkeypatch.delenv(name, raising=False)
+    mk = lambda: Runner(cfg, w, device=dev, page_size=16, kv_tokens=8192, cuda_graphs=graphs,  # noqa: E731
+                        cuda_graph_batch_sizes=GRAPH_SIZES)
+    base = mk()
+    base_toks, _ = _greedy(base, prompts, N_DECODE)
+    base_logits = _forced(base, prompts, base_toks)
+    monkeypatch.setenv(env, "triton")
+    want = {"full": "triton" if env == "KVRELAY_DECODE_ATTENTION" else "flashinfer", "sliding": "triton"}
+    r = mk()
+    assert r.model.attention_backend == "flashinfer" and r.model.blocks[0].fused
+    for g, kind in want.items():
+        if kind == "triton":  # the eager object holds FlashInfer for prefill; its decode must never run
+            r.attn.fi[g].plan_decode = r.attn.fi[g].decode = r.attn.fi[g].decode_nosink = None
+    from kvrelay.engine.layers.attention import GpuAttention, SinkPending
+
+    answers = set()
+    run = GpuAttention.run
+
+    def recording(self, q, pool, group, *a, **kw):
+        out = run(self, q, pool, group, *a, **kw)
+        if self.batch.is_decode:
+            answers.add((group, isinstance(out, SinkPending)))
+        return out
+
+    monkeypatch.setattr(GpuAttention, "run", recording)
+    logits = _forced(r, prompts, base_toks)
+    monkeypatch.setattr(GpuAttention, "run", run)
+    assert answers == {(g, k == "flashinfer") for g, k in want.items()}
+    assert r.attn.decode_kind == want
+    if graphs:
+        assert r._gbuf is not None
+        for att in r._gbuf.attention.values():
+            assert att.decode_kind == want
+            assert set(att.fi) == {g for g, k in want.items() if k == "flashinfer"}
+    for step, (a, b) in enumerate(zip(logits, base_logits)):
+        assert rel_err(a, b) < 2e-2, (step, rel_err(a, b))
+    ours, _ = _greedy(r, prompts, N_DECODE)
+    compared = _check_tokens(ours, ref, margins, 0.25, f"attn64 {env}")
+    assert compared >= len(prompts) * (N_DECODE + 1) // 2

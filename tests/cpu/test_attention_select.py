@@ -1,0 +1,59 @@
+"""kernels/select.py's choice of the decode attention kernel per layer kind, and its env overrides."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvrelay.kernels import select
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for name in ("KVRELAY_DECODE_ATTENTION", "KVRELAY_DECODE_SLIDING"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _kinds(backend, batch=1):
+    return (select.decode_attention_backend(backend, None, batch), select.decode_attention_backend(backend, 128, batch))
+
+
+def test_default_decodes_both_kinds_on_flashinfer():
+    # Today's behaviour until the H200 numbers say otherwise (select.DECODE_DEFAULT is the one line to flip).
+    assert select.DECODE_DEFAULT == {"full": "flashinfer", "sliding": "flashinfer"}
+    for batch in (None, 1, 8, 64, 256):
+        assert _kinds("flashinfer", batch) == ("flashinfer", "flashinfer")
+
+
+def test_other_backends_keep_their_kernel(monkeypatch):
+    # Without FlashInfer there is nothing to choose: the override cannot send a layer to it.
+    monkeypatch.setenv("KVRELAY_DECODE_ATTENTION", "flashinfer")
+    monkeypatch.setenv("KVRELAY_DECODE_SLIDING", "flashinfer")
+    assert _kinds("triton") == ("triton", "triton")
+    assert _kinds("reference") == ("reference", "reference")
+
+
+def test_env_overrides(monkeypatch):
+    monkeypatch.setenv("KVRELAY_DECODE_SLIDING", "triton")
+    assert _kinds("flashinfer") == ("flashinfer", "triton")
+    monkeypatch.setenv("KVRELAY_DECODE_ATTENTION", "triton")
+    assert _kinds("flashinfer") == ("triton", "triton")
+    monkeypatch.setenv("KVRELAY_DECODE_SLIDING", "flashinfer")  # the sliding override wins for sliding layers
+    assert _kinds("flashinfer") == ("triton", "flashinfer")
+    monkeypatch.delenv("KVRELAY_DECODE_SLIDING")
+    monkeypatch.setenv("KVRELAY_DECODE_ATTENTION", "flashinfer")
+    assert _kinds("flashinfer", 64) == ("flashinfer", "flashinfer")
+
+
+def test_default_table_is_what_runs(monkeypatch):
+    # The flip the lead makes from the measurement: the table alone decides, per kind.
+    monkeypatch.setitem(select.DECODE_DEFAULT, "sliding", "triton")
+    assert _kinds("flashinfer") == ("flashinfer", "triton")
+    monkeypatch.setenv("KVRELAY_DECODE_SLIDING", "flashinfer")
+    assert _kinds("flashinfer") == ("flashinfer", "flashinfer")
+
+
+@pytest.mark.parametrize("name", ["KVRELAY_DECODE_ATTENTION", "KVRELAY_DECODE_SLIDING"])
+def test_bad_value_names_the_variable(monkeypatch, name):
+    monkeypatch.setenv(name, "fa3")
+    with pytest.raises(ValueError, match=f"{name}='fa3'.*flashinfer, triton"):
+        _kinds("flashinfer")
