@@ -231,7 +231,10 @@ def _grouped_kernel(a, sa, w, w_desc, sw, b, rw, out, sorted_ids, block_expert, 
                     FP8: tl.constexpr, SWIGLU: tl.constexpr, MUL_ROUTE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP_M: tl.constexpr, MASKED: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
-                    ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+                    ALPHA: tl.constexpr, LIMIT: tl.constexpr, USE_PDL: tl.constexpr = False):
+    # kernels/pdl.py: every program waits (even those returning early below) before its first load, all of
+    # which (block_expert, sorted_ids, activations; the weights' expert comes from block_expert) follow
+    enter(USE_PDL)
     # One program per (M block, N tile) on a 1-D grid. GROUP_M M blocks walk the N tiles together: blocks
     # are sorted by expert, so neighbours mostly share an expert and its weight tiles come from L2 for
     # all but the first (GROUP_M = 1: the N tiles of one M block back to back, the original order).
@@ -333,7 +336,7 @@ def _grouped_gemm(a, sa, w, sw, b, rw, out, sorted_ids, block_expert, n_pairs, r
             w.stride(0), w.stride(1), sw_.stride(0), sw_.stride(1), b.stride(0), out.stride(0))
     meta = dict(FP8=fp8, SWIGLU=swiglu, MUL_ROUTE=rw is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
                 BLOCK_K=block_k, GROUP_M=cfg.group_m, MASKED=cfg.masked, EVEN_K=kdim % block_k == 0, TMA=cfg.tma,
-                ALPHA=alpha, LIMIT=limit, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                ALPHA=alpha, LIMIT=limit, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(a.device))
     if warmup:
         return _grouped_kernel.warmup(*args, grid=grid, **meta)
     _grouped_kernel[grid](*args, **meta)
