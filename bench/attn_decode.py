@@ -9,7 +9,8 @@ Candidates:
   correction rides in the O projection's quantisation), and for sliding layers the planner's own split.
 - The Triton split-KV sink decode (kernels/triton_attention.sink_decode) over (num_splits, block_n,
   num_warps, num_stages) variants, window-aware split counts included; `default` is what the engine's
-  Triton path picks (triton_attention.default_num_splits).
+  Triton path picks (triton_attention.default_num_splits), timed also with KVRELAY_PDL=0 (its two kernels
+  launch with Programmatic Dependent Launch by default, kernels/pdl.py).
 
 Each Triton variant is first checked against the float32 torch reference (kernels/reference.paged_attention)
 and skipped (a NaN row saying why) when it disagrees, as Fp8BlockLinear._pick refuses a candidate.
@@ -20,6 +21,9 @@ bytes of the visible keys (a sliding layer: the window).
 """
 
 from __future__ import annotations
+
+import contextlib
+import os
 
 import torch
 
@@ -133,6 +137,21 @@ def graph_cold_ms(fn, rep: int = 50) -> float:
     return ms[len(ms) // 2]
 
 
+@contextlib.contextmanager
+def _pdl(on: bool):
+    """KVRELAY_PDL=0 while off (read at each launch, so also by the graphs captured meanwhile)."""
+    old = os.environ.get("KVRELAY_PDL")
+    if not on:
+        os.environ["KVRELAY_PDL"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("KVRELAY_PDL", None)
+        else:
+            os.environ["KVRELAY_PDL"] = old
+
+
 def _label(batch: int, window: int | None) -> str:
     return f"b{batch} " + (f"sliding win{WINDOW} ctx{CTX}" if window else f"full ctx{CTX}")
 
@@ -185,16 +204,20 @@ def _bench_case(batch: int, window: int | None, dev, gen, record) -> None:
             del att
         except Exception as exc:  # noqa: BLE001 - recorded, the Triton rows still run
             record("attndec", f"{label} {tag}", float("nan"), note=f"failed: {repr(exc)[:120]}")
-    for splits, bn, nw, ns in triton_variants(window, batch):
+    # the engine's default launch also without PDL (kernels/pdl.py; the setting a graph captures)
+    variants = [(v, True) for v in triton_variants(window, batch)] + [(triton_variants(window, batch)[0], False)]
+    for (splits, bn, nw, ns), use_pdl in variants:
         name = f"triton split{splits} bn{bn} w{nw} s{ns}"
         try:
-            fn, n = triton_candidate(case, splits, bn, nw, ns)
-            name = f"triton split{n}{' (default)' if splits is None else ''} bn{bn} w{nw} s{ns}"
-            ok, err = checked(fn, ref)
-            if not ok:
-                record("attndec", f"{label} {name}", float("nan"),
-                       note=f"skipped: rel err {err:.3g} vs the float32 reference")
-                continue
-            timed(name, fn, f"rel err {err:.2g}")
+            with _pdl(use_pdl):
+                fn, n = triton_candidate(case, splits, bn, nw, ns)
+                name = (f"triton split{n}{' (default)' if splits is None else ''} bn{bn} w{nw} s{ns}"
+                        + ("" if use_pdl else " KVRELAY_PDL=0"))
+                ok, err = checked(fn, ref)
+                if not ok:
+                    record("attndec", f"{label} {name}", float("nan"),
+                           note=f"skipped: rel err {err:.3g} vs the float32 reference")
+                    continue
+                timed(name, fn, f"rel err {err:.2g}")
         except Exception as exc:  # noqa: BLE001 - a variant that does not compile is skipped
             record("attndec", f"{label} {name}", float("nan"), note=f"failed: {repr(exc)[:120]}")

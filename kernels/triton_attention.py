@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import enter, pdl_kwargs
+
 LOG2E = 1.4426950408889634
 # The CPU interpreter (triton 3.9) computes bf16 x bf16 tl.dot wrongly (garbage of order 1e10, seen
 # 2026-11-29); under it the dots run on float32 copies, on a GPU on the native bf16 tensor cores.
@@ -121,8 +123,10 @@ def _sink_decode_split_kernel(
     s_qb, s_qh, s_page, s_kv, s_tok, s_head,
     qk_scale, WINDOW,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, F32: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, F32: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    # kernels/pdl.py: before any load (q and the pool's new row are the rotary/KV-write kernel's) or store
+    enter(USE_PDL)
     # One query per sequence at position kv_len - 1. Split s of NUM_SPLITS covers a contiguous chunk of
     # the visible keys and writes its normalised partial output plus its log2-sum-exp WITHOUT the sink:
     # the sink must enter exactly once, so the merge kernel adds it.
@@ -171,7 +175,9 @@ def _sink_decode_split_kernel(
 
 @triton.jit
 def _sink_decode_merge_kernel(o_part, lse_part, sinks, out, s_ob, s_oh,
-                              HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr):
+                              HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+                              USE_PDL: tl.constexpr = False):
+    enter(USE_PDL)  # kernels/pdl.py: the partials are the split kernel's, just written
     b = tl.program_id(0)
     h = tl.program_id(1)
     n_heads = tl.num_programs(1)
@@ -285,10 +291,12 @@ def sink_decode(q: torch.Tensor, pool: torch.Tensor, sinks: torch.Tensor, kv_ind
         q, pool, kv_indptr, kv_indices, kv_last_page_len, o_part, lse_part,
         q.stride(0), q.stride(1), sp, skv, stok, sh, sm_scale * LOG2E, _window_arg(window),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page,
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, F32=INTERPRET, num_warps=num_warps, num_stages=num_stages)
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, F32=INTERPRET, num_warps=num_warps, num_stages=num_stages,
+        **pdl_kwargs(q.device))
     _sink_decode_merge_kernel[(batch, n_heads)](
         o_part, lse_part, sinks, out, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits), num_warps=1)
+        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits), num_warps=1,
+        **pdl_kwargs(q.device))
     return out
 
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 import triton
 
-from kvrelay.kernels import attention, fused, moe, moe_gemv, pdl, router
+from kvrelay.kernels import attention, fused, moe, moe_gemv, pdl, router, triton_attention
 
 
 @pytest.fixture
@@ -144,6 +144,16 @@ KERNELS = [
     _spec(attention._sink_correction_kernel,
           {"out": P["bf16"], "lse": P["f32"], "sinks": P["f32"], **_ints("n_rows", "n_heads", "s_ob", "s_oh")},
           {"HEAD_DIM": 64, "ROWS": 16}, num_warps=2),
+    # the Triton split-KV decode (GpuAttention's per-layer-kind alternative to FlashInfer's)
+    _spec(triton_attention._sink_decode_split_kernel,
+          {"q": P["bf16"], "pool": P["bf16"], "kv_indptr": P["i32"], "kv_indices": P["i32"], "kv_last": P["i32"],
+           "o_part": P["f32"], "lse_part": P["f32"], **_ints("s_qb", "s_qh", "s_page", "s_kv", "s_tok", "s_head"),
+           "qk_scale": F32, "WINDOW": I32},
+          {"GROUP": 8, "BLOCK_H": 16, "HEAD_DIM": 64, "PAGE": 16, "BLOCK_N": 64, "NUM_SPLITS": 2, "F32": False},
+          num_warps=4, num_stages=2),
+    _spec(triton_attention._sink_decode_merge_kernel,
+          {"o_part": P["f32"], "lse_part": P["f32"], "sinks": P["f32"], "out": P["bf16"], **_ints("s_ob", "s_oh")},
+          {"HEAD_DIM": 64, "NUM_SPLITS": 2, "SPLITS_P2": 2}, num_warps=1),
     _spec(moe._route_kernel, {"logits": P["bf16"], "bias": P["bf16"], "w_out": P["bf16"], "id_out": P["i64"],
                               **_ints("T", "E", "s_lt")},
           {"HAS_BIAS": False, "K": 4, "E_P2": 32, "BLOCK_T": 16}),
