@@ -32,15 +32,18 @@ def _launched_with_pdl(kernel) -> bool:
                for entry in kernel.device_caches.values() for k in entry[0].values())
 
 
+@pytest.mark.parametrize("decode", ["flashinfer", "triton"])
 @pytest.mark.parametrize("quant", ["fp8-block128", "bf16"])
-def test_model_decode_steps_equal_with_and_without_pdl(quant, monkeypatch):
+def test_model_decode_steps_equal_with_and_without_pdl(quant, decode, monkeypatch):
     from kvrelay.engine.config import PRESETS
     from kvrelay.engine.layers.linear import TensorDictWeights
     from kvrelay.engine.runner import Runner
     from kvrelay.engine.weights import canonical_shapes, open_weights
-    from kvrelay.kernels import fused, moe_gemv, pdl, router
+    from kvrelay.kernels import fused, moe_gemv, pdl, router, triton_attention
 
     dev = _pdl_device()
+    # decode attention on FlashInfer (the default) or on the Triton split-KV kernels (select.py's override)
+    monkeypatch.setenv("KVRELAY_DECODE_ATTENTION", decode)
     cfg = PRESETS["tiny"].replace(
         name="tiny-attn64", head_dim=64, num_attention_heads=64, num_key_value_heads=8, hidden_size=256,
         intermediate_size=256, sliding_window=128, num_hidden_layers=4, initial_context_length=4096,
@@ -67,6 +70,10 @@ def test_model_decode_steps_equal_with_and_without_pdl(quant, monkeypatch):
             for k in (fused._add_rms_norm_kernel, fused._rotary_kv_write_kernel, router._add_norm_route_kernel,
                       moe_gemv._gemv1_kernel, moe_gemv._gemv2_kernel):
                 assert _launched_with_pdl(k), k.__name__
+            if decode == "triton":
+                assert r.attn.decode_kind == {"full": "triton", "sliding": "triton"}
+                for k in (triton_attention._sink_decode_split_kernel, triton_attention._sink_decode_merge_kernel):
+                    assert _launched_with_pdl(k), k.__name__
     for i, (off, on) in enumerate(zip(steps["0"], steps["1"])):
         assert torch.equal(off, on), f"step {i}: PDL changed the logits ({(off.float() - on.float()).abs().max()})"
         assert torch.equal(off.argmax(-1), on.argmax(-1))
