@@ -17,11 +17,13 @@ def _kinds(backend, batch=1):
     return (select.decode_attention_backend(backend, None, batch), select.decode_attention_backend(backend, 128, batch))
 
 
-def test_default_decodes_both_kinds_on_flashinfer():
-    # Today's behaviour until the H200 numbers say otherwise (select.DECODE_DEFAULT is the one line to flip).
-    assert select.DECODE_DEFAULT == {"full": "flashinfer", "sliding": "flashinfer"}
+def test_default_is_the_table():
+    # select.DECODE_DEFAULT is the one line to flip when the H200 numbers say so (FlashInfer for both
+    # kinds as landed); without an override it alone decides, at every batch size.
+    assert set(select.DECODE_DEFAULT) == {"full", "sliding"}
+    assert set(select.DECODE_DEFAULT.values()) <= set(select.DECODE_KERNELS)
     for batch in (None, 1, 8, 64, 256):
-        assert _kinds("flashinfer", batch) == ("flashinfer", "flashinfer")
+        assert _kinds("flashinfer", batch) == (select.DECODE_DEFAULT["full"], select.DECODE_DEFAULT["sliding"])
 
 
 def test_other_backends_keep_their_kernel(monkeypatch):

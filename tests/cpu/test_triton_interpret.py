@@ -416,12 +416,13 @@ def test_gpu_attention_sends_chosen_groups_to_triton_decode_interpreted():
     # builds and plans FlashInfer for the full group only, decodes the sliding group with the Triton kernel
     # (a finished tensor even when the fused path asks to defer the sink; kernels/reference.py's output)
     # from a workspace allocated once; an eager object re-decides per batch and grows its workspace only
-    # when a batch needs more. Without the env both groups decode on FlashInfer, as before.
+    # when a batch needs more. Without the env the groups decode as select.DECODE_DEFAULT says (FlashInfer).
     from types import SimpleNamespace
 
     from kvrelay.engine.layers.attention import GpuAttention, SinkPending
     from kvrelay.kernels import attention as fa
     from kvrelay.kernels import reference as R
+    from kvrelay.kernels import select
     real = fa.FlashInferSinkAttention
     fa.FlashInferSinkAttention = _RecordingFlashInfer
     heads, kv_heads, d, page, window = 8, 2, 64, 16, 8
@@ -435,9 +436,11 @@ def test_gpu_attention_sends_chosen_groups_to_triton_decode_interpreted():
         os.environ.pop("KVRELAY_DECODE_SLIDING", None)
         lay, pools = _decode_batch([3, 20, 40], windows, heads, kv_heads, d, page, g)
         default = make(graph_batch=3, graph_max_pages={"full": 16, "sliding": 16})
-        assert default.decode_kind == {"full": "flashinfer", "sliding": "flashinfer"} and default._ws is None
+        assert default.decode_kind == select.DECODE_DEFAULT
+        assert (default._ws is None) == ("triton" not in select.DECODE_DEFAULT.values())
         default.plan_replay(lay, {w: 0 for w in windows})
-        assert sorted(map(str, _RecordingFlashInfer.planned)) == ["8", "None"]
+        assert sorted(map(str, _RecordingFlashInfer.planned)) == sorted(
+            str(windows[g]) for g, k in select.DECODE_DEFAULT.items() if k == "flashinfer")
         os.environ["KVRELAY_DECODE_SLIDING"] = "triton"
         _RecordingFlashInfer.built.clear()
         _RecordingFlashInfer.planned.clear()

@@ -373,8 +373,8 @@ def test_triton_decoded_layers_match_flashinfer(env, graphs, monkeypatch):
 
     dev = _cuda()
     cfg, w, prompts, ref, margins = _reference("attn64")
-    for name in ("KVRELAY_DECODE_SLIDING", "KVRELAY_DECODE_ATTENTION"):
-        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("KVRELAY_DECODE_SLIDING", raising=False)
+    monkeypatch.setenv("KVRELAY_DECODE_ATTENTION", "flashinfer")  # the base run: FlashInfer whatever the default
     mk = lambda: Runner(cfg, w, device=dev, page_size=16, kv_tokens=8192, cuda_graphs=graphs,  # noqa: E731
                         cuda_graph_batch_sizes=GRAPH_SIZES)
     base = mk()
