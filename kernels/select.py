@@ -6,9 +6,9 @@ the Triton kernels, which run on any CUDA GPU Triton supports. Prefill of slidin
 Triton kernel even next to FlashInfer: measured faster on the H200 (8192 tokens, window 128: 0.18 ms
 Triton vs 0.29 ms FA3, bench/results/kernels-attn-20261129.json); full-causal prefill runs FA3 (1.28 ms
 vs 2.91 ms Triton).
-Decode (one query per sequence, CUDA graphs): FlashInfer's tensor-core decode for both layer kinds by
-default (DECODE_DEFAULT); the Triton split-KV decode is the alternative per layer kind
-(`decode_attention_backend`), measured side by side by `python -m kvrelay.bench.kernels --only attndec`.
+Decode (one query per sequence, CUDA graphs): the Triton split-KV decode for sliding layers, and for full
+layers up to 64 sequences; FlashInfer's tensor-core decode for full layers above (DECODE_DEFAULT,
+`decode_attention_backend`), as measured side by side by `python -m kvrelay.bench.kernels --only attndec`.
 `KVRELAY_DECODE_ATTENTION=flashinfer|triton` picks the decode kernel of every layer,
 `KVRELAY_DECODE_SLIDING=flashinfer|triton` that of the sliding layers only (it wins over the former).
 `KVRELAY_ATTENTION=reference|triton|flashinfer` overrides (for A/B runs and debugging), and
@@ -81,9 +81,15 @@ def prefill_attention_backend(backend: str, window: int | None) -> str:
     return backend
 
 
-# The decode kernel of each layer kind where FlashInfer is the backend: the one line to change when a
-# measurement (bench/attn_decode.py) says Triton wins a kind, e.g. {"full": "flashinfer", "sliding": "triton"}.
-DECODE_DEFAULT = {"full": "flashinfer", "sliding": "flashinfer"}
+# The decode kernel of each layer kind where FlashInfer is the backend, from the H200 measurement
+# (bench/results/kernels-20261201-195526.json, `--only attndec`, CUDA graphs, 8k context, us a layer):
+#   full     b1 7.9 Triton vs 11.3 FlashInfer, b8 42.5 vs 44.3, b64 255.6 vs 261.5
+#   sliding  b1 4.2 vs 7.4,                    b8 4.6 vs 7.7,   b64 10.2 vs 15.2
+# Triton wins every point measured. Full layers above DECODE_TRITON_MAX_BATCH (and an eager step of a size
+# not known in advance) keep FlashInfer: Triton's split count falls to 1 there, where it was measured 12%
+# slower than 2 splits at b64, and no point above b64 was measured.
+DECODE_DEFAULT = {"full": "triton", "sliding": "triton"}
+DECODE_TRITON_MAX_BATCH = {"full": 64, "sliding": None}
 DECODE_KERNELS = ("flashinfer", "triton")
 
 
@@ -107,7 +113,17 @@ def decode_attention_backend(backend: str, window: int | None, batch: int | None
     forced = (_decode_env("KVRELAY_DECODE_SLIDING") if window else None) or _decode_env("KVRELAY_DECODE_ATTENTION")
     if forced:
         return forced
-    return DECODE_DEFAULT["sliding" if window else "full"]
+    return default_decode_kernel("sliding" if window else "full", batch)
+
+
+def default_decode_kernel(kind: str, batch: int | None) -> str:
+    """DECODE_DEFAULT[kind], except FlashInfer where a Triton default is limited to DECODE_TRITON_MAX_BATCH
+    and the batch is above it or unknown (None)."""
+    kernel = DECODE_DEFAULT[kind]
+    cap = DECODE_TRITON_MAX_BATCH.get(kind)
+    if kernel == "triton" and cap is not None and (batch is None or batch > cap):
+        return "flashinfer"
+    return kernel
 
 
 def paged_attention(device, head_dim: int | None = None):

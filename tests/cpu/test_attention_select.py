@@ -23,7 +23,16 @@ def test_default_is_the_table():
     assert set(select.DECODE_DEFAULT) == {"full", "sliding"}
     assert set(select.DECODE_DEFAULT.values()) <= set(select.DECODE_KERNELS)
     for batch in (None, 1, 8, 64, 256):
-        assert _kinds("flashinfer", batch) == (select.DECODE_DEFAULT["full"], select.DECODE_DEFAULT["sliding"])
+        assert _kinds("flashinfer", batch) == (select.default_decode_kernel("full", batch),
+                                               select.default_decode_kernel("sliding", batch))
+
+
+def test_default_follows_the_measurement():
+    # The H200 attndec measurement: Triton for sliding layers at every batch, for full layers up to 64
+    # sequences; FlashInfer for full layers above that and when the batch is not known.
+    assert [_kinds("flashinfer", b) for b in (1, 8, 64)] == [("triton", "triton")] * 3
+    assert _kinds("flashinfer", 65) == ("flashinfer", "triton")
+    assert _kinds("flashinfer", None) == ("flashinfer", "triton")
 
 
 def test_other_backends_keep_their_kernel(monkeypatch):
@@ -35,8 +44,10 @@ def test_other_backends_keep_their_kernel(monkeypatch):
 
 
 def test_env_overrides(monkeypatch):
+    monkeypatch.setenv("KVRELAY_DECODE_SLIDING", "flashinfer")
+    assert _kinds("flashinfer") == ("triton", "flashinfer")  # full layers keep the default (Triton at b1)
     monkeypatch.setenv("KVRELAY_DECODE_SLIDING", "triton")
-    assert _kinds("flashinfer") == ("flashinfer", "triton")
+    assert _kinds("flashinfer", 256) == ("flashinfer", "triton")
     monkeypatch.setenv("KVRELAY_DECODE_ATTENTION", "triton")
     assert _kinds("flashinfer") == ("triton", "triton")
     monkeypatch.setenv("KVRELAY_DECODE_SLIDING", "flashinfer")  # the sliding override wins for sliding layers
@@ -48,6 +59,7 @@ def test_env_overrides(monkeypatch):
 
 def test_default_table_is_what_runs(monkeypatch):
     # The flip the lead makes from the measurement: the table alone decides, per kind.
+    monkeypatch.setitem(select.DECODE_DEFAULT, "full", "flashinfer")
     monkeypatch.setitem(select.DECODE_DEFAULT, "sliding", "triton")
     assert _kinds("flashinfer") == ("flashinfer", "triton")
     monkeypatch.setenv("KVRELAY_DECODE_SLIDING", "flashinfer")

@@ -416,7 +416,7 @@ def test_gpu_attention_sends_chosen_groups_to_triton_decode_interpreted():
     # builds and plans FlashInfer for the full group only, decodes the sliding group with the Triton kernel
     # (a finished tensor even when the fused path asks to defer the sink; kernels/reference.py's output)
     # from a workspace allocated once; an eager object re-decides per batch and grows its workspace only
-    # when a batch needs more. Without the env the groups decode as select.DECODE_DEFAULT says (FlashInfer).
+    # when a batch needs more. Without the env the groups decode as select.default_decode_kernel says.
     from types import SimpleNamespace
 
     from kvrelay.engine.layers.attention import GpuAttention, SinkPending
@@ -442,6 +442,7 @@ def test_gpu_attention_sends_chosen_groups_to_triton_decode_interpreted():
         assert sorted(map(str, _RecordingFlashInfer.planned)) == sorted(
             str(windows[g]) for g, k in select.DECODE_DEFAULT.items() if k == "flashinfer")
         os.environ["KVRELAY_DECODE_SLIDING"] = "triton"
+        os.environ["KVRELAY_DECODE_ATTENTION"] = "flashinfer"  # full layers on FlashInfer whatever the default
         _RecordingFlashInfer.built.clear()
         _RecordingFlashInfer.planned.clear()
         att = make(graph_batch=3, graph_max_pages={"full": 16, "sliding": 16})
