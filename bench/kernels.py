@@ -2,7 +2,7 @@
 TFLOP/s or TB/s, and share of the measured ceilings (h200-notes: copy 4.19 TB/s, bf16 762, fp8 1378
 TFLOP/s). Saves JSON (GPU, versions, git commit, command) and a PNG under bench/results/, prints a table.
 
-usage (device machine, repo root): python3 -m kvrelay.bench.kernels [--only attn,attndec,fp8,fp8dec,moe,moedec]
+usage (device machine, repo root): python3 -m kvrelay.bench.kernels [--only attn,attndec,fp8,fp8dec,moe,moedec,glue]
 [--out DIR]; `attndec` (decode attention per layer kind and batch, FlashInfer vs Triton variants) is
 bench/attn_decode.py.
 Targets are reported, not asserted.
@@ -307,6 +307,76 @@ def bench_moe_decode(dev):
         torch.cuda.empty_cache()
 
 
+def bench_glue(dev):
+    """The glue kernels between the big GEMMs at prefill (8192 tokens of gpt-oss-20b, the MoE's 32768 pairs) and
+    decode (1 token) sizes, in TB/s of the bytes each call must move (issue #11's prefill profile): the default
+    launch (what the engine runs), today's decode geometry at the prefill sizes, and alternative tiles."""
+    import triton
+    from kvrelay.kernels import fp8_gemm as fg
+    from kvrelay.kernels import fused
+    from kvrelay.kernels.reference import rotary_cos_sin, yarn_inv_freq
+
+    def timed(fn, small):  # decode sizes as the engine runs them: CUDA-graph replay
+        fn()
+        if small:
+            return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
+        return bench(fn, warmup=5, rep=40)
+
+    H, KP = 2880, 2944
+    for m in (8192, 32768, 1):
+        x = torch.randn(m, H, device=dev, dtype=torch.bfloat16)
+        for m_major in ((True, False) if m == 32768 else (True,)):
+            mp = -(-m // 4) * 4 if m_major else m
+            nbytes = m * H * 2 + mp * KP + mp * (KP // 128) * 4
+            tiles = [None] + ([(1, 1), (32, 4), (128, 8), (16, 2)] if m > 1 else [])
+            for tile in tiles:
+                label = "default" if tile is None else f"tile {tile}"
+                record("glue", f"quant_act_1x128 [{m}, {H}] {'m-major' if m_major else 'row-major'} {label}",
+                       timed(lambda: fg.quantize_act_1x128(x, KP, m_major, tile=tile), m == 1), nbytes=nbytes,
+                       note=f"floor {nbytes / CEIL['TB/s'] / 1e6:.1f} us")
+        del x
+    nq, nkv, d, page = 64, 8, 64, 16
+    inv, conc = yarn_inv_freq(d, 150000.0, 32.0, 4096, beta_fast=32.0, beta_slow=1.0)
+    for t in (8192, 1):
+        qkv = torch.randn(t, (nq + 2 * nkv) * d, device=dev, dtype=torch.bfloat16)
+        cos, sin = rotary_cos_sin(torch.arange(t, device=dev), inv, conc, torch.bfloat16)
+        n_pages = -(-t // page) + 1
+        pool = torch.zeros(n_pages, 2, page, nkv, d, device=dev, dtype=torch.bfloat16)
+        slots = torch.randperm(n_pages * page, device=dev)[:t]
+        pages, offsets = (slots // page).int(), (slots % page).int()
+        nbytes = t * ((nq + 2 * nkv) * d * 2 + d * 2 + (nq + 2 * nkv) * d * 2 + 8)
+        tiles = [None] + ([(1, 1, 4), (8, 8, 4), (32, 8, 8), (16, 16, 4), (4, 8, 2)] if t > 1 else [])
+        for tile in tiles:
+            label = "default" if tile is None else f"tile {tile}"
+            record("glue", f"rotary_kv_write T={t} (20b: 64q/8kv x 64, page 16) {label}",
+                   timed(lambda: fused.rotary_kv_write(qkv, cos, sin, nq, nkv, d, pool, pages, offsets, tile=tile),
+                         t == 1), nbytes=nbytes, note=f"floor {nbytes / CEIL['TB/s'] / 1e6:.1f} us")
+        del qkv, pool
+    # add_rms_norm as the engine calls it (engine/model.py): attention-in (x + the MoE's uncombined fp32
+    # [T, 4, H] outputs, norm, FP8 quantisation for QKV), MoE-in (x + the O projection, norm), the last
+    # layer's add only, and the head's rows
+    for t in (8192, 1):
+        x = torch.randn(t, H, device=dev, dtype=torch.bfloat16)
+        a = torch.randn(t, H, device=dev, dtype=torch.bfloat16)
+        y = torch.randn(t, 4, H, device=dev)
+        w = torch.rand(H, device=dev) + 0.5
+        tp = -(-t // 4) * 4
+        rows = torch.tensor([t - 1], device=dev)
+        cases = [("moe-out + norm + quant (attention in)", lambda: fused.add_rms_norm(x, y, w, 1e-5, quant_k=KP),
+                  t * H * 2 * 2 + t * 4 * H * 4 + tp * KP + tp * (KP // 128) * 4),
+                 ("bf16 delta + norm (MoE in)", lambda: fused.add_rms_norm(x, a, w, 1e-5), t * H * 2 * 4),
+                 ("moe-out add only (last layer)", lambda: fused.add_rms_norm(x, y, None, 1e-5),
+                  t * H * 2 * 2 + t * 4 * H * 4),
+                 ("moe-out + norm, one row (head)", lambda: fused.add_rms_norm(x, y, w, 1e-5, rows=rows, store_x=False),
+                  H * 2 * 2 + 4 * H * 4)]
+        for name, fn, nbytes in cases:
+            if t == 1 and "head" in name:
+                continue
+            record("glue", f"add_rms_norm [{t}, {H}] {name}", timed(fn, t == 1), nbytes=nbytes,
+                   note=f"floor {nbytes / CEIL['TB/s'] / 1e6:.1f} us")
+        del x, a, y
+
+
 def plot(rows, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -330,7 +400,8 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     only = args.only.split(",")
     for name, fn in (("attn", bench_attention), ("attndec", bench_attention_decode), ("fp8", bench_fp8),
-                     ("fp8dec", bench_fp8_decode), ("moe", bench_moe), ("moedec", bench_moe_decode)):
+                     ("fp8dec", bench_fp8_decode), ("moe", bench_moe), ("moedec", bench_moe_decode),
+                     ("glue", bench_glue)):
         if name in only:
             try:
                 fn(dev)

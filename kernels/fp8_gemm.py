@@ -46,11 +46,41 @@ def _quant_act_kernel(x, q, s, M, K, s_xm, s_qm, s_sm, s_sk, BLOCK_K: tl.constex
     tl.store(s + m * s_sm + kb * s_sk, scale)
 
 
-def quantize_act_1x128(x: torch.Tensor, k_padded: int | None = None, m_major: bool = True):
+@triton.jit
+def _quant_act_tile_kernel(x, q, s, M, MP, K, s_xm, s_qm, s_sm, s_sk, BLOCK_M: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
+    # Prefill sizes: one program per (BLOCK_M rows, 128-wide K block), the same math per 1x128 group as
+    # _quant_act_kernel (max-abs, floor, / 448, divide, clamp, one cast); rows in [M, MP) are padding
+    # (zeros, floor scale), rows >= MP of the last tile are not stored.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    kb = tl.program_id(1)
+    offs = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = (rows[:, None] < M) & (offs[None, :] < K)
+    r64 = rows.to(tl.int64)[:, None]
+    v = tl.load(x + r64 * s_xm + offs[None, :], mask=ok, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(v), 1), 1e-12) / 448.0
+    qv = tl.minimum(tl.maximum(v / scale[:, None], -448.0), 448.0)
+    keep = rows < MP
+    tl.store(q + r64 * s_qm + offs[None, :], qv.to(q.dtype.element_ty), mask=keep[:, None])
+    tl.store(s + rows * s_sm + kb * s_sk, scale, mask=keep)
+
+
+# Row counts from which quantize_act_1x128 launches the tiled kernel: decode (<= 64 tokens, <= 256 MoE
+# pairs, inside CUDA graphs) keeps the one-row programs it was tuned with. At prefill sizes those are
+# 750k programs of 256 bytes for the MoE's [32768, 2880] input (243 us a call on the H200 against a ~70 us
+# bandwidth floor, bench.profile_prefill); BLOCK_M-row tiles move 16 KB a program.
+QUANT_TILE_MIN_ROWS = 512
+QUANT_TILE = (64, 4)  # (BLOCK_M, num_warps); bench.kernels --only glue times the alternatives
+
+
+def quantize_act_1x128(x: torch.Tensor, k_padded: int | None = None, m_major: bool = True, *,
+                       tile: tuple[int, int] | None = None):
     """x [M, K] bf16 -> (fp8 [Mp, Kp], scale f32 [Mp, Kp/128]); matches kernels.fp8.quantize_act_1x128 on
     the first M rows and K columns (padding is zeros). m_major=True gives cuBLAS's layout: scale stride
     (1, Mp) with Mp = M rounded up to 4, because cuBLAS rejected (NOT_SUPPORTED, seen at M=37) an
-    M-major scale whose leading dimension is not 16-byte aligned; otherwise Mp = M, row-major scale."""
+    M-major scale whose leading dimension is not 16-byte aligned; otherwise Mp = M, row-major scale.
+    tile: (rows per program, warps) of the tiled launch, (1, 1) for the one-row programs; default by M
+    (QUANT_TILE from QUANT_TILE_MIN_ROWS rows). Every launch gives the same bits."""
     m, k = x.shape
     kp = k_padded or triton.cdiv(k, BLOCK) * BLOCK
     kb = kp // BLOCK
@@ -58,9 +88,16 @@ def quantize_act_1x128(x: torch.Tensor, k_padded: int | None = None, m_major: bo
     q = torch.empty(mp, kp, dtype=FP8, device=x.device)
     s = torch.empty(kb, mp, dtype=torch.float32, device=x.device).t() if m_major else \
         torch.empty(m, kb, dtype=torch.float32, device=x.device)
-    if mp:
+    if tile is None:
+        tile = QUANT_TILE if m >= QUANT_TILE_MIN_ROWS else (1, 1)
+    block_m, num_warps = tile
+    if mp and block_m == 1:
         _quant_act_kernel[(mp, kb)](x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
-                                    BLOCK_K=BLOCK, num_warps=1)
+                                    BLOCK_K=BLOCK, num_warps=num_warps)
+    elif mp:
+        _quant_act_tile_kernel[(triton.cdiv(mp, block_m), kb)](
+            x, q, s, m, mp, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1), BLOCK_M=block_m,
+            BLOCK_K=BLOCK, num_warps=num_warps)
     return q, s
 
 

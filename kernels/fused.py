@@ -237,13 +237,70 @@ def _rotary_kv_write_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, pool_ptr, pages_pt
         tl.store(dst + s_kv + HALF + offs, tl.load(v + HALF + offs, mask=mask, other=0.0).to(pty), mask=mask)
 
 
+@triton.jit
+def _rotary_kv_write_tile_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, pool_ptr, pages_ptr, offsets_ptr, T,
+                                 stride_qkv, stride_cs, n_q, n_kv, s_pg, s_kv, s_off, s_head,
+                                 HALF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
+                                 BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr = False):
+    enter(USE_PDL)  # kernels/pdl.py: before any load or store
+    # Prefill sizes: one program per (BLOCK_T tokens, BLOCK_H heads), _rotary_kv_write_kernel's math per
+    # element. Head blocks 0..cdiv(n_q, BLOCK_H)-1 are query heads, the rest kv heads.
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    hb = tl.program_id(1)
+    n_qb = tl.cdiv(n_q, BLOCK_H)
+    is_q = hb < n_qb
+    first = tl.where(is_q, hb * BLOCK_H, n_q + (hb - n_qb) * BLOCK_H)
+    head = first + tl.arange(0, BLOCK_H)  # index into qkv's heads: q, then k
+    h_ok = head < tl.where(is_q, n_q, n_q + n_kv)
+    j = tl.arange(0, BLOCK)
+    t3 = tok.to(tl.int64)[:, None, None]
+    h3 = head[None, :, None]
+    j3 = j[None, None, :]
+    tj = (tok[:, None, None] < T) & (j3 < HALF)
+    mask = tj & h_ok[None, :, None]
+    src = qkv_ptr + t3 * stride_qkv + h3 * 2 * HALF + j3
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + t3 * stride_cs + j3, mask=tj, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + t3 * stride_cs + j3, mask=tj, other=0.0).to(tl.float32)
+    ty = q_ptr.dtype.element_ty
+    r1 = (x1 * c - x2 * s).to(ty)
+    r2 = (x2 * c + x1 * s).to(ty)
+    if is_q:
+        dst = q_ptr + (t3 * n_q + h3) * 2 * HALF + j3
+        tl.store(dst, r1, mask=mask)
+        tl.store(dst + HALF, r2, mask=mask)
+    else:
+        t_ok = tok < T
+        page = tl.load(pages_ptr + tok, mask=t_ok, other=0).to(tl.int64)[:, None, None]
+        off = tl.load(offsets_ptr + tok, mask=t_ok, other=0).to(tl.int64)[:, None, None]
+        kvh = h3 - n_q
+        dst = pool_ptr + page * s_pg + off * s_off + kvh * s_head + j3
+        pty = pool_ptr.dtype.element_ty
+        tl.store(dst, r1.to(pty), mask=mask)
+        tl.store(dst + HALF, r2.to(pty), mask=mask)
+        v = qkv_ptr + t3 * stride_qkv + (n_q + n_kv + kvh) * 2 * HALF + j3
+        tl.store(dst + s_kv, tl.load(v, mask=mask, other=0.0).to(pty), mask=mask)
+        tl.store(dst + s_kv + HALF, tl.load(v + HALF, mask=mask, other=0.0).to(pty), mask=mask)
+
+
+# Token counts from which rotary_kv_write launches the tiled kernel; decode (<= 64 tokens, in CUDA graphs)
+# keeps the (token, head) programs it was tuned with. At prefill sizes those were 590k programs of 32
+# elements for 8192 tokens of 20b (710 us a call on the H200 against a ~40 us bandwidth floor).
+ROTARY_TILE_MIN_TOKENS = 128
+ROTARY_TILE = (16, 8, 4)  # (BLOCK_T, BLOCK_H, num_warps); bench.kernels --only glue times the alternatives
+
+
 def rotary_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q: int, n_kv: int, head_dim: int,
-                    pool: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+                    pool: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor, *,
+                    tile: tuple[int, int, int] | None = None) -> torch.Tensor:
     """rotary_qk + kernels.reference.write_kv in one launch: qkv [T, (n_q + 2 n_kv) * head_dim], tables
     [T, head_dim/2], a layer pool [num_pages, 2, page_size, n_kv, head_dim] (unit stride in head_dim),
     pages/offsets [T] (int) -> rotated q [T, n_q, head_dim] (new); rotated K and V stored at
     pool[pages[t], 0/1, offsets[t]] in the pool's dtype (rounded to qkv's dtype first, as the unfused
-    path rounds). Rows sharing one (page, offset) (graph padding on the scratch page) race, as index_put's do."""
+    path rounds). Rows sharing one (page, offset) (graph padding on the scratch page) race, as index_put's do.
+    tile: (tokens, heads, warps) per program of the tiled launch, None for the default by T (ROTARY_TILE
+    from ROTARY_TILE_MIN_TOKENS tokens), (1, 1, 4) for today's (token, head) programs; same bits."""
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     if pool.dim() != 5 or pool.shape[1] != 2 or pool.shape[3] != n_kv or pool.shape[4] != head_dim \
@@ -252,12 +309,22 @@ def rotary_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q
     cos, sin = cos.contiguous(), sin.contiguous()
     t = qkv.shape[0]
     q = torch.empty((t, n_q, head_dim), dtype=qkv.dtype, device=qkv.device)
-    if t:
-        half = head_dim // 2
+    if tile is None:
+        tile = ROTARY_TILE if t >= ROTARY_TILE_MIN_TOKENS else (1, 1, 4)
+    block_t, block_h, num_warps = tile
+    half = head_dim // 2
+    args = (qkv, cos, sin, q, pool, pages, offsets)
+    strides = (pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3))
+    if t and block_t == 1 and block_h == 1:
         _rotary_kv_write_kernel[(t, n_q + n_kv)](
-            qkv, cos, sin, q, pool, pages, offsets, qkv.stride(0), cos.stride(0), n_q, n_kv,
-            pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3),
-            HALF=half, BLOCK=triton.next_power_of_2(half), **pdl_kwargs(qkv.device))
+            *args, qkv.stride(0), cos.stride(0), n_q, n_kv, *strides,
+            HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=num_warps, **pdl_kwargs(qkv.device))
+    elif t:
+        grid = (triton.cdiv(t, block_t), triton.cdiv(n_q, block_h) + triton.cdiv(n_kv, block_h))
+        _rotary_kv_write_tile_kernel[grid](
+            *args, t, qkv.stride(0), cos.stride(0), n_q, n_kv, *strides, HALF=half,
+            BLOCK=triton.next_power_of_2(half), BLOCK_T=block_t, BLOCK_H=block_h, num_warps=num_warps,
+            **pdl_kwargs(qkv.device))
     return q
 
 

@@ -114,6 +114,12 @@ KERNELS = [
            "pages_ptr": P["i32"], "offsets_ptr": P["i32"],
            **_ints("stride_qkv", "stride_cs", "n_q", "n_kv", "s_pg", "s_kv", "s_off", "s_head")},
           {"HALF": 32, "BLOCK": 32}),
+    # its prefill-size launch: (tokens x heads) tiles
+    _spec(fused._rotary_kv_write_tile_kernel,
+          {**{k: P["bf16"] for k in ("qkv_ptr", "cos_ptr", "sin_ptr", "q_ptr", "pool_ptr")},
+           "pages_ptr": P["i32"], "offsets_ptr": P["i32"],
+           **_ints("T", "stride_qkv", "stride_cs", "n_q", "n_kv", "s_pg", "s_kv", "s_off", "s_head")},
+          {"HALF": 32, "BLOCK": 32, "BLOCK_T": 16, "BLOCK_H": 8}),
     _spec(fused._sink_quant_kernel,
           {"out_ptr": P["bf16"], "lse_ptr": P["f32"], "sinks_ptr": P["f32"], "q_ptr": P["fp8"], "s_ptr": P["f32"],
            **_ints("B", "n_cols", "s_ob", "s_oh", "s_lb", "s_q", "s_sm", "s_sk")}, {"HEAD_DIM": 64}, num_warps=1),
