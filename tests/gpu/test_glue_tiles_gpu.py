@@ -1,6 +1,7 @@
 """The glue kernels' prefill (tiled) launches on the GPU, at the served sizes: bit for bit the decode
-launches (one row / one (token, head) per program) and the torch references (kernels.fp8's quantiser,
-rotary_qk + reference.write_kv). The same equalities under the interpreter: tests/cpu/test_glue_tiles.py."""
+launches (one row / one (token, head) per program), and near kernels.fp8's quantiser / equal to
+rotary_qk + reference.write_kv as the decode launches are. The same equalities under the interpreter:
+tests/cpu/test_glue_tiles.py."""
 
 from __future__ import annotations
 
@@ -31,7 +32,10 @@ def test_quant_tiles_equal_one_row_programs_and_reference(m, k, kp):
             torch.cuda.synchronize()
             assert q.stride() == want_q.stride() and s.stride() == want_s.stride() and s.shape == want_s.shape
             assert torch.equal(_u8(q), _u8(want_q)) and torch.equal(s, want_s), (m_major, tile)
-        assert torch.equal(_u8(want_q[:m, :k]), _u8(rq)) and torch.equal(want_s[:m, : rs.shape[1]], rs)
+        # the torch reference as tests/gpu/test_fp8_gemm.py holds the one-row kernel to it (Triton's fp32
+        # division is not torch's correctly rounded one: a rare fp8 value one step apart)
+        assert torch.allclose(want_s[:m, : rs.shape[1]], rs, rtol=1e-6)
+        assert (want_q[:m, :k].float() == rq.float()).float().mean() > 0.999
 
 
 @pytest.mark.parametrize("t", [8192, 300, 129])
