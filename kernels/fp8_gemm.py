@@ -270,7 +270,10 @@ class Fp8BlockLinear:
             names += tuple(self.GEMV_TILES)
         # Candidates run on a random input of this size, not the caller's: a warm-up step's activations
         # may be NaN (attention over an uninitialised KV pool), which would make every check fail. The
-        # kernels' time does not depend on the values.
+        # kernels' time does not depend on the values. They run through _run, i.e. launched as they will be
+        # served: the GEMV with PDL where kernels/pdl.py has it on (read at each launch, and the choice is
+        # made before any graph capture, under the same setting). do_bench's L2 flush before each timed
+        # launch is a plain torch kernel, so the times leave out the overlap PDL buys in the decode chain.
         gen = torch.Generator(device=xq.device).manual_seed(m)
         xq, sx = quantize_act_1x128(torch.randn(m, self.k, generator=gen, device=xq.device).bfloat16(), self.kp)
         first = first_name = None

@@ -27,6 +27,11 @@ The fold sums scaled products instead of scaling each 128-wide block sum (the re
 fp32 to ~1e-6 relative, far below the bf16 output rounding (tests/gpu/test_fp8_gemm.py bounds the gap).
 The activation arrives quantised (kernels.fused.add_rms_norm / sink_correct_quantize write it on the
 decode path), so no quantisation is fused here.
+
+Launched with Programmatic Dependent Launch where it is on (kernels/pdl.py): each program loads its first
+weight tile and weight scales, then waits for the previous kernel, then reads the activations; the first
+tile of the weight stream thus overlaps the previous kernel's tail (tests/cpu/test_pdl.py checks from the
+SASS that nothing else is touched before the wait).
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from .pdl import enter, pdl_kwargs
 
 MAX_BLOCK_M = 8  # rows per program; more rows run as more row groups (weights re-read per group)
 MIN_BLOCK_N = 8
@@ -56,28 +63,45 @@ class Fp8GemvLaunch:
 
 
 @triton.jit
-def _rows_tile(a_ptr, s_am, sa_ptr, s_sam, s_sak, w_ptr, sb_ptr, s_sbk, klen, rows_left, n_ok,
-               ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # acc[r, n] = sum_{k < klen} W[n, k] * x[r, k] * sa[r, k // 128] * sb[k // 128] over one K chunk: the
-    # [BLOCK_N, BLOCK_K] weight tile is loaded once per K step and multiplies every row of the group.
-    offs_k = tl.arange(0, BLOCK_K)
+def _rows_step(acc, wt, s_b, a_ptr, s_am, sa_ptr, s_sam, s_sak, k, k_ok, rows_left, ROWS: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    # acc[r, n] += sum_k wt[n, k] * x[r, k] * sa[r, k // 128] * s_b[k] for the one K step at columns k: the
+    # [BLOCK_N, BLOCK_K] weight tile multiplies every row of the group.
+    kb = k // 128
     rid = tl.arange(0, ROWS)
-    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-    for k0 in range(0, klen, BLOCK_K):
+    for r in tl.static_range(ROWS):
+        r_ok = k_ok & (tl.arange(0, BLOCK_K) * 0 + r < rows_left)
+        xv = tl.load(a_ptr + r * s_am + k, mask=r_ok, other=0.0).to(tl.float32)
+        xv *= tl.load(sa_ptr + r * s_sam + kb * s_sak, mask=r_ok, other=0.0) * s_b
+        part = tl.sum(wt * xv[None, :], 1)
+        if ROWS == 1:
+            acc += part[None, :]
+        else:
+            acc += tl.where(rid[:, None] == r, part[None, :], 0.0)
+    return acc
+
+
+@triton.jit
+def _rows_tile(a_ptr, s_am, sa_ptr, s_sam, s_sak, w_ptr, sb_ptr, s_sbk, klen, rows_left, n_ok,
+               ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    # acc[r, n] = sum_{k < klen} W[n, k] * x[r, k] * sa[r, k // 128] * sb[k // 128] over one K chunk (klen > 0).
+    # The first K step's weight tile and weight scales are loaded before the PDL wait (kernels/pdl.py): their
+    # addresses need only the program ids, and no decode kernel writes weights, so under PDL the first tile
+    # streams while the previous kernel finishes. The step is peeled out of the loop because the wait must
+    # stay outside loops; activations, their scales and the later tiles are all read after it.
+    offs_k = tl.arange(0, BLOCK_K)
+    k_ok = offs_k < klen
+    s_b = tl.load(sb_ptr + (offs_k // 128) * s_sbk, mask=k_ok, other=0.0)
+    w0 = tl.load(w_ptr + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    enter(USE_PDL)
+    acc = _rows_step(tl.zeros([ROWS, BLOCK_N], tl.float32), w0.to(tl.float32), s_b, a_ptr, s_am, sa_ptr, s_sam, s_sak,
+                     offs_k, k_ok, rows_left, ROWS, BLOCK_K)
+    for k0 in range(BLOCK_K, klen, BLOCK_K):
         k = k0 + offs_k
         k_ok = k < klen
-        kb = k // 128
-        s_b = tl.load(sb_ptr + kb * s_sbk, mask=k_ok, other=0.0)
+        s_b = tl.load(sb_ptr + (k // 128) * s_sbk, mask=k_ok, other=0.0)
         wt = tl.load(w_ptr + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        for r in tl.static_range(ROWS):
-            r_ok = k_ok & (offs_k * 0 + r < rows_left)
-            xv = tl.load(a_ptr + r * s_am + k, mask=r_ok, other=0.0).to(tl.float32)
-            xv *= tl.load(sa_ptr + r * s_sam + kb * s_sak, mask=r_ok, other=0.0) * s_b
-            part = tl.sum(wt * xv[None, :], 1)
-            if ROWS == 1:
-                acc += part[None, :]
-            else:
-                acc += tl.where(rid[:, None] == r, part[None, :], 0.0)
+        acc = _rows_step(acc, wt, s_b, a_ptr, s_am, sa_ptr, s_sam, s_sak, k, k_ok, rows_left, ROWS, BLOCK_K)
     return acc
 
 
@@ -87,9 +111,13 @@ def _rows_tile(a_ptr, s_am, sa_ptr, s_sam, s_sak, w_ptr, sb_ptr, s_sbk, klen, ro
 def _fp8_gemv_kernel(a, b, sa, sb, bias, c, part, cnt, M, N, KP, K_SPLIT,
                      s_am, s_bn, s_sam, s_sak, s_sbn, s_sbk, s_cm,
                      HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT_K: tl.constexpr):
+                     SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr = False):
     # Program (N tile, K split, row group): rows m0 .. m0 + ROWS of outputs n0 .. n0 + BLOCK_N over the
-    # K chunk [k_lo, k_lo + K_SPLIT) (K_SPLIT a multiple of 128: whole scale blocks).
+    # K chunk [k_lo, k_lo + K_SPLIT) (K_SPLIT a multiple of 128: whole scale blocks). Under PDL
+    # (kernels/pdl.py) _rows_tile waits after its first weight tile; every store and counter atomic below
+    # follows that wait, so a launch's counter increments start only after the previous kernel (and, the
+    # chain being transitive, the previous launch on these counters, whose last arrival resets them) has
+    # COMPLETED: kernels/router.py's argument for its arrival counters.
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -101,7 +129,7 @@ def _fp8_gemv_kernel(a, b, sa, sb, bias, c, part, cnt, M, N, KP, K_SPLIT,
     # BLOCK_N divides 128 and tiles start at multiples of BLOCK_N: the whole tile has one row block.
     acc = _rows_tile(a + m0.to(tl.int64) * s_am + k_lo, s_am, sa + m0 * s_sam + (k_lo // 128) * s_sak, s_sam, s_sak,
                      b + offs_n.to(tl.int64)[:, None] * s_bn + k_lo, sb + (n0 // 128) * s_sbn + (k_lo // 128) * s_sbk,
-                     s_sbk, tl.minimum(KP - k_lo, K_SPLIT), M - m0, n_ok, ROWS, BLOCK_N, BLOCK_K)
+                     s_sbk, tl.minimum(KP - k_lo, K_SPLIT), M - m0, n_ok, ROWS, BLOCK_N, BLOCK_K, USE_PDL)
     rows = m0 + tl.arange(0, ROWS)
     out_ok = (rows[:, None] < M) & n_ok[None, :]
     o_off = rows.to(tl.int64)[:, None] * s_cm + offs_n[None, :]
@@ -184,5 +212,6 @@ def triton_fp8_gemv(a_fp8, sa, w_fp8, w_scale, bias=None, out=None, *, m: int | 
                            m, n, kp, k_split, a_fp8.stride(0), w_fp8.stride(0), sa.stride(0), sa.stride(1),
                            w_scale.stride(0), w_scale.stride(1), out.stride(0),
                            HAS_BIAS=bias is not None, ROWS=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                           SPLIT_K=split_k, num_warps=num_warps, num_stages=num_stages)
+                           SPLIT_K=split_k, num_warps=num_warps, num_stages=num_stages,
+                           **pdl_kwargs(a_fp8.device))
     return out

@@ -5,9 +5,12 @@ it; on (both the USE_PDL constexpr and the launch_pdl option) elsewhere, read at
 
 The kernels: each decode-step kernel is compiled here for sm_90 with USE_PDL (triton ships ptxas and
 cuobjdump, no GPU needed) and its SASS is read: griddepcontrol.wait (ACQBULK) must come before every
-global load, store and atomic (kernels/pdl.py's rule; only add_norm_route's parameter loads may come
-first) and before any branch or exit (so it dominates all of them in every program), and
-launch_dependents (PREEXIT) after it. The GPU side (bit-equal decode steps with PDL on and off) is
+global load, store and atomic (kernels/pdl.py's rule) and before any branch or exit (so it dominates all
+of them in every program), and launch_dependents (PREEXIT) after it. Two kernels load layer parameters
+first (add_norm_route: norm and router weights, bias; the FP8 GEMV: its first weight tile and weight
+scales): for them each load before the wait is traced, in the PTX, back to the kernel parameters its
+address derives from, which must be those weights only, and the SASS holds no more loads before the wait
+than the PTX (ptxas hoisted none above it). The GPU side (bit-equal decode steps with PDL on and off) is
 tests/gpu/test_pdl_gpu.py.
 """
 
@@ -20,7 +23,7 @@ import pytest
 import torch
 import triton
 
-from kvrelay.kernels import attention, fused, moe, moe_gemv, pdl, router, triton_attention
+from kvrelay.kernels import attention, fp8_gemv, fused, moe, moe_gemv, pdl, router, triton_attention
 
 
 @pytest.fixture
@@ -82,9 +85,14 @@ I32, F32 = "i32", "fp32"
 P = {"bf16": "*bf16", "f32": "*fp32", "i64": "*i64", "i32": "*i32", "fp8": "*fp8e4nv"}
 
 
-def _spec(kernel, types: dict, consts: dict, *, early_loads=False, **options):
-    return pytest.param(kernel, types, consts, early_loads, options, id=kernel.__name__ + (
-        "-" + "-".join(f"{k}{v}" for k, v in consts.items() if k in ("DELTA", "ROWS")) if "DELTA" in consts else ""))
+def _spec(kernel, types: dict, consts: dict, *, early_loads: tuple[str, ...] = (), id_keys=("DELTA", "ROWS"),
+          divisible: tuple[str, ...] = (), **options):
+    """early_loads: the pointer parameters whose loads may precede the wait. divisible: the arguments the
+    launcher specialises as multiples of 16 at the real launches (strides, sizes), so the compile has the
+    real one's vector widths."""
+    tag = "-".join(f"{k}{v}" for k, v in consts.items() if k in id_keys)
+    return pytest.param(kernel, types, consts, early_loads, divisible, options,
+                        id=kernel.__name__ + ("-" + tag if tag and ("DELTA" in consts or "SPLIT_K" in consts) else ""))
 
 
 def _ints(*names):
@@ -130,13 +138,14 @@ KERNELS = [
           {**{k: P["bf16"] for k in ("x_ptr", "w_ptr", "b_ptr", "logit_ptr", "w_out")}, "cnt_ptr": P["i32"],
            "id_out": P["i64"], **_ints("E", "K", "s_xt", "s_we")},
           {"HAS_BIAS": True, "TOP_K": 4, "E_P2": 32, "BLOCK_E": 4, "BLOCK_K": 256}),
-    # only this one loads before its wait: the layer's norm weight, router weight and bias
+    # loads before its wait: the layer's norm weight, router weight and bias
     _spec(router._add_norm_route_kernel,
           {**{k: P["bf16"] for k in ("x_ptr", "d_ptr", "nw_ptr", "xo_ptr", "h_ptr", "w_ptr", "b_ptr", "logit_ptr",
                                      "w_out")},
            "cnt_ptr": P["i32"], "id_out": P["i64"], "H": I32, "E": I32, "eps": F32,
            **_ints("s_x", "s_d", "s_xo", "s_h", "s_we")},
-          {"HAS_BIAS": True, "TOP_K": 4, "E_P2": 32, "BLOCK": 256, "BLOCK_E": 4}, early_loads=True, num_warps=8),
+          {"HAS_BIAS": True, "TOP_K": 4, "E_P2": 32, "BLOCK": 256, "BLOCK_E": 4},
+          early_loads=("nw_ptr", "w_ptr", "b_ptr"), num_warps=8),
     _spec(moe_gemv._gemv1_kernel,
           {"x": P["bf16"], "ids": P["i64"], "w": P["fp8"], "s": P["f32"], "b": P["bf16"], "act": P["bf16"],
            **_ints("K_TOP", "Kdim", "s_xt", "s_we", "s_wn", "s_se", "s_sn", "s_be", "s_at")},
@@ -146,6 +155,17 @@ KERNELS = [
           {"act": P["bf16"], "ids": P["i64"], "route_w": P["bf16"], "w": P["fp8"], "s": P["f32"], "b": P["bf16"],
            "y": P["f32"], **_ints("Kdim", "Ndim", "s_at", "s_we", "s_wn", "s_se", "s_sn", "s_be", "s_yt")},
           {"FP8": True, "BLOCK_N": 16, "BLOCK_K": 512, "LATE": False}, num_warps=4, num_stages=3),
+    # the decode QKV / O projections (Fp8BlockLinear's gemv-* backends): loads its first K step's weight tile and
+    # weight scales before its wait; split 1 (the direct store) and split-K (partials, arrival counters), one
+    # row and a decode batch's row group, with the launcher's multiple-of-16 specialisations
+    *(_spec(fp8_gemv._fp8_gemv_kernel,
+            {"a": P["fp8"], "b": P["fp8"], "sa": P["f32"], "sb": P["f32"], "bias": P["bf16"], "c": P["bf16"],
+             "part": P["f32"], "cnt": P["i32"],
+             **_ints("M", "N", "KP", "K_SPLIT", "s_am", "s_bn", "s_sam", "s_sak", "s_sbn", "s_sbk", "s_cm")},
+            {"HAS_BIAS": True, "ROWS": rows, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split},
+            early_loads=("b", "sb"), id_keys=("ROWS", "SPLIT_K"), num_warps=warps, num_stages=2,
+            divisible=("a", "b", "sa", "sb", "bias", "c", "part", "cnt", "N", "KP", "K_SPLIT", "s_am", "s_bn", "s_cm"))
+      for rows, bn, bk, split, warps in ((1, 32, 512, 1, 2), (1, 32, 256, 4, 4), (4, 16, 512, 4, 4))),
     _spec(moe_gemv.combine_kernel, {"y": P["f32"], "out": P["bf16"], "Ndim": I32}, {"K_TOP": 4, "BLOCK": 256}),
     _spec(attention._sink_correction_kernel,
           {"out": P["bf16"], "lse": P["f32"], "sinks": P["f32"], **_ints("n_rows", "n_heads", "s_ob", "s_oh")},
@@ -193,9 +213,48 @@ def _opcodes(sass: str) -> list[str]:
     return ops
 
 
+_PTX_REG = re.compile(r"%[a-z]+\d+")
+
+
+def _ptx_loads_before_wait(ptx: str, params: list[str]) -> list[set[str]]:
+    """Each ld.global before the first griddepcontrol.wait in `ptx`: the kernel parameters (by name; params are
+    the non-constexpr arguments in order, PTX's _param_<i>) its address register derives from. The code
+    before the wait is straight-line (the SASS check rules out branches), so a register's definitions there
+    are all that feed it."""
+    head = ptx[: ptx.index("griddepcontrol.wait")]
+    head = head[head.index(".entry"):]
+    srcs: dict[str, set[str]] = {}  # register -> registers and parameters its definitions read
+    loads = []
+    for line in head.splitlines():
+        line = line.split("//")[0].strip().rstrip(";")
+        line = re.sub(r"^@!?%p\d+\s+", "", line)
+        if not line or line.startswith((".", "$", "{", "}")) or " " not in line.replace("\t", " "):
+            continue
+        op, rest = re.split(r"\s+", line, maxsplit=1)
+        param = re.search(r"\[\s*\w+_param_(\d+)\s*\]", rest)
+        dst, _, operands = rest.partition("}," if rest.startswith("{") else ",")
+        if op.startswith("st.") or op.startswith("atom") or op.startswith("red"):
+            continue  # no definitions (the SASS check already forbids them here)
+        feeds = {f"param:{params[int(param.group(1))]}"} if param else set(_PTX_REG.findall(operands))
+        for reg in _PTX_REG.findall(dst):
+            srcs.setdefault(reg, set()).update(feeds)
+        if op.startswith("ld.global"):
+            loads.append(set(_PTX_REG.findall(operands.split("]")[0])))
+    out = []
+    for regs in loads:
+        seen, todo = set(), list(regs)
+        while todo:
+            r = todo.pop()
+            if r not in seen:
+                seen.add(r)
+                todo.extend(srcs.get(r, ()))
+        out.append({r[6:] for r in seen if r.startswith("param:")})
+    return out
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles real kernels")
-@pytest.mark.parametrize("kernel,types,consts,early_loads,options", KERNELS)
-def test_kernel_waits_before_touching_memory(kernel, types, consts, early_loads, options):
+@pytest.mark.parametrize("kernel,types,consts,early_loads,divisible,options", KERNELS)
+def test_kernel_waits_before_touching_memory(kernel, types, consts, early_loads, divisible, options):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -203,7 +262,8 @@ def test_kernel_waits_before_touching_memory(kernel, types, consts, early_loads,
     assert "USE_PDL" in names, f"{kernel.__name__} takes no USE_PDL"
     signature = {n: ("constexpr" if n in consts or n == "USE_PDL" else types[n]) for n in names}
     assert set(types) | set(consts) | {"USE_PDL"} == set(names), set(names) ^ (set(types) | set(consts))
-    src = ASTSource(kernel, signature=signature, constexprs={**consts, "USE_PDL": True})
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    src = ASTSource(kernel, signature=signature, constexprs={**consts, "USE_PDL": True}, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": True, **options})
     assert compiled.metadata.launch_pdl
     ops = _opcodes(compiled.asm["sass"])
@@ -215,3 +275,14 @@ def test_kernel_waits_before_touching_memory(kernel, types, consts, early_loads,
     assert not touched, f"{kernel.__name__}: {sorted(touched)} before griddepcontrol.wait"
     assert ops.index("PREEXIT") > first_wait
     assert set(ops[first_wait:]) & _LOADS, "the kernel's own loads should follow the wait"
+    if early_loads:
+        params = [n for n in names if signature[n] != "constexpr"]
+        early = _ptx_loads_before_wait(compiled.asm["ptx"], params)
+        assert early, f"{kernel.__name__}: no load before the wait (its early loads were the point)"
+        pointers = {n for n in params if types[n].startswith("*")}
+        for reads in early:
+            assert reads & pointers, f"{kernel.__name__}: a load before the wait from no pointer parameter: {reads}"
+            assert reads & pointers <= set(early_loads), \
+                f"{kernel.__name__}: a load before the wait reads {sorted(reads & pointers - set(early_loads))}"
+        sass_early = sum(op in _LOADS for op in before)
+        assert 0 < sass_early <= len(early), (sass_early, len(early))

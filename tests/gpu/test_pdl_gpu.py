@@ -1,7 +1,8 @@
 """Programmatic Dependent Launch (kernels/pdl.py) changes when kernels start, never what they compute: the
-model's CUDA-graph decode steps with KVRELAY_PDL=1 give the logits of KVRELAY_PDL=0 bit for bit, and
-back-to-back launches of the fused router on one set of arrival counters (the last-arriving-program
-barrier, kernels/router.py) route every launch exactly, replay after replay.
+model's CUDA-graph decode steps with KVRELAY_PDL=1 give the logits of KVRELAY_PDL=0 bit for bit (also with the
+decode projections on the FP8 GEMV, KVRELAY_FP8_GEMV=1), and back-to-back launches of the fused router, and of
+the split-K FP8 GEMV, on one set of arrival counters (the last-arriving-program barrier, kernels/router.py,
+kernels/fp8_gemv.py) compute every launch exactly, replay after replay.
 (The placement of each kernel's wait is checked on the CPU, from its SASS: tests/cpu/test_pdl.py.)
 """
 
@@ -32,18 +33,32 @@ def _launched_with_pdl(kernel) -> bool:
                for entry in kernel.device_caches.values() for k in entry[0].values())
 
 
-@pytest.mark.parametrize("decode", ["flashinfer", "triton"])
-@pytest.mark.parametrize("quant", ["fp8-block128", "bf16"])
-def test_model_decode_steps_equal_with_and_without_pdl(quant, decode, monkeypatch):
+# the split-K FP8 GEMV tile (partials + arrival counters) the gemv case runs the decode QKV / O projections on
+_GEMV = "gemv-n32-k256-s4-w4-st2"
+
+
+@pytest.mark.parametrize("quant,decode,gemv", [
+    ("fp8-block128", "flashinfer", False), ("fp8-block128", "triton", False), ("bf16", "flashinfer", False),
+    ("bf16", "triton", False), ("fp8-block128", "flashinfer", True)])
+def test_model_decode_steps_equal_with_and_without_pdl(quant, decode, gemv, monkeypatch):
     from kvrelay.engine.config import PRESETS
     from kvrelay.engine.layers.linear import TensorDictWeights
     from kvrelay.engine.runner import Runner
     from kvrelay.engine.weights import canonical_shapes, open_weights
-    from kvrelay.kernels import fused, moe_gemv, pdl, router, triton_attention
+    from kvrelay.kernels import fp8_gemv, fused, moe_gemv, pdl, router, triton_attention
+    from kvrelay.kernels.fp8_gemm import Fp8BlockLinear
 
     dev = _pdl_device()
     # decode attention on FlashInfer (the default) or on the Triton split-KV kernels (select.py's override)
     monkeypatch.setenv("KVRELAY_DECODE_ATTENTION", decode)
+    if gemv:
+        # the FP8 GEMV (kernels/fp8_gemv.py) for the decode projections, as KVRELAY_FP8_GEMV=1 lets `auto`
+        # pick it; pinned to one split-K tile at decode sizes (M <= 8) rather than timed, so both runs use it
+        # (a timed pick may differ between them, and at this model's sizes need not pick a GEMV at all)
+        monkeypatch.setenv("KVRELAY_FP8_GEMV", "1")
+        pick = Fp8BlockLinear._pick
+        monkeypatch.setattr(Fp8BlockLinear, "_pick", lambda self, m, xq, sx:
+                            _GEMV if m <= self.GEMV_MAX_M else pick(self, m, xq, sx))
     cfg = PRESETS["tiny"].replace(
         name="tiny-attn64", head_dim=64, num_attention_heads=64, num_key_value_heads=8, hidden_size=256,
         intermediate_size=256, sliding_window=128, num_hidden_layers=4, initial_context_length=4096,
@@ -68,7 +83,7 @@ def test_model_decode_steps_equal_with_and_without_pdl(quant, decode, monkeypatc
         steps[flag] = [t.cpu() for t in out]
         if flag == "1":
             for k in (fused._add_rms_norm_kernel, fused._rotary_kv_write_kernel, router._add_norm_route_kernel,
-                      moe_gemv._gemv1_kernel, moe_gemv._gemv2_kernel):
+                      moe_gemv._gemv1_kernel, moe_gemv._gemv2_kernel, *((fp8_gemv._fp8_gemv_kernel,) if gemv else ())):
                 assert _launched_with_pdl(k), k.__name__
             if decode == "triton":
                 assert r.attn.decode_kind == {"full": "triton", "sliding": "triton"}
@@ -126,3 +141,49 @@ def test_back_to_back_router_launches_on_one_counter_set(t, e, monkeypatch):
             fw, fi = outs[2 * i + 1]
             ew, ei = router.add_rms_norm_route(x, d, nw, 1e-5, w, b, 4, cnt)[2:]
             assert torch.equal(fi, ei) and torch.equal(fw, ew), (rep, i)
+
+
+@pytest.mark.parametrize("k,n", [(2880, 5120), (4096, 2880)])
+def test_back_to_back_fp8_gemv_launches_on_one_counter_set(k, n, monkeypatch):
+    """40 launches in a row of split-K FP8 GEMV tiles of one layer (one set of arrival counters), captured with
+    PDL at decode row counts 1..8: each launch's counting starts after the previous launch's last arrival
+    reset the counters, so every output is bit for bit the eager PDL-off launch's, replay after replay."""
+    from kvrelay.kernels import fp8_gemv, pdl
+    from kvrelay.kernels.fp8 import quantize_weight_block128
+    from kvrelay.kernels.fp8_gemm import Fp8BlockLinear, quantize_act_1x128
+
+    dev = _pdl_device()
+    monkeypatch.setenv("KVRELAY_PDL", "1")
+    assert pdl.enabled(dev)
+    g = torch.Generator().manual_seed(k + n)
+    wq, ws = quantize_weight_block128((torch.randn(n, k, generator=g) * 0.02).to(dev))
+    bias = torch.randn(n, generator=g).bfloat16().to(dev)
+    tiles = [t for t in Fp8BlockLinear.GEMV_TILES if Fp8BlockLinear.GEMV_TILES[t].split_k > 1]
+    lin = {t: Fp8BlockLinear(wq, ws, bias, backend=t) for t in tiles}
+    for t in tiles[1:]:
+        lin[t]._counters = lin[tiles[0]]._counters  # one counter set for every launch below
+    kp = lin[tiles[0]].kp
+    xs = [quantize_act_1x128(torch.randn(8, k, generator=g).bfloat16().to(dev), kp) for _ in range(3)]
+    plan = [(tiles[i % len(tiles)], xs[i % 3], (1, 2, 3, 4, 8)[i % 5]) for i in range(40)]
+
+    def chain():
+        return [lin[t].run_quantized(xq, sx, m) for t, (xq, sx), m in plan]
+
+    chain()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = chain()
+    assert any(getattr(c.metadata, "launch_pdl", False) for e in fp8_gemv._fp8_gemv_kernel.device_caches.values()
+               for c in e[0].values())
+    monkeypatch.setenv("KVRELAY_PDL", "0")  # the eager references below: plain launches
+    for rep in range(3):
+        for xq, sx in xs:
+            q2, s2 = quantize_act_1x128(torch.randn(8, k, generator=g).bfloat16().to(dev), kp)
+            xq.copy_(q2)
+            sx.copy_(s2)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not lin[tiles[0]]._counters.any(), "a launch left its counters non-zero"
+        for i, (t, (xq, sx), m) in enumerate(plan):
+            assert torch.equal(outs[i], lin[t].run_quantized(xq, sx, m)), (rep, i, t, m)
