@@ -1,8 +1,9 @@
 """Where a batch-1 prefill's GPU time goes: one `Runner.prefill` of a new sequence of --length tokens and
 `Runner.sample` of its first token (exactly what bench/prefill.py times), profiled with torch.profiler;
 prints the kernels by total device time, the same time grouped into categories (MoE expert GEMMs, routing,
-dense linears, attention, ...) and the achieved TFLOP/s of the MoE GEMMs, the projections and attention.
-The prefill counterpart of bench/profile_decode.py.
+dense linears, attention, ...), the achieved TFLOP/s of the MoE GEMMs, the projections and attention, and
+where the GPU sat idle during the call (bench/gpu_idle.py: before the first kernel, between kernels with the
+largest gaps and their neighbours, after the last). The prefill counterpart of bench/profile_decode.py.
 
 usage (H200): python -m kvrelay.bench.profile_prefill --model gpt-oss-20b --dummy --quant fp8-block128 \
                  --device cuda --length 8192 [--top 30] [--out DIR]
@@ -17,6 +18,7 @@ import re
 from pathlib import Path
 
 from kvrelay.bench import common as C
+from kvrelay.bench import gpu_idle
 from kvrelay.engine.kv_geometry import FULL, SLIDING
 
 # Kernel name -> category, first match wins (case-sensitive regex searched anywhere in the name). Our own
@@ -31,10 +33,10 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     ("MoE routing/sort/permute/combine",
      r"_route_kernel|_router_route_kernel|_add_norm_route_kernel|_router_gemv_kernel|_sort_pairs_kernel"
      r"|combine_kernel"),
-    # kernels/fp8_gemm.py's 1x128 quantisation of a GEMM's input
-    ("activation quantisation", r"_quant_act_kernel"),
-    # kernels/fused.py: rotary on q/k, and rotary + the paged KV write in one launch
-    ("rotary/KV write", r"_rotary_qk_kernel|_rotary_kv_write_kernel"),
+    # kernels/fp8_gemm.py's 1x128 quantisation of a GEMM's input (one row per program, or prefill's row tiles)
+    ("activation quantisation", r"_quant_act_kernel|_quant_act_tile_kernel"),
+    # kernels/fused.py: rotary on q/k, and rotary + the paged KV write in one launch (+ its prefill tiles)
+    ("rotary/KV write", r"_rotary_qk_kernel|_rotary_kv_write_kernel|_rotary_kv_write_tile_kernel"),
     # Runner.sample's greedy argmax (aten's reduce kernel over ArgMaxOps), sampling's multinomial and
     # FlashInfer's sampling kernels (before "attention", which takes every other flashinfer name)
     ("LM head/sampling", r"ArgMaxOps|ArgMinOps|multinomial|flashinfer::sampling"),
@@ -228,6 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
     sw = C.StopWatch(args.device)
     # with_stack: the Python frames each op ran under (CALL_SITES); the host time it adds is outside the
     # kernels, whose time is what the profile counts
+    # (the two StopWatch marks around the call are also the GPU-idle report's window: bench/gpu_idle.py)
     with profile(activities=acts, with_stack=True) as prof:
         a = sw.mark()
         call()
@@ -237,6 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
     cleanup()
 
     s = summarise(device_events(prof, cuda), args.top)
+    idle = gpu_idle.idle_report(*gpu_idle.profiler_intervals(prof))
     tf = rates(cfg, args.length, s["categories"])
     result = {"kind": "profile-prefill", "env": C.env_info(args.device, "kvrelay.bench.profile_prefill", argv),
               "model": cfg.name, "quant": args.quant, "length": args.length, "attention": attention_label,
@@ -245,7 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
               "build_s": build_s, "kernel_ms": s["kernel_us"] / 1e3, "launches": s["launches"],
               "by_call_site": s["by_call_site"], "launches_per_layer": s["launches"] / cfg.num_hidden_layers,
               "top": s["top"],
-              "categories": s["categories"], "tflops": tf, "ceilings_tflops": C.CEILING_TFLOPS}
+              "categories": s["categories"], "tflops": tf, "ceilings_tflops": C.CEILING_TFLOPS, "idle": idle}
     _print(result, cfg)
     if args.out:
         out = Path(args.out)
@@ -274,6 +278,7 @@ def _print(r: dict, cfg) -> None:
         if t["tflops"] is not None:
             print(f"{cat}: {t['flops'] / 1e12:.2f} TFLOP in {t['us'] / 1e3:.2f} ms = {t['tflops']:.1f} TFLOP/s "
                   f"(fp8 ceiling {C.CEILING_TFLOPS['fp8']:.0f}, bf16 {C.CEILING_TFLOPS['bf16']:.0f})")
+    gpu_idle.print_idle(r["idle"])
 
 
 if __name__ == "__main__":

@@ -281,7 +281,8 @@ def prefill_profile_section(col: Collection) -> list[str]:
     out = head("Prefill profiles (`bench.profile_prefill`): where a batch-1 prefill goes",
                "One `Runner.prefill` of `length` tokens + the first token's `Runner.sample` under torch.profiler "
                "(after two warm-up calls); wall ms = the same call timed without the profiler, kernel ms and "
-               "launches = the profiler's device events, then each category's share of the kernel time "
+               "launches = the profiler's device events, GPU idle ms = the profiled call's time with no device "
+               "event running (bench/gpu_idle.py; `-`: profiled before it was recorded), then each category's share of the kernel time "
                "(kernel names grouped by bench/profile_prefill.CATEGORIES) and the achieved TFLOP/s of the MoE "
                "expert GEMMs, the attention projections (`dense linear`) and attention over the model's FLOPs "
                "(bench/estimates.py). Env: the `KVRELAY_*` switches set. Every qualifying profile, one row each.")
@@ -291,12 +292,13 @@ def prefill_profile_section(col: Collection) -> list[str]:
         share = {c["category"]: c.get("share") for c in d.get("categories", [])}
         rows.append([f"{d.get('model', '?')} ({d.get('quant', '?')})", r.env.get("gpu") or r.env.get("device", "?"),
                      d.get("length", "-"), _env_switches(r), fmt(d.get("wall_ms"), ",.1f"),
-                     fmt(d.get("kernel_ms"), ",.1f"), d.get("launches", "-"),
+                     fmt(d.get("kernel_ms"), ",.1f"), fmt((d.get("idle") or {}).get("idle_ms"), ",.1f"),
+                     d.get("launches", "-"),
                      *(fmt(share.get(c, 0.0 if share else None), ".1%") for c in cats),
                      _rate(d, "MoE expert GEMM"), _rate(d, "dense linear"), _rate(d, "attention"),
                      f"{r.source} ({r.name})"])
-    return out + table(["model", "device", "length", "env", "wall ms", "kernel ms", "launches", *cats,
-                        "MoE GEMM TFLOP/s", "dense TFLOP/s", "attention TFLOP/s", "measured at"], rows)
+    return out + table(["model", "device", "length", "env", "wall ms", "kernel ms", "GPU idle ms", "launches",
+                        *cats, "MoE GEMM TFLOP/s", "dense TFLOP/s", "attention TFLOP/s", "measured at"], rows)
 
 
 def sections(col: Collection) -> list[str]:

@@ -1,7 +1,8 @@
 """bench.profile_prefill: the kernel-name categoriser on real kernel names (ours, cuBLAS, FlashInfer, aten,
-the profiler's memcpy rows) and on every Triton kernel in kernels/*.py; the profiler run on CPU with the
-tiny model (the categories add up to the kernel total, the JSON has its fields); and its RESULTS.md table
-from synthetic results (absent when there are none)."""
+the profiler's memcpy rows) and on every Triton kernel in kernels/*.py; the GPU-idle gaps (bench/gpu_idle.py)
+of synthetic kernel timelines, overlapping streams included; the profiler run on CPU with the tiny model (the
+categories add up to the kernel total, the JSON has its fields, no device events: no idle report); and its
+RESULTS.md table from synthetic results (absent when there are none)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvrelay.bench import profile_prefill as pp, provenance, results_tuning
+from kvrelay.bench import gpu_idle, profile_prefill as pp, provenance, results_tuning
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,6 +29,8 @@ NAMES = {
     "_add_norm_route_kernel": "MoE routing/sort/permute/combine",
     "combine_kernel": "MoE routing/sort/permute/combine",
     "_quant_act_kernel": "activation quantisation",
+    "_quant_act_tile_kernel": "activation quantisation",
+    "_rotary_kv_write_tile_kernel": "rotary/KV write",
     "nvjet_sm90_qqtst_64x8_128x16_4x1_v_bz_algo2_Avec128_Bvec128_bias_TNT": "dense linear",
     "nvjet_sm90_tst_512x8_64x3_2x1_v_bz_TNT": "dense linear",
     "void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cutlass::gemm::MainloopSm90TmaGmma":
@@ -166,7 +169,57 @@ def test_summarise_adds_up():
                     "other": (1, 25.0, 0.05), "memcpy/memset": (1, 25.0, 0.05)}
 
 
-def test_profile_prefill_cpu(tmp_path):
+def test_idle_gaps_of_a_two_stream_timeline():
+    """(start, end, name) in us, the call's window [0, 100]: a kernel on a second stream overlapping two of the
+    first stream's (and ending last, so the gap after it is counted from its end), a kernel inside another's
+    span, a zero gap (back to back), and the largest gaps first with their neighbours."""
+    ivs = [(5.0, 20.0, "A"),  # 5 us before the first kernel
+           (18.0, 40.0, "void at::native::side_stream_kernel<4, F<int> >(int, F<int>)"),  # overlaps A and B
+           (22.0, 30.0, "B"),  # inside the side kernel: no gap
+           (45.0, 50.0, "C"),  # 5 us after the side kernel's end (40), not B's (30)
+           (50.0, 60.0, "D"),  # back to back: no gap
+           (61.5, 70.0, "Memcpy DtoH (Device -> Pageable)"),  # 1.5 us
+           (80.0, 90.0, "E")]  # 10 us; then 10 us to the window's end
+    r = gpu_idle.idle_report(list(reversed(ivs)), (0.0, 100.0), largest=2)  # any order in
+    assert r["before_first_ms"] == pytest.approx(0.005) and r["after_last_ms"] == pytest.approx(0.010)
+    assert r["between_ms"] == pytest.approx((5 + 1.5 + 10) / 1e3) and r["gaps"] == 3
+    assert r["busy_ms"] == pytest.approx((35 + 15 + 8.5 + 10) / 1e3) and r["device_events"] == 7
+    assert r["idle_ms"] + r["busy_ms"] == pytest.approx(r["window_ms"]) and r["window_ms"] == pytest.approx(0.1)
+    assert r["largest"] == [{"gap_us": 10.0, "at_ms": 0.07, "prev": "Memcpy DtoH (Device -> Pageable)", "next": "E"},
+                            {"gap_us": 5.0, "at_ms": 0.04, "prev": "side_stream_kernel<4, F<int> >", "next": "C"}]
+    # no window: the events' own span; the call returning before its last kernel ended: no tail
+    assert gpu_idle.idle_report(ivs, None)["before_first_ms"] == 0 == gpu_idle.idle_report(ivs, None)["after_last_ms"]
+    assert gpu_idle.idle_report(ivs, (0.0, 85.0))["after_last_ms"] == 0
+    assert gpu_idle.idle_report([], (0.0, 1.0)) is None
+
+
+def test_short_names():
+    assert gpu_idle.short_name("void cublasLt::splitKreduce_kernel<32, 16, int, float>(cublasLt::Params)") == \
+        "splitKreduce_kernel<32, 16, int, float>"
+    assert gpu_idle.short_name("_grouped_kernel") == "_grouped_kernel"
+    assert gpu_idle.short_name("Memset (Device)") == "Memset (Device)"
+    long = gpu_idle.short_name("void flashinfer::BatchPrefillWithPagedKVCacheKernel<true, flashinfer::KernelTraits<"
+                               "(flashinfer::MaskMode)0, 128u, 1u, 4u, 8u, 8u, 1u, 1u>>(Params)", width=40)
+    assert long == "BatchPrefillWithPagedKVCacheKernel<tr..." and len(long) == 40
+
+
+def test_profiler_intervals():
+    """Device events as (start, end, name) from FunctionEvent.time_range, a record_function's GPU range and the
+    CPU ops left out; the window from the first StopWatch mark's cudaEventRecord to the last one's."""
+    def ev(name, device, start, end, annotation=False):
+        return SimpleNamespace(name=name, device_type=SimpleNamespace(name=device), is_user_annotation=annotation,
+                               time_range=SimpleNamespace(start=start, end=end))
+
+    events = [ev("cudaEventRecord", "CPU", 1.0, 1.5), ev("range", "CUDA", 3.0, 90.0, True),
+              ev("aten::mm", "CPU", 2.0, 4.0), ev("nvjet_x", "CUDA", 5.0, 9.0), ev("cudaEventRecord", "CPU", 40, 41),
+              ev("Memset (Device)", "CUDA", 9.5, 9.75), ev("cudaEventRecord", "CPU", 98.0, 99.0)]
+    kernels = [(5.0, 9.0, "nvjet_x"), (9.5, 9.75, "Memset (Device)")]
+    assert gpu_idle.profiler_intervals(SimpleNamespace(events=lambda: events)) == (kernels, (1.0, 99.0))
+    no_marks = [e for e in events if e.name != "cudaEventRecord"]
+    assert gpu_idle.profiler_intervals(SimpleNamespace(events=lambda: no_marks)) == (kernels, None)
+
+
+def test_profile_prefill_cpu(tmp_path, capsys):
     out = pp.main(["--model", "gpt-oss-tiny", "--dummy", "--device", "cpu", "--length", "32", "--top", "400",
                    "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "profile-prefill-gpt-oss-tiny-32.json").read_text())
@@ -195,6 +248,9 @@ def test_profile_prefill_cpu(tmp_path):
     assert moe["flops"] == 2 * 32 * cfg.experts_per_token * 3 * cfg.hidden_size * cfg.intermediate_size \
         * cfg.num_hidden_layers
     assert out["launches"] == saved["launches"]
+    # a CPU run has no device events: no idle figures, and the report says why
+    assert "idle" in saved and saved["idle"] is None
+    assert "GPU idle: no device events" in capsys.readouterr().out
 
 
 def _rev(rev: str) -> str | None:
@@ -227,8 +283,14 @@ def test_results_table(tmp_path):
     assert len(rows) == 2  # the dirty one is not tabled
     row = dict(zip(cols, [c.strip() for c in rows[1].strip("|").split("|")]))
     assert (row["length"], row["wall ms"], row["kernel ms"], row["launches"]) == ("8192", "250.0", "240.0", "1500")
+    assert row["GPU idle ms"] == "-"  # profiled before the idle report existed
     assert (row["MoE expert GEMM"], row["attention"], row["other"], row["dense linear"]) == \
         ("50.0%", "25.0%", "25.0%", "0.0%")
     assert (row["MoE GEMM TFLOP/s"], row["dense TFLOP/s"], row["attention TFLOP/s"]) == ("500", "-", "500")
     assert row["measured at"] == f"`{head[:7]}` 2026-12-01 20:00 (profile-prefill-gpt-oss-20b-8192.json)"
     assert results_tuning.used(col) == {"profile-prefill-gpt-oss-20b-8192.json": 1}
+    idle = {"before_first_ms": 0.5, "between_ms": 9.0, "after_last_ms": 0.75, "idle_ms": 10.25, "largest": []}
+    (tmp_path / "profile-prefill-gpt-oss-20b-8192.json").write_text(json.dumps({**data, "idle": idle}))
+    rows = [ln for ln in results_tuning.prefill_profile_section(provenance.collect([tmp_path]))
+            if ln.startswith("| ") and not ln.startswith("| ---")]
+    assert dict(zip(cols, [c.strip() for c in rows[1].strip("|").split("|")]))["GPU idle ms"] == "10.2"
