@@ -4,6 +4,7 @@ freed outside the timed region), printed in the seed's table format next to the 
 
     python -m kvrelay.bench.prefill --model gpt-oss-120b --dummy --quant fp8-block128 --device cuda --quick
     python -m kvrelay.bench.prefill --model gpt-oss-tiny --dummy --device cpu --lengths 64,256
+    python -m kvrelay.bench.prefill --model gpt-oss-120b --dummy --device cuda --lengths 128000 --chunk-tokens 32768
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     C.add_common_args(p)
     p.add_argument("--lengths", default=None, help=f"comma-separated input lengths (default {FULL_LENGTHS}, "
                    f"--quick {QUICK_LENGTHS})")
+    p.add_argument("--chunk-tokens", type=int, default=0, metavar="N",
+                   help="prefill prompts longer than N in forwards of N tokens (Runner.prefill, then Runner.extend), "
+                        "as the prefill worker runs a prompt over its prefill.chunk_tokens; 0 (default): one forward")
     return p
 
 
@@ -64,6 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
         "dummy": args.dummy, "config": CONFIG, "gpus": 1, "usd_per_gpu_hour": args.usd_per_gpu_hour,
         "attention": attention_label, "cuda_graphs": graphs_label, "warmup": args.warmup, "iters": args.iters,
         "budget_s": args.budget_s, "sampling": "greedy (Runner.sample, temperature 0)",
+        "chunk_tokens": args.chunk_tokens,
         "ceilings_tflops": C.CEILING_TFLOPS, "points": [], "skipped": skipped,
     }
     console.print(f"[bold]prefill[/] {cfg.name} quant={args.quant} device={args.device} "
@@ -97,9 +102,12 @@ def main(argv: list[str] | None = None) -> dict:
                 continue
         prompt = all_ids[:n]
         sid = ("bench-prefill", n)
+        chunk = args.chunk_tokens if 0 < args.chunk_tokens < n else n
 
         def call():
-            logits = runner.prefill(sid, prompt)
+            logits = runner.prefill(sid, prompt[:chunk])
+            for c0 in range(chunk, n, chunk):  # the worker's chunked prefill: later chunks extend the sequence
+                logits = runner.extend(sid, prompt[c0:c0 + chunk])
             runner.sample(logits, greedy, [0])
 
         def cleanup():
@@ -120,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
             skipped.append({"length": n, "reason": f"OOM: {str(e).splitlines()[0][:200]}"})
             continue
         prev = (n, timing.median)
-        payload["points"].append(_point(cfg, n, timing, first, args, cuda))
+        payload["points"].append(_point(cfg, n, timing, first, args, cuda) | {"chunks": -(-n // chunk)})
 
     payload["table_markdown"] = seed_table_markdown(payload)
     _print(console, payload)

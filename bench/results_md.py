@@ -48,8 +48,8 @@ def prefill_section(col: Collection) -> list[str]:
         mine = {k[3]: v for k, v in chosen.items() if k[:3] == (model, quant, config)}
         seed = C.SEED_PREFILL.get(model, {}).get(config, {})
         lengths = sorted(set(mine) | (set(SEED_LENGTHS) if seed else set()))
-        rows = [[f"{config} kvrelay ({quant})"] + [C.fmt_cell(mine[n][1]["median_s"], mine[n][1]["usd_per_m_input"])
-                                                  if n in mine else "not run" for n in lengths]]
+        rows = [[f"{config} kvrelay ({quant})"] + [_prefill_cell(mine[n][1]) if n in mine else "not run"
+                                                  for n in lengths]]
         if seed:
             rows.append([f"{config} seed"] + [C.fmt_cell(*seed[n]) if n in seed else "-" for n in lengths])
             rows.append(["kvrelay / seed"] + [f"{mine[n][1]['median_s'] / seed[n][0]:.2f}x"
@@ -57,6 +57,13 @@ def prefill_section(col: Collection) -> list[str]:
         rows.append(["measured at"] + [mine[n][0].source if n in mine else "-" for n in lengths])
         out += _sub(model, ["config", *map(str, lengths)], rows)
     return out
+
+
+def _prefill_cell(point: dict) -> str:
+    """Latency and cost; a point run in several forwards (bench.prefill --chunk-tokens) says how many."""
+    cell = C.fmt_cell(point["median_s"], point["usd_per_m_input"])
+    chunks = point.get("chunks", 1)
+    return cell if chunks <= 1 else f"{cell} ({chunks} chunks)"
 
 
 # ---- decode -------------------------------------------------------------------------------------------

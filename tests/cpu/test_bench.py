@@ -110,6 +110,34 @@ def test_prefill_end_to_end_cpu(tmp_path):
     assert len(re.findall(r"\| \d+\.\d{3} s, \$\d+\.\d{3} ", data["table_markdown"])) == 2
 
 
+def test_prefill_in_chunks_cpu(tmp_path):
+    # --chunk-tokens runs a prompt over N tokens as the prefill worker does (prefill, then extend): the
+    # sequence ends as long as the prompt, each point says how many forwards it took, RESULTS.md says so.
+    from kvrelay.bench import prefill, results_md
+    from kvrelay.engine import runner as runner_mod
+
+    lengths = []
+    real_extend = runner_mod.Runner.extend
+
+    def extend(self, seq_id, token_ids, **kw):
+        out = real_extend(self, seq_id, token_ids, **kw)
+        lengths.append(self.length(seq_id))
+        return out
+
+    runner_mod.Runner.extend = extend
+    try:
+        argv = TINY + ["--lengths", "64,256", "--chunk-tokens", "100", "--warmup", "0", "--iters", "1",
+                       "--out", str(tmp_path)]
+        data = _load(prefill.main(argv))
+    finally:
+        runner_mod.Runner.extend = real_extend
+    assert data["chunk_tokens"] == 100
+    assert [(p["length"], p["chunks"]) for p in data["points"]] == [(64, 1), (256, 3)]
+    assert lengths == [200, 256]  # 256 = 100 + 100 + 56: two extends, the last one reaching the prompt's end
+    assert results_md._prefill_cell(data["points"][1]).endswith("(3 chunks)")
+    assert "chunks" not in results_md._prefill_cell(data["points"][0])
+
+
 def test_prefill_budget_skips_are_reported(tmp_path):
     from kvrelay.bench import prefill
 
