@@ -3,7 +3,8 @@
 #   solo TTFT at 1k / 8k / 32k prompts and solo decode at 8k context (8k/256), 64 staggered streams of
 #   1k in / 256 out, and the 1k/1k sweep at concurrency 1..256 (first wave spread over 2 s). Results (JSON + PNG) go to $RESULTS (default bench/results).
 #   Env: SWEEP (concurrencies), WAVES (requests per point = waves x concurrency), ONLY_SWEEP=1 (skip the
-#   solo and 64-stream runs), SKIP_SOLO=1 (skip the solo runs only).
+#   solo and 64-stream runs), SKIP_SOLO=1 (skip the solo runs only), SOLO_ONLY=1 (the solo runs only, of
+#   SOLO_WORKLOADS, default 1k/16,8k/256,32k/16: a served decode/TTFT figure from one server start).
 # MULTITURN=1 runs issue 16's multi-turn workload instead (bench/serve_multiturn.py: 8 conversations x 7
 #   turns over one 6k system prompt, prompts 8k..32k tokens, 256-token answers, 2 s between a conversation's
 #   turns) against four fresh servers of CONFIG, written to $RESULTS/serve-LABEL-mt-{off,on,small,host}.yaml:
@@ -98,8 +99,8 @@ log="$out/serve-$label.log"
 start "$cfg" "$log" || exit 1
 b() { python3 -m kvrelay.bench.serve --base-url "$url" --gpus "$gpus" --topology "$cfg" --out-dir "$out" "$@"; }
 if [ -z "${ONLY_SWEEP:-}" ]; then
-  [ -z "${SKIP_SOLO:-}" ] && { b --label "$label-solo" --workloads 1k/16,8k/256,32k/16 --concurrency 1 --requests 2; st "$cfg" solo; }
-  b --label "$label-64x1k256" --workloads 1k/256 --concurrency 64 --waves 5 --stagger-s 3; st "$cfg" 64x1k256
+  [ -z "${SKIP_SOLO:-}" ] && { b --label "$label-solo" --workloads "${SOLO_WORKLOADS:-1k/16,8k/256,32k/16}" --concurrency 1 --requests 2; st "$cfg" solo; }
+  [ -z "${SOLO_ONLY:-}" ] && { b --label "$label-64x1k256" --workloads 1k/256 --concurrency 64 --waves 5 --stagger-s 3; st "$cfg" 64x1k256; }
 fi
-b --label "$label-1k1k" --workloads 1k/1k --concurrency ${SWEEP:-1,4,16,64,128,256} --waves ${WAVES:-1} --stagger-s 2; st "$cfg" 1k1k
+[ -z "${SOLO_ONLY:-}" ] && { b --label "$label-1k1k" --workloads 1k/1k --concurrency ${SWEEP:-1,4,16,64,128,256} --waves ${WAVES:-1} --stagger-s 2; st "$cfg" 1k1k; }
 stop "$log"
