@@ -6,7 +6,9 @@ where the GPU sat idle during the call (bench/gpu_idle.py: before the first kern
 largest gaps and their neighbours, after the last). The prefill counterpart of bench/profile_decode.py.
 
 usage (H200): python -m kvrelay.bench.profile_prefill --model gpt-oss-20b --dummy --quant fp8-block128 \
-                 --device cuda --length 8192 [--top 30] [--out DIR]
+                 --device cuda --length 8192 [--top 30] [--out DIR] [--host-profile FILE]
+--host-profile FILE: one more call, unprofiled by torch.profiler, under cProfile; its top functions, the CUDA
+allocator's counters over it and the torch ops that synchronised (bench/host_profile.py) go to FILE.
 CPU (plumbing only: CPU ops, not kernels): --model gpt-oss-tiny --dummy --device cpu --length 64
 """
 
@@ -18,7 +20,7 @@ import re
 from pathlib import Path
 
 from kvrelay.bench import common as C
-from kvrelay.bench import gpu_idle
+from kvrelay.bench import gpu_idle, host_profile
 from kvrelay.engine.kv_geometry import FULL, SLIDING
 
 # Kernel name -> category, first match wins (case-sensitive regex searched anywhere in the name). Our own
@@ -192,6 +194,10 @@ def main(argv: list[str] | None = None) -> dict:
     C.add_common_args(p)
     p.add_argument("--length", type=int, default=8192, help="prompt tokens of the one sequence")
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--host-profile", metavar="FILE", default=None,
+                   help="also run one call under cProfile (after the timed one, so wall_ms stays clean) and write "
+                        "the top 40 functions by cumulative and by own time, the allocator's counters and the "
+                        "synchronising ops to FILE (text)")
     args = p.parse_args(argv)
 
     import torch
@@ -226,6 +232,8 @@ def main(argv: list[str] | None = None) -> dict:
     # the profile is set against.
     timing, first_s = C.time_call(call, args.device, warmup=2 if args.warmup is None else args.warmup,
                                   iters=1 if args.iters is None else args.iters, cleanup=cleanup)
+    host = (host_profile.host_profile(call, args.device, args.host_profile, top=40, cleanup=cleanup)
+            if args.host_profile else None)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sw = C.StopWatch(args.device)
     # with_stack: the Python frames each op ran under (CALL_SITES); the host time it adds is outside the
@@ -249,7 +257,8 @@ def main(argv: list[str] | None = None) -> dict:
               "build_s": build_s, "kernel_ms": s["kernel_us"] / 1e3, "launches": s["launches"],
               "by_call_site": s["by_call_site"], "launches_per_layer": s["launches"] / cfg.num_hidden_layers,
               "top": s["top"],
-              "categories": s["categories"], "tflops": tf, "ceilings_tflops": C.CEILING_TFLOPS, "idle": idle}
+              "categories": s["categories"], "tflops": tf, "ceilings_tflops": C.CEILING_TFLOPS, "idle": idle,
+              **({"host_profile": host} if host is not None else {})}
     _print(result, cfg)
     if args.out:
         out = Path(args.out)
@@ -279,6 +288,15 @@ def _print(r: dict, cfg) -> None:
             print(f"{cat}: {t['flops'] / 1e12:.2f} TFLOP in {t['us'] / 1e3:.2f} ms = {t['tflops']:.1f} TFLOP/s "
                   f"(fp8 ceiling {C.CEILING_TFLOPS['fp8']:.0f}, bf16 {C.CEILING_TFLOPS['bf16']:.0f})")
     gpu_idle.print_idle(r["idle"])
+    h = r.get("host_profile")
+    if h is not None:
+        print(f"host profile (cProfile, one more call): {h['host_ms']:.2f} ms host, {h['wall_ms']:.2f} ms wall "
+              f"-> {h['file']}")
+        if "alloc_deltas" in h:
+            print("  allocator over the call: " + ", ".join(f"{k} {v:+d}" for k, v in h["alloc_deltas"].items()))
+            print(f"  synchronising ops: {sum(e['count'] for e in h['syncs'])}")
+            for e in h["syncs"][:10]:
+                print(f"    {e['count']}x {e['message']} at {e['stack'][0] if e['stack'] else '?'}")
 
 
 if __name__ == "__main__":

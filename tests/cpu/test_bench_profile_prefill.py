@@ -294,3 +294,60 @@ def test_results_table(tmp_path):
     rows = [ln for ln in results_tuning.prefill_profile_section(provenance.collect([tmp_path]))
             if ln.startswith("| ") and not ln.startswith("| ---")]
     assert dict(zip(cols, [c.strip() for c in rows[1].strip("|").split("|")]))["GPU idle ms"] == "10.2"
+
+
+def test_profile_prefill_host_profile_cpu(tmp_path, capsys):
+    """--host-profile: one more call under cProfile, its top functions in the file and a summary in the JSON;
+    the timed call stays unwrapped."""
+    host = tmp_path / "host.txt"
+    pp.main(["--model", "gpt-oss-tiny", "--dummy", "--device", "cpu", "--length", "32", "--out", str(tmp_path),
+             "--host-profile", str(host)])
+    saved = json.loads((tmp_path / "profile-prefill-gpt-oss-tiny-32.json").read_text())
+    h = saved["host_profile"]
+    assert h["file"] == str(host) and h["wall_ms"] >= h["host_ms"] > 0
+    assert "alloc_deltas" not in h  # CPU: no caching allocator, no sync pass
+    text = host.read_text()
+    assert "top 40 by cumulative time" in text and "top 40 by own time" in text
+    assert "runner.py" in text and "(prefill)" in text  # the call's own frames, by cumulative time
+    assert "host profile (cProfile, one more call)" in capsys.readouterr().out
+
+
+def test_sync_pass_names_each_synchronising_site():
+    """The sync pass keeps torch's sync-debug warnings (one entry per message and stack, counted) and passes
+    any other warning on; the debug mode is switched back after the call."""
+    import warnings
+
+    from kvrelay.bench import host_profile as hp
+
+    modes = []
+
+    class _Cuda:
+        @staticmethod
+        def set_sync_debug_mode(mode):
+            modes.append(mode)
+
+        @staticmethod
+        def synchronize():
+            pass
+
+    class _Torch:
+        cuda = _Cuda
+
+    def item():
+        warnings.warn("called a synchronizing CUDA operation (cudaMemcpyAsync)", UserWarning)
+
+    def call():
+        for _ in range(3):
+            item()
+        warnings.warn("called a synchronizing CUDA operation (cudaStreamSynchronize)", UserWarning)
+        warnings.warn("something else", UserWarning)
+
+    with warnings.catch_warnings(record=True) as other:
+        warnings.simplefilter("always")
+        syncs = hp._sync_pass(call, _Torch)
+    assert modes == ["warn", "default"]
+    assert [(e["count"], e["message"]) for e in syncs] == [
+        (3, "called a synchronizing CUDA operation (cudaMemcpyAsync)"),
+        (1, "called a synchronizing CUDA operation (cudaStreamSynchronize)")]
+    assert syncs[0]["stack"][0].endswith(" item")  # innermost frame first
+    assert [str(w.message) for w in other] == ["something else"]
