@@ -414,5 +414,12 @@ class KVCache:
                                       max_context=self.cfg.max_context)
 
     def plan(self, batch: list[tuple[Hashable, int]]) -> BatchLayout:
-        """Layout for appending n_new tokens to each (already reserved) sequence, in order."""
-        return batch_plan.layout(self.plan_lists(batch), self.device)
+        """Layout for appending n_new tokens to each (already reserved) sequence, in order. Long batches
+        are planned as numpy arrays (batch_plan.plan_arrays, no Python loop over tokens), short ones as
+        lists (cheaper for a few tokens); both give the same layout."""
+        if sum(n for _, n in batch) >= batch_plan.ARRAYS_MIN_TOKENS:
+            lists = batch_plan.plan_arrays([(sid, self.seqs[sid], n) for sid, n in batch], page_size=self.page_size,
+                                           max_context=self.cfg.max_context)
+        else:
+            lists = self.plan_lists(batch)
+        return batch_plan.layout(lists, self.device)

@@ -262,3 +262,61 @@ def test_forked_sequences_decode_as_the_original_would():
     a.free("c1")
     a.free("c2")
     assert all(al.num_used == 0 for al in a.kv.allocators.values())
+
+
+def _layout_tensors(b) -> dict:
+    out = {"qo_indptr": b.qo_indptr, "positions": b.positions, "logit_rows": b.logit_rows}
+    for g in ("full", "sliding"):
+        out |= {f"kv_indptr/{g}": b.kv[g].kv_indptr, f"kv_indices/{g}": b.kv[g].kv_indices,
+                f"kv_last/{g}": b.kv[g].kv_last_page_len, f"wp/{g}": b.write_pages[g], f"wo/{g}": b.write_offsets[g]}
+    for k, v in b.host.items():
+        for g, t in (v.items() if isinstance(v, dict) else [(None, v)]):
+            out[f"host/{k}/{g}"] = t
+    return out
+
+
+def test_plan_arrays_equals_plan_lists():
+    """The numpy prompt planner (no loop over tokens) gives plan_lists' values element for element, and the
+    same BatchLayout tensors (values and dtypes): new prompts, chunks appended after a long prefix whose
+    sliding pages dropped out of the window, several sequences in one batch, one-token rows among them."""
+    import numpy as np
+
+    from kvrelay.engine import batch_plan
+
+    kv = KVCache(CFG, num_pages=4096, page_size=4, device="cpu")
+    cases = [[("a", 0, 1)], [("b", 0, 300)], [("c", 130, 57)], [("d", 7, 1), ("e", 0, 33), ("f", 1000, 401)],
+             [("g", 3, 5), ("h", 4, 4), ("i", 5, 3)]]
+    for case in cases:
+        for sid, length, _ in case:
+            if length:
+                kv.import_sequence(sid, length)
+        for sid, _, n in case:
+            kv.reserve(sid, n)
+        batch = [(sid, n) for sid, _, n in case]
+        want = kv.plan_lists(batch)
+        got = batch_plan.plan_arrays([(sid, kv.seqs[sid], n) for sid, n in batch], page_size=kv.page_size,
+                                     max_context=CFG.max_context)
+        for key in ("qo", "positions", "rows"):
+            assert got[key].dtype == np.int64 and got[key].tolist() == want[key], key
+        for key in ("indptr", "indices", "last_len", "w_pages", "w_offsets"):
+            for g in ("full", "sliding"):
+                assert got[key][g].tolist() == want[key][g], (key, g)
+        a, b = _layout_tensors(batch_plan.layout(want, kv.device)), _layout_tensors(batch_plan.layout(got, kv.device))
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+        # the CUDA branch's one host buffer per dtype, from lists or from arrays
+        parts = [("positions", want["positions"]), ("wp", want["w_pages"]["sliding"]), ("qo", want["qo"])]
+        aparts = [("positions", got["positions"]), ("wp", got["w_pages"]["sliding"]), ("qo", got["qo"])]
+        for dt in (torch.int64, torch.int32):
+            (ha, sa), (hb, sb) = batch_plan._flat(parts, dt), batch_plan._flat(aparts, dt)
+            assert sa == sb and ha.dtype == hb.dtype == dt and torch.equal(ha, hb)
+        # KVCache.plan takes the arrays from ARRAYS_MIN_TOKENS new tokens on, with the same layout
+        c = _layout_tensors(kv.plan(batch))
+        for k in a:
+            assert torch.equal(a[k], c[k]), k
+        for sid, _, n in case:
+            kv.commit(sid, n)
+    with pytest.raises(ValueError, match="max_context"):
+        kv.reserve("z", 2)
+        batch_plan.plan_arrays([("z", kv.seqs["z"], CFG.max_context + 1)], page_size=4, max_context=CFG.max_context)
