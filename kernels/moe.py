@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 from dataclasses import dataclass
 
 import torch
@@ -114,6 +115,8 @@ class MoEWeights:
     s2: torch.Tensor | None = None
     hidden: int = 0
     inter: int = 0
+    # the grouped GEMMs' TMA descriptors of w1/w2, built once per (weight, tile) (_weight_desc)
+    descs: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def fp8(self) -> bool:
@@ -317,10 +320,34 @@ def tma_available() -> bool:
     return TensorDescriptor is not None
 
 
+def _weight_desc(w: torch.Tensor, block_n: int, block_k: int, cache: dict | None):
+    """The TMA descriptor of expert weights w [E, N, K] viewed as [E*N, K] with [block_n, block_k] tiles, from
+    `cache` (MoEWeights.descs) when it holds one for this weight and tile: the weights never change, so a
+    prefill's 48 grouped launches need not build 48. Keyed by storage, shape, strides and tile (a weight
+    replaced in its holder gets a new one)."""
+    key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype, block_n, block_k)
+    desc = cache.get(key) if cache is not None else None
+    if desc is None:
+        desc = TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [block_n, block_k])
+        if cache is not None:
+            cache[key] = desc
+    return desc
+
+
+@functools.lru_cache(maxsize=256)
+def _grouped_meta(fp8, swiglu, mul_route, block_m, cfg: GemmConfig, block_k, even_k, alpha, limit, pdl: tuple):
+    """The grouped kernel's constexprs and launch options (read-only: one mapping per distinct launch)."""
+    return types.MappingProxyType(dict(
+        FP8=fp8, SWIGLU=swiglu, MUL_ROUTE=mul_route, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+        GROUP_M=cfg.group_m, MASKED=cfg.masked, EVEN_K=even_k, TMA=cfg.tma, ALPHA=alpha, LIMIT=limit,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dict(pdl)))
+
+
 def _grouped_gemm(a, sa, w, sw, b, rw, out, sorted_ids, block_expert, n_pairs, row_div, n, kdim, fp8, swiglu,
-                  alpha, limit, block_m, cfg: GemmConfig, *, warmup=False):
+                  alpha, limit, block_m, cfg: GemmConfig, *, warmup=False, descs: dict | None = None):
     """One grouped GEMM (GEMM1 with SwiGLU, or GEMM2 with the routing weight when rw is given) under `cfg`.
-    warmup=True compiles the kernel for these arguments without launching it (the tuner's precompile)."""
+    warmup=True compiles the kernel for these arguments without launching it (the tuner's precompile).
+    descs: where the weight's TMA descriptor is kept between calls (MoEWeights.descs)."""
     num_m = block_expert.numel()
     sa_ = sa if sa is not None else a
     sw_ = sw if sw is not None else w
@@ -329,14 +356,14 @@ def _grouped_gemm(a, sa, w, sw, b, rw, out, sorted_ids, block_expert, n_pairs, r
     if cfg.tma:
         if not fp8 or TensorDescriptor is None or not w.is_contiguous():
             raise ValueError("tma=True needs FP8 weights (K padded to 128), contiguous, and triton >= 3.4")
-        w_desc = TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [cfg.block_n, block_k])
+        w_desc = _weight_desc(w, cfg.block_n, block_k, descs)
     grid = (triton.cdiv(n, cfg.block_n) * num_m,)
     args = (a, sa_, w, w_desc, sw_, b, rw if rw is not None else b, out, sorted_ids, block_expert, num_m, n_pairs,
             w.shape[0], n, kdim, row_div, a.stride(0), sa_.stride(0), sa_.stride(1) if sa is not None else 0,
             w.stride(0), w.stride(1), sw_.stride(0), sw_.stride(1), b.stride(0), out.stride(0))
-    meta = dict(FP8=fp8, SWIGLU=swiglu, MUL_ROUTE=rw is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-                BLOCK_K=block_k, GROUP_M=cfg.group_m, MASKED=cfg.masked, EVEN_K=kdim % block_k == 0, TMA=cfg.tma,
-                ALPHA=alpha, LIMIT=limit, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(a.device))
+    # pdl_kwargs is read at every launch (KVRELAY_PDL may change between them); it is part of the key
+    meta = _grouped_meta(fp8, swiglu, rw is not None, block_m, cfg, block_k, kdim % block_k == 0, alpha, limit,
+                         tuple(pdl_kwargs(a.device).items()))
     if warmup:
         return _grouped_kernel.warmup(*args, grid=grid, **meta)
     _grouped_kernel[grid](*args, **meta)
@@ -387,14 +414,14 @@ def _moe_grouped(x, ids, route_w, ex: MoEWeights, alpha, limit, block_m=None, bl
         xa, xs = x, None
     act = torch.empty(n_pairs, two_i // 2, dtype=torch.bfloat16, device=x.device)
     _grouped_gemm(xa, xs, ex.w1, ex.s1, ex.b1, None, act, sorted_ids, block_expert, n_pairs, k, two_i,
-                  ex.w1.shape[2], ex.fp8, True, alpha, limit, block_m, config.w1)
+                  ex.w1.shape[2], ex.fp8, True, alpha, limit, block_m, config.w1, descs=ex.descs)
     if ex.fp8:
         aa, as_ = quantize_act_1x128(act, ex.w2.shape[2], m_major=False)
     else:
         aa, as_ = act, None
     y = torch.empty(n_pairs, h, dtype=torch.float32, device=x.device)
     _grouped_gemm(aa, as_, ex.w2, ex.s2, ex.b2, route_w.reshape(-1), y, sorted_ids, block_expert, n_pairs, 1, h,
-                  ex.w2.shape[2], ex.fp8, False, alpha, limit, block_m, config.w2)
+                  ex.w2.shape[2], ex.fp8, False, alpha, limit, block_m, config.w2, descs=ex.descs)
     return y.view(t, k, h).sum(1).to(torch.bfloat16) if combine else y.view(t, k, h)
 
 

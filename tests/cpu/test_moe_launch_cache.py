@@ -1,0 +1,48 @@
+"""The grouped expert GEMM's per-launch host work done once (kernels/moe.py): the weights' TMA descriptors
+kept in MoEWeights.descs, the launch's constexpr mapping cached per distinct launch. The grouped path run
+with both: tests/gpu/test_moe.py (under TRITON_INTERPRET the grouped kernel is not usable on CPU: wrong values
+already before these caches, at 3f2a7b8)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvrelay.kernels import moe
+from kvrelay.kernels.moe_configs import GemmConfig
+
+
+@pytest.mark.skipif(not moe.tma_available(), reason="triton without host TMA descriptors")
+def test_weight_descriptor_built_once_per_weight_and_tile():
+    w = torch.zeros(4, 256, 384, dtype=torch.float8_e4m3fn)
+    other = torch.zeros_like(w)
+    cache: dict = {}
+    d = moe._weight_desc(w, 128, 128, cache)
+    assert moe._weight_desc(w, 128, 128, cache) is d  # same weight, same tile: the kept one
+    assert list(d.shape) == [4 * 256, 384] and list(d.block_shape) == [128, 128]
+    assert d.base.data_ptr() == w.data_ptr()
+    assert moe._weight_desc(w, 64, 128, cache) is not d  # another tile
+    assert moe._weight_desc(other, 128, 128, cache) is not d  # another weight of the same shape
+    assert len(cache) == 3
+    assert moe._weight_desc(w, 128, 128, None) is not d  # no cache: a fresh one each call
+    # every MoEWeights holds its own cache, left out of equality and repr
+    a = moe.MoEWeights(w, torch.zeros(4, 256), w, torch.zeros(4, 256))
+    b = dataclasses.replace(a, descs={})
+    a.descs["x"] = 1
+    assert b.descs == {} and a == b and "descs" not in repr(a)
+
+
+def test_grouped_meta_is_the_launch_dict_and_kept():
+    cfg = GemmConfig(128, 8, 3, group_m=4, masked=False, tma=True)
+    m = moe._grouped_meta(True, True, False, 64, cfg, 128, True, 1.702, 7.0, ())
+    assert dict(m) == dict(FP8=True, SWIGLU=True, MUL_ROUTE=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=4,
+                           MASKED=False, EVEN_K=True, TMA=True, ALPHA=1.702, LIMIT=7.0, num_warps=8, num_stages=3)
+    assert moe._grouped_meta(True, True, False, 64, GemmConfig(128, 8, 3, group_m=4, masked=False, tma=True), 128,
+                             True, 1.702, 7.0, ()) is m
+    pdl = moe._grouped_meta(True, True, False, 64, cfg, 128, True, 1.702, 7.0,
+                            (("USE_PDL", True), ("launch_pdl", True)))
+    assert pdl is not m and pdl["USE_PDL"] is True and pdl["launch_pdl"] is True
+    with pytest.raises(TypeError):
+        m["FP8"] = False  # shared between launches: read-only
