@@ -145,6 +145,12 @@ def test_grouped_fp8_knobs_match_reference(block_m, w1, w2):
     out = moe._moe_grouped(x, ids, rw, ex, 1.702, 7.0, config=cfg)
     torch.cuda.synchronize()
     assert rel_err(out, ref) < 1.5e-2, cfg.label()
+    # a second call launches with the kept TMA descriptors (MoEWeights.descs): the same bits
+    kept = dict(ex.descs)
+    assert len(kept) == int(cfg.w1.tma) + int(cfg.w2.tma)
+    again = moe._moe_grouped(x, ids, rw, ex, 1.702, 7.0, config=cfg)
+    torch.cuda.synchronize()
+    assert torch.equal(again, out) and all(ex.descs[k] is d for k, d in kept.items()), cfg.label()
 
 
 def test_tracked_table_configs_match_reference():
