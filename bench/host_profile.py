@@ -84,9 +84,12 @@ def host_profile(call: Callable[[], Any], device, path, *, top: int = 40,
         summary["syncs"] = _sync_pass(call, torch)
         if cleanup is not None:
             cleanup()
-    by_cum, by_own = io.StringIO(), io.StringIO()
+    by_cum, by_own, callers = io.StringIO(), io.StringIO(), io.StringIO()
     pstats.Stats(prof, stream=by_cum).sort_stats("cumulative").print_stats(top)
     pstats.Stats(prof, stream=by_own).sort_stats("tottime").print_stats(top)
+    # who called the heaviest own-time functions: a builtin that waits (torch.empty in a cudaMalloc/cudaFree,
+    # a .tolist() on a device tensor) is a row of its own; this says from where
+    pstats.Stats(prof, stream=callers).sort_stats("tottime").print_callers(10)
     lines = [f"host profile of one call: {summary['host_ms']:.2f} ms on the host until the call returned, "
              f"{summary['wall_ms']:.2f} ms until the device finished (cProfile adds host time)"]
     if cuda:
@@ -97,7 +100,8 @@ def host_profile(call: Callable[[], Any], device, path, *, top: int = 40,
         for e in summary["syncs"]:
             lines.append(f"  {e['count']}x {e['message']}")
             lines += [f"      {f}" for f in e["stack"]]
-    lines += ["", f"top {top} by cumulative time", by_cum.getvalue(), f"top {top} by own time", by_own.getvalue()]
+    lines += ["", f"top {top} by cumulative time", by_cum.getvalue(), f"top {top} by own time", by_own.getvalue(),
+              "callers of the top 10 by own time", callers.getvalue()]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     return summary

@@ -308,6 +308,7 @@ def test_profile_prefill_host_profile_cpu(tmp_path, capsys):
     assert "alloc_deltas" not in h  # CPU: no caching allocator, no sync pass
     text = host.read_text()
     assert "top 40 by cumulative time" in text and "top 40 by own time" in text
+    assert "callers of the top 10 by own time" in text and "was called by" in text
     assert "runner.py" in text and "(prefill)" in text  # the call's own frames, by cumulative time
     assert "host profile (cProfile, one more call)" in capsys.readouterr().out
 
