@@ -6,16 +6,15 @@ headline the pipelined one (old results, sync only, keep theirs)."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
+import git_revs
 import pytest
 
 from kvrelay.bench import decode, decode_loop, provenance, report, results_md
 from kvrelay.engine import runner as runner_mod
 
 TINY = ["--model", "gpt-oss-tiny", "--dummy", "--device", "cpu", "--quant", "bf16"]
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _spy(monkeypatch) -> list:
@@ -125,10 +124,7 @@ def test_one_mode(tmp_path, monkeypatch, mode):
 
 
 def _head() -> str:
-    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    if out.returncode != 0:
-        pytest.skip("not a git checkout: commits cannot be checked")
-    return out.stdout.strip()
+    return git_revs.rev("HEAD")
 
 
 def _decode_json(ts: str, points: list[dict]) -> dict:

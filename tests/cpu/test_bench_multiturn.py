@@ -10,6 +10,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import git_revs
 import pytest
 from fastapi import Request  # module level: the fake's annotations are resolved in these globals
 
@@ -19,7 +20,6 @@ from kvrelay.bench.serve_client import RequestResult, StreamParser
 
 from fake_http_server import fake_openai_app, serving_app
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 # ---- prompt building ----------------------------------------------------------------------------------
@@ -238,12 +238,7 @@ def _mt_result(mode: str, ts: str, ttft: list[float], cached: list[int], head: s
 
 
 def test_results_md_sets_cache_on_against_off(tmp_path) -> None:
-    import subprocess
-
-    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    if out.returncode != 0:
-        pytest.skip("not a git checkout: commits cannot be checked")
-    head = out.stdout.strip()
+    head = git_revs.rev("HEAD")
     off = [0.2 + 0.1 * i for i in range(7)]  # 0.8 s at 32k
     files = {"mt-off.json": _mt_result("off", "2026-12-01T14:00:00+00:00", off, [0] * 7, head),
              "mt-on.json": _mt_result("on", "2026-12-01T14:03:00+00:00", [0.2] + [0.16] * 6, [6144] + [8000] * 6, head),

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
+import git_revs
 import pytest
 
 from kvrelay.bench import gpu_idle, profile_prefill as pp, provenance, results_tuning
@@ -253,17 +253,9 @@ def test_profile_prefill_cpu(tmp_path, capsys):
     assert "GPU idle: no device events" in capsys.readouterr().out
 
 
-def _rev(rev: str) -> str | None:
-    res = subprocess.run(["git", "rev-parse", "-q", "--verify", f"{rev}^{{commit}}"], cwd=REPO, capture_output=True,
-                         text=True)
-    return res.stdout.strip() if res.returncode == 0 else None
-
-
 def test_results_table(tmp_path):
     assert results_tuning.prefill_profile_section(provenance.collect([tmp_path])) == []  # none: no section
-    head = _rev("HEAD")
-    if head is None:
-        pytest.skip("not a git checkout: commits cannot be checked")
+    head = git_revs.rev("HEAD")
     env = {"gpu": "NVIDIA H200", "git_commit": head, "git_dirty": False, "timestamp": "2026-12-01T20:00:00+00:00",
            "command": "python -m kvrelay.bench.profile_prefill --length 8192", "kvrelay_env": {}}
     data = {"kind": "profile-prefill", "env": env, "model": "gpt-oss-20b", "quant": "fp8-block128", "length": 8192,

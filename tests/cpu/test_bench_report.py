@@ -5,9 +5,9 @@ seed, a serve table against the TensorRT-LLM anchor), and the committed file aga
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
+import git_revs
 import pytest
 
 from kvrelay.bench import provenance, report, results_md
@@ -16,10 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _head(rev: str = "HEAD") -> str:
-    out = subprocess.run(["git", "rev-parse", rev], cwd=REPO, capture_output=True, text=True)
-    if out.returncode != 0:
-        pytest.skip("not a git checkout: commits cannot be checked")
-    return out.stdout.strip()
+    return git_revs.rev(rev)
 
 
 def _env(commit, dirty, ts: str, command: str = "python -m kvrelay.bench.x") -> dict:
@@ -47,8 +44,7 @@ def _serve(commit, ts, points) -> dict:
 
 @pytest.fixture
 def results(tmp_path) -> Path:
-    head, prev = _head(), _head("HEAD~1") if subprocess.run(
-        ["git", "rev-parse", "-q", "--verify", "HEAD~1"], cwd=REPO, capture_output=True).returncode == 0 else _head()
+    head, prev = _head(), _head("HEAD~1") if git_revs.has_rev("HEAD~1") else _head()
     d = tmp_path / "results"
     d.mkdir()
     files = {

@@ -5,20 +5,13 @@ result is excluded and never tabled, and the sources count them all as tabled.""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
+import git_revs
 import pytest
 
 from kvrelay.bench import provenance, report, results_tuning
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _rev(rev: str) -> str | None:
-    out = subprocess.run(["git", "rev-parse", "-q", "--verify", f"{rev}^{{commit}}"], cwd=REPO, capture_output=True,
-                         text=True)
-    return out.stdout.strip() if out.returncode == 0 else None
 
 
 def _env(commit, dirty, ts, command="python -m kvrelay.bench.x", kvrelay_env=None) -> dict:
@@ -74,9 +67,7 @@ def _profile(commit, dirty, ts, *, graphs, wall, kernel, launches, kvrelay_env=N
 
 @pytest.fixture
 def results(tmp_path) -> tuple[Path, str]:
-    head = _rev("HEAD")
-    if head is None:
-        pytest.skip("not a git checkout: commits cannot be checked")
+    head = git_revs.rev("HEAD")
     d = tmp_path / "results"
     d.mkdir()
     files = {
@@ -154,9 +145,8 @@ def test_tuning_tables_from_synthetic_results(results, tmp_path):
     assert a[12] == f"`{short}` 2026-12-01 11:00 (profile-decode-a.json)"
     assert b[:10] == ["gpt-oss-20b (fp8-block128)", "NVIDIA H200", "2", "8192", "eager", "not recorded", "31.50", "-",
                       "3.75", "1169"]
-    fix = _rev(results_tuning.PROFILE_COUNT_FIX)
-    if fix is not None:  # a shallow clone may not hold the commit the counting changed at
-        assert a[10] == b[10] == "device events"
+    git_revs.rev(results_tuning.PROFILE_COUNT_FIX)  # the commit the counting changed at
+    assert a[10] == b[10] == "device events"
     assert "8.88" not in text and "7.77" not in text
 
     exc = _section(text, "## Excluded")
@@ -173,9 +163,7 @@ def test_tuning_tables_from_synthetic_results(results, tmp_path):
 
 
 def test_profiles_from_before_the_counting_fix_are_marked(tmp_path):
-    before = _rev(f"{results_tuning.PROFILE_COUNT_FIX}~1")
-    if before is None:
-        pytest.skip("the commit before the profiler's counting fix is not in this clone")
+    before = git_revs.rev(f"{results_tuning.PROFILE_COUNT_FIX}~1")
     (tmp_path / "profile-decode-old.json").write_text(json.dumps(
         _profile(before, False, "2026-11-29T12:00:00+00:00", graphs=False, wall=32.0, kernel=3.5, launches=1169)))
     rows = _rows("\n".join(results_tuning.profile_section(provenance.collect([tmp_path]))))
@@ -198,9 +186,7 @@ def _dense_point(shape, k, n, rows, cublas_us, best_us, label="n32-k256-s4-w4-st
 def test_dense_gemv_sweep_table(tmp_path):
     # bench/sweep_gemv --dense: cuBLAS beside the best GEMV per (shape, M), newest clean run per point, the
     # dirty run never tabled, QKV (the larger N) first
-    head = _rev("HEAD")
-    if head is None:
-        pytest.skip("not a git checkout: commits cannot be checked")
+    head = git_revs.rev("HEAD")
     files = {
         "sweep-gemv-dense-NVIDIA_H200-20261201-100000.json": [_dense_point("QKV", 2880, 5120, 1, 7.3, 14.0),
                                                               _dense_point("O", 4096, 2880, 1, 7.0, 5.0)],
