@@ -1,5 +1,5 @@
-"""Shared by the Responses API tests (test_http_responses, test_http_responses_refusals): the harmony
-vocabulary, the scripted model's outputs, and the helpers both files use."""
+"""Shared by the Responses API tests (test_http_responses, test_http_responses_refusals) and the chat API's
+(test_http_openai): the harmony vocabulary, the scripted model's outputs, and the helpers they use."""
 
 from __future__ import annotations
 

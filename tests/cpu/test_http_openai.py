@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -14,25 +13,12 @@ import pytest
 
 from kvrelay.router import harmony
 
+from responses_helpers import DATE, FINAL, MODEL, TOOL_CALL, _ids  # the scripted harmony turns both APIs use
 from scripted_router import reset, scripted_router_fixtures
 
-harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
-
-DATE = "2025-06-28"
-MODEL = "gpt-oss-test"
-TOOLS = [{"type": "function", "function": {
+TOOLS = [{"type": "function", "function": {  # the chat API's tool form (the Responses API's is flat)
     "name": "get_weather", "description": "Weather for a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
-
-
-def _ids(text: str) -> list[int]:
-    return harmony.load_encoding().encode(text, allowed_special="all")
-
-
-TOOL_CALL = _ids("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
-                 'to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>')
-FINAL = _ids("<|channel|>analysis<|message|>Tool said 21.<|end|><|start|>assistant<|channel|>final"
-             "<|message|>It is 21 °C in Paris.<|return|>")
 TOOL_HISTORY_TAIL = (
     "<|start|>assistant<|channel|>analysis<|message|>Need the weather.<|end|>"
     "<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json"
