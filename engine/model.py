@@ -76,9 +76,7 @@ class Block:
         from kvrelay.kernels.fused import add_rms_norm
 
         kp = self.attn.qkv.quant_k
-        # the QKV weight goes to L2 while this norm runs (kernels/l2.py; decode sizes only)
-        x_new, h = add_rms_norm(x, delta, self.attn_norm.scale, self.eps, quant_k=kp,
-                                prefetch=self.attn.qkv.l2_target if kp is not None else None)
+        x_new, h = add_rms_norm(x, delta, self.attn_norm.scale, self.eps, quant_k=kp)
         x = x if x_new is None else x_new
         if kp is None:
             return x, self.attn.project_in(h, cos, sin, pool, pages, offsets)

@@ -12,8 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import l2
-from .l2 import issue
 from .pdl import enter, pdl_kwargs
 
 
@@ -94,19 +92,11 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, rows_ptr, xo_ptr, out_ptr, q_ptr, 
                          s_x, s_dt, s_dk, s_xo, s_o, s_q, s_sm, s_sk,
                          DELTA: tl.constexpr, K_SUM: tl.constexpr, ROWS: tl.constexpr, STORE_X: tl.constexpr,
                          NORM: tl.constexpr, QUANT: tl.constexpr, N_GROUPS: tl.constexpr, BLOCK: tl.constexpr,
-                         pf_ptr, pf_bytes, PF_PARTS: tl.constexpr = 0, PF_LANES: tl.constexpr = 128,
                          USE_PDL: tl.constexpr = False):
-    # The first PF_PARTS programs only prefetch the next GEMM's weights into L2 (kernels/l2.py), before
-    # their wait: the weights need nothing of the previous kernel.
-    r = tl.program_id(0) - PF_PARTS
-    if PF_PARTS > 0:
-        if r < 0:
-            issue(pf_ptr, pf_bytes, r + PF_PARTS, PF_PARTS, PF_LANES)
-            enter(USE_PDL)
-            return
     enter(USE_PDL)  # kernels/pdl.py: before any load (rows, x, delta are the previous kernels') or store
     # One program per output row r (rows >= T only in QUANT mode: the GEMM's M padding, written as zeros
     # with the floor scale, as kernels.fp8_gemm.quantize_act_1x128 writes them).
+    r = tl.program_id(0)
     src = r
     if ROWS:
         src = tl.load(rows_ptr + tl.minimum(r, T - 1))
@@ -145,8 +135,7 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, rows_ptr, xo_ptr, out_ptr, q_ptr, 
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None, eps: float, *,
-                 quant_k: int | None = None, rows: torch.Tensor | None = None, store_x: bool = True,
-                 prefetch: l2.Target | None = None):
+                 quant_k: int | None = None, rows: torch.Tensor | None = None, store_x: bool = True):
     """The residual stream's glue in one launch. x [T, H] (unit stride in H); delta None, a finished
     [T, H] tensor (added as torch's `x + delta`), or the MoE's weighted expert outputs fp32 [T, k, H]
     (summed over k in order and rounded to bf16 as kernels.moe_gemv's combine does, then added); then
@@ -157,8 +146,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
       f32 [Mp, Kp/128] M-major, Mp = rows rounded up to 4), bit for bit; None when weight is None.
     `rows` (int64 [R]): only those rows are normed and returned (the head's logit rows); needs
     store_x=False. Each step is the unfused op's exact math; only the fp32 order of the sum of squares
-    may differ from the separate RMSNorm kernel on a GPU (the compiler picks the reduction tree).
-    `prefetch`: the next GEMM's weight, pulled into L2 by extra programs at decode sizes (kernels/l2.py)."""
+    may differ from the separate RMSNorm kernel on a GPU (the compiler picks the reduction tree)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     t, h = x.shape
@@ -197,8 +185,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         out = torch.empty(n_out, h, dtype=x.dtype, device=x.device)
     if grid:
         dummy = x
-        pf_parts, pf = l2.launch_args(prefetch, x, n_out)
-        _add_rms_norm_kernel[(pf_parts + grid,)](
+        _add_rms_norm_kernel[(grid,)](
             x, d, weight if norm else dummy, rows if rows is not None else dummy,
             x_new if x_new is not None else dummy, out if out is not None else dummy,
             q if q is not None else dummy, s if s is not None else dummy, n_out, h, eps,
@@ -207,7 +194,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
             q.stride(0) if q is not None else 0, s.stride(0) if s is not None else 0,
             s.stride(1) if s is not None else 0,
             DELTA=kind, K_SUM=k_sum, ROWS=rows is not None, STORE_X=x_new is not None, NORM=norm,
-            QUANT=q is not None, N_GROUPS=(quant_k or 128) // 128, BLOCK=block, **pf, **pdl_kwargs(x.device))
+            QUANT=q is not None, N_GROUPS=(quant_k or 128) // 128, BLOCK=block, **pdl_kwargs(x.device))
     return x_new, ((q, s) if q is not None else out)
 
 
@@ -217,18 +204,10 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 @triton.jit
 def _rotary_kv_write_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, pool_ptr, pages_ptr, offsets_ptr,
                             stride_qkv, stride_cs, n_q, n_kv, s_pg, s_kv, s_off, s_head,
-                            HALF: tl.constexpr, BLOCK: tl.constexpr, pf_ptr, pf_bytes, PF_PARTS: tl.constexpr = 0,
-                            PF_LANES: tl.constexpr = 128, USE_PDL: tl.constexpr = False):
-    t = tl.program_id(0)
-    head = tl.program_id(1) - PF_PARTS  # 0..n_q-1 are query heads, then the kv heads
-    if PF_PARTS > 0:
-        if head < 0:
-            # the output projection's weight into L2 (kernels/l2.py), once (row 0), before the wait
-            if t == 0:
-                issue(pf_ptr, pf_bytes, head + PF_PARTS, PF_PARTS, PF_LANES)
-            enter(USE_PDL)
-            return
+                            HALF: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     enter(USE_PDL)  # kernels/pdl.py: before any load or store (the pool write may overwrite what the last kernel read)
+    t = tl.program_id(0)
+    head = tl.program_id(1)  # 0..n_q-1 are query heads, then the kv heads
     offs = tl.arange(0, BLOCK)
     mask = offs < HALF
     row = qkv_ptr + t.to(tl.int64) * stride_qkv
@@ -314,16 +293,14 @@ ROTARY_TILE = (16, 8, 4)  # (BLOCK_T, BLOCK_H, num_warps); bench.kernels --only 
 
 def rotary_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q: int, n_kv: int, head_dim: int,
                     pool: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor, *,
-                    tile: tuple[int, int, int] | None = None, prefetch: l2.Target | None = None) -> torch.Tensor:
+                    tile: tuple[int, int, int] | None = None) -> torch.Tensor:
     """rotary_qk + kernels.reference.write_kv in one launch: qkv [T, (n_q + 2 n_kv) * head_dim], tables
     [T, head_dim/2], a layer pool [num_pages, 2, page_size, n_kv, head_dim] (unit stride in head_dim),
     pages/offsets [T] (int) -> rotated q [T, n_q, head_dim] (new); rotated K and V stored at
     pool[pages[t], 0/1, offsets[t]] in the pool's dtype (rounded to qkv's dtype first, as the unfused
     path rounds). Rows sharing one (page, offset) (graph padding on the scratch page) race, as index_put's do.
     tile: (tokens, heads, warps) per program of the tiled launch, None for the default by T (ROTARY_TILE
-    from ROTARY_TILE_MIN_TOKENS tokens), (1, 1, 4) for today's (token, head) programs; same bits.
-    `prefetch` (the (token, head) launch only, i.e. decode sizes): the output projection's weight, pulled
-    into L2 by extra programs while the attention runs (kernels/l2.py)."""
+    from ROTARY_TILE_MIN_TOKENS tokens), (1, 1, 4) for today's (token, head) programs; same bits."""
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     if pool.dim() != 5 or pool.shape[1] != 2 or pool.shape[3] != n_kv or pool.shape[4] != head_dim \
@@ -339,10 +316,9 @@ def rotary_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q
     args = (qkv, cos, sin, q, pool, pages, offsets)
     strides = (pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3))
     if t and block_t == 1 and block_h == 1:
-        pf_parts, pf = l2.launch_args(prefetch, qkv, t)
-        _rotary_kv_write_kernel[(t, pf_parts + n_q + n_kv)](
+        _rotary_kv_write_kernel[(t, n_q + n_kv)](
             *args, qkv.stride(0), cos.stride(0), n_q, n_kv, *strides,
-            HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=num_warps, **pf, **pdl_kwargs(qkv.device))
+            HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=num_warps, **pdl_kwargs(qkv.device))
     elif t:
         grid = (triton.cdiv(t, block_t), triton.cdiv(n_q, block_h) + triton.cdiv(n_kv, block_h))
         _rotary_kv_write_tile_kernel[grid](

@@ -95,9 +95,7 @@ class Attention:
         if self.fused_write:
             from kvrelay.kernels.fused import rotary_kv_write
 
-            # the output projection's weight goes to L2 while rotary and attention run (kernels/l2.py)
-            return rotary_kv_write(qkv, cos, sin, h.num_q, h.num_kv, d, pool, write_pages, write_offsets,
-                                   prefetch=self.out.l2_target)
+            return rotary_kv_write(qkv, cos, sin, h.num_q, h.num_kv, d, pool, write_pages, write_offsets)
         q, k, v = qkv.split([h.num_q * d, h.num_kv * d, h.num_kv * d], dim=-1)
         if self.fused_rotary:  # GPU: q and k rotated in one Triton launch (decode steps are launch-bound)
             from kvrelay.kernels.fused import rotary_qk

@@ -75,7 +75,6 @@ class Linear:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self._gpu = None
-        self._l2 = None
         if quant == "bf16":
             self.weight = weight
         else:
@@ -90,18 +89,6 @@ class Linear:
                                            choice_cache=_FP8_CHOICES.setdefault(key, {}))
                 # Keep one copy of the weight: the kernel's (K padded to 128) is the one held.
                 self.weight = self._gpu.w[:, : self.in_features]
-
-    @property
-    def l2_target(self):
-        """The weight the GPU FP8 GEMM streams, as a kernels.l2.Target for the kernel before this GEMM to
-        prefetch at decode sizes; None off the GPU FP8 path."""
-        if self._gpu is None:
-            return None
-        if self._l2 is None:
-            from kvrelay.kernels import l2
-
-            self._l2 = l2.Target.of(self._gpu.w)
-        return self._l2
 
     @property
     def quant_k(self) -> int | None:

@@ -99,12 +99,6 @@ def _ints(*names):
     return {n: I32 for n in names}
 
 
-# kernels/l2.py's parameters of the kernels that may prefetch the next GEMM's weight (tests/cpu/test_l2.py
-# compiles the prefetching variants); here the decode kernels as launched without it
-PF = {"pf_ptr": "*u8", "pf_bytes": I32}
-NO_PF = {"PF_PARTS": 0, "PF_LANES": 128}
-
-
 KERNELS = [
     _spec(fused._rms_norm_kernel, {"x_ptr": P["bf16"], "w_ptr": P["bf16"], "out_ptr": P["bf16"],
                                    **_ints("stride_x", "stride_o", "n_cols"), "eps": F32}, {"BLOCK": 256}),
@@ -114,20 +108,20 @@ KERNELS = [
     _spec(fused._add_rms_norm_kernel,
           {"x_ptr": P["bf16"], "d_ptr": P["f32"], "w_ptr": P["bf16"], "rows_ptr": P["i64"], "xo_ptr": P["bf16"],
            "out_ptr": P["bf16"], "q_ptr": P["fp8"], "s_ptr": P["f32"], "T": I32, "H": I32, "eps": F32,
-           **_ints("s_x", "s_dt", "s_dk", "s_xo", "s_o", "s_q", "s_sm", "s_sk"), **PF},
+           **_ints("s_x", "s_dt", "s_dk", "s_xo", "s_o", "s_q", "s_sm", "s_sk")},
           {"DELTA": 2, "K_SUM": 4, "ROWS": False, "STORE_X": True, "NORM": True, "QUANT": True, "N_GROUPS": 2,
-           "BLOCK": 256, **NO_PF}),
+           "BLOCK": 256}),
     _spec(fused._add_rms_norm_kernel,
           {"x_ptr": P["bf16"], "d_ptr": P["bf16"], "w_ptr": P["bf16"], "rows_ptr": P["i64"], "xo_ptr": P["bf16"],
            "out_ptr": P["bf16"], "q_ptr": P["fp8"], "s_ptr": P["f32"], "T": I32, "H": I32, "eps": F32,
-           **_ints("s_x", "s_dt", "s_dk", "s_xo", "s_o", "s_q", "s_sm", "s_sk"), **PF},
+           **_ints("s_x", "s_dt", "s_dk", "s_xo", "s_o", "s_q", "s_sm", "s_sk")},
           {"DELTA": 1, "K_SUM": 1, "ROWS": True, "STORE_X": False, "NORM": True, "QUANT": False, "N_GROUPS": 1,
-           "BLOCK": 256, **NO_PF}),
+           "BLOCK": 256}),
     _spec(fused._rotary_kv_write_kernel,
           {**{k: P["bf16"] for k in ("qkv_ptr", "cos_ptr", "sin_ptr", "q_ptr", "pool_ptr")},
            "pages_ptr": P["i32"], "offsets_ptr": P["i32"],
-           **_ints("stride_qkv", "stride_cs", "n_q", "n_kv", "s_pg", "s_kv", "s_off", "s_head"), **PF},
-          {"HALF": 32, "BLOCK": 32, **NO_PF}),
+           **_ints("stride_qkv", "stride_cs", "n_q", "n_kv", "s_pg", "s_kv", "s_off", "s_head")},
+          {"HALF": 32, "BLOCK": 32}),
     # its prefill-size launch: (tokens x heads) tiles
     _spec(fused._rotary_kv_write_tile_kernel,
           {**{k: P["bf16"] for k in ("qkv_ptr", "cos_ptr", "sin_ptr", "q_ptr", "pool_ptr")},
