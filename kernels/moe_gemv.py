@@ -9,6 +9,7 @@ k experts inside GEMM2 with 128-wide K steps: 105 us for 120b batch 1, latency-b
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -29,18 +30,38 @@ def swiglu(acc, BLOCK_N: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr)
 
 @triton.jit
 def _gemv_tile(x_row, w_ptr, s_ptr, Kdim, n_ok, FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               LATE: tl.constexpr = False):
+               LATE: tl.constexpr = False, EARLY: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     # sum_k W[n, k] * x[k] for one N tile; fp8 block scales are folded into x per 128-wide K block
     # (the tile lies in one 128-row block), so a wide BLOCK_K keeps many bytes in flight per step.
     # LATE: keep a [BLOCK_N, BLOCK_K] fp32 accumulator and reduce over K once after the loop, so the loop
     # body has no cross-thread reduction between one K step's loads and the next (bench/sweep_gemv.py
     # times both; the fp32 summation order differs, the math does not).
+    # EARLY: the first K step's weight tile and scales are loaded, then the PDL wait (kernels/pdl.py) runs
+    # here, then x: the caller passes weight addresses it could form before the wait. The step is peeled
+    # out of the loop because the wait must stay outside loops; its sum is the loop's first (0 + s = s).
     offs_k = tl.arange(0, BLOCK_K)
-    if LATE:
-        acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    start = 0
+    if EARLY:
+        k_ok = offs_k < Kdim
+        w0 = tl.load(w_ptr + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if FP8:
+            s0 = tl.load(s_ptr + offs_k // 128, mask=k_ok, other=0.0)
+        enter(USE_PDL)
+        xv = tl.load(x_row + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        if FP8:
+            xv *= s0
+        first = w0.to(tl.float32) * xv[None, :]
+        start = BLOCK_K
+        if LATE:
+            acc2 = first
+        else:
+            acc = tl.sum(first, 1)
     else:
-        acc = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, Kdim, BLOCK_K):
+        if LATE:
+            acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(start, Kdim, BLOCK_K):
         k_ok = k0 + offs_k < Kdim
         xv = tl.load(x_row + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         if FP8:
@@ -82,20 +103,29 @@ def _gemv1_kernel(x, ids, w, s, b, act, K_TOP, Kdim, s_xt, s_we, s_wn, s_se, s_s
 @triton.jit
 def _gemv2_kernel(act, ids, route_w, w, s, b, y, Kdim, Ndim, s_at, s_we, s_wn, s_se, s_sn, s_be, s_yt,
                   FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LATE: tl.constexpr = False,
-                  USE_PDL: tl.constexpr = False):
+                  EARLY: tl.constexpr = True, USE_PDL: tl.constexpr = False):
     # One program per (pair, N tile): every expert of every token in parallel; y = w_route * (W2 act + b2)
     # in fp32, summed over the k experts afterwards in a fixed order (no atomics).
-    enter(USE_PDL)  # kernels/pdl.py: before any load (ids, route_w, act) or store, as in _gemv1_kernel
+    # EARLY (kernels/pdl.py): ids and route_w, the router's outputs TWO kernels back, are read before this
+    # kernel's wait, and with them the expert's bias and first weight tile (_gemv_tile), so under PDL the
+    # programs resident while GEMV1 still runs already stream W2. Safe: this kernel launches only once every
+    # GEMV1 program has passed ITS wait, i.e. once the router has completed and its writes are visible; no
+    # kernel writes ids/route_w again before this one completes (PDL overlaps two kernels at most). .cg:
+    # from L2, never an L1 line of an earlier step. act (GEMV1's output) is read after the wait.
     pair = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < Ndim
-    e = tl.load(ids + pair).to(tl.int64)
+    if not EARLY:
+        enter(USE_PDL)  # before any load (ids, route_w, act) or store, as in _gemv1_kernel
+    e = tl.load(ids + pair, cache_modifier=".cg").to(tl.int64)
+    rw = tl.load(route_w + pair, cache_modifier=".cg").to(tl.float32)
+    bias = tl.load(b + e * s_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     w_ptr = w + e * s_we + offs_n.to(tl.int64)[:, None] * s_wn
     acc = _gemv_tile(act + pair.to(tl.int64) * s_at, w_ptr, s + e * s_se + (n0 // 128) * s_sn, Kdim, n_ok,
-                     FP8, BLOCK_N, BLOCK_K, LATE)
-    acc += tl.load(b + e * s_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    acc *= tl.load(route_w + pair).to(tl.float32)
+                     FP8, BLOCK_N, BLOCK_K, LATE, EARLY, USE_PDL)
+    acc += bias
+    acc *= rw
     tl.store(y + pair.to(tl.int64) * s_yt + offs_n, acc, mask=n_ok)
 
 
@@ -166,8 +196,14 @@ def gemv2(act, ids_flat, route_w_flat, ex, y, launch: GemvLaunch) -> None:
     _gemv2_kernel[(ids_flat.numel(), triton.cdiv(h, launch.block_n))](
         act, ids_flat, route_w_flat, ex.w2, s2, ex.b2, y, inter, h, act.stride(0),
         ex.w2.stride(0), ex.w2.stride(1), s2.stride(0), s2.stride(1), ex.b2.stride(0), y.stride(0),
-        FP8=ex.fp8, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, LATE=launch.late, num_warps=launch.num_warps,
-        num_stages=launch.num_stages, **pdl_kwargs(act.device))
+        FP8=ex.fp8, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, LATE=launch.late, EARLY=gemv2_early(),
+        num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_kwargs(act.device))
+
+
+def gemv2_early() -> bool:
+    """GEMV2's loads ahead of its PDL wait (_gemv2_kernel's EARLY): on unless KVRELAY_MOE_EARLY=0 (A/B runs;
+    read at each launch, so a CUDA graph keeps the setting it was captured with). Same results either way."""
+    return os.environ.get("KVRELAY_MOE_EARLY") != "0"
 
 
 def moe_gemv(x, ids, route_w, ex, alpha, limit, block_n1=None, block_n2=None, block_k=None, num_warps=None,

@@ -13,6 +13,9 @@ triton_attention.py):
   and before its first store or atomic (a store could overwrite what the previous kernel still reads);
   no program returns before it. Because every program waits for its predecessor's completion, the chain
   is transitive: a kernel two launches later sees everything the first one wrote.
+  One exception, argued where it is made: the MoE's GEMV2 (kernels/moe_gemv.py) reads the router's outputs,
+  written TWO kernels back, before its wait. A kernel launches only once every program of the one before
+  has passed its own wait, so the kernel before that has completed and its writes are visible by then.
 - `launch_dependents(USE_PDL)` right after the wait (`enter` does both). The next kernel then launches
   once every program of this one is past its wait, i.e. once the previous kernel has finished: at most
   two kernels overlap, and the next one's programs only take SM slots after all of this kernel's

@@ -92,7 +92,7 @@ def _spec(kernel, types: dict, consts: dict, *, early_loads: tuple[str, ...] = (
     real one's vector widths."""
     tag = "-".join(f"{k}{v}" for k, v in consts.items() if k in id_keys)
     return pytest.param(kernel, types, consts, early_loads, divisible, options,
-                        id=kernel.__name__ + ("-" + tag if tag and ("DELTA" in consts or "SPLIT_K" in consts) else ""))
+                        id=kernel.__name__ + ("-" + tag if tag and ({"DELTA", "SPLIT_K", "EARLY"} & set(consts)) else ""))
 
 
 def _ints(*names):
@@ -151,10 +151,15 @@ KERNELS = [
            **_ints("K_TOP", "Kdim", "s_xt", "s_we", "s_wn", "s_se", "s_sn", "s_be", "s_at")},
           {"FP8": True, "BLOCK_N": 32, "BLOCK_K": 512, "ALPHA": 1.702, "LIMIT": 7.0, "LATE": False},
           num_warps=2, num_stages=2),
-    _spec(moe_gemv._gemv2_kernel,
-          {"act": P["bf16"], "ids": P["i64"], "route_w": P["bf16"], "w": P["fp8"], "s": P["f32"], "b": P["bf16"],
-           "y": P["f32"], **_ints("Kdim", "Ndim", "s_at", "s_we", "s_wn", "s_se", "s_sn", "s_be", "s_yt")},
-          {"FP8": True, "BLOCK_N": 16, "BLOCK_K": 512, "LATE": False}, num_warps=4, num_stages=3),
+    # loads before its wait: the router's ids and routing weights (two kernels back), the expert's bias, first
+    # weight tile and scales (EARLY, the default); and the variant that waits first (KVRELAY_MOE_EARLY=0)
+    *(_spec(moe_gemv._gemv2_kernel,
+            {"act": P["bf16"], "ids": P["i64"], "route_w": P["bf16"], "w": P["fp8"], "s": P["f32"], "b": P["bf16"],
+             "y": P["f32"], **_ints("Kdim", "Ndim", "s_at", "s_we", "s_wn", "s_se", "s_sn", "s_be", "s_yt")},
+            {"FP8": True, "BLOCK_N": 16, "BLOCK_K": 512, "LATE": late, "EARLY": early},
+            early_loads=("ids", "route_w", "w", "s", "b") if early else (), id_keys=("EARLY", "LATE"),
+            num_warps=4, num_stages=3)
+      for early, late in ((True, False), (True, True), (False, False))),
     # the decode QKV / O projections (Fp8BlockLinear's gemv-* backends): loads its first K step's weight tile and
     # weight scales before its wait; split 1 (the direct store) and split-K (partials, arrival counters), one
     # row and a decode batch's row group, with the launcher's multiple-of-16 specialisations

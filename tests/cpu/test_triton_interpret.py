@@ -112,6 +112,14 @@ def test_moe_decode_gemv_interpreted():
         alt = moe_gemv(x, ids, wts, experts, 1.702, 7.0, config=cfg)
         assert refs.rel_err(alt, ref) < 2e-2
         assert refs.rel_err(alt, out) < 1e-2, late
+        # GEMV2's first K step peeled ahead of the PDL wait (EARLY, the default) or not: the same bits
+        import os
+        os.environ["KVRELAY_MOE_EARLY"] = "0"
+        try:
+            waits_first = moe_gemv(x, ids, wts, experts, 1.702, 7.0, config=cfg, combine=False)
+        finally:
+            del os.environ["KVRELAY_MOE_EARLY"]
+        assert torch.equal(moe_gemv(x, ids, wts, experts, 1.702, 7.0, config=cfg, combine=False), waits_first), late
 
 
 @_interpreted

@@ -187,3 +187,50 @@ def test_back_to_back_fp8_gemv_launches_on_one_counter_set(k, n, monkeypatch):
         assert not lin[tiles[0]]._counters.any(), "a launch left its counters non-zero"
         for i, (t, (xq, sx), m) in enumerate(plan):
             assert torch.equal(outs[i], lin[t].run_quantized(xq, sx, m)), (rep, i, t, m)
+
+
+@pytest.mark.parametrize("t,e", [(1, 32), (4, 128)])
+def test_moe_gemv_chains_follow_new_routing_every_replay(t, e, monkeypatch):
+    """20 routed MoE blocks in a row (router -> GEMV1 -> GEMV2 -> combine), captured with PDL, where GEMV2 reads
+    the router's ids and routing weights ahead of its wait (kernels/moe_gemv.py EARLY): with new inputs, hence
+    new experts, at every replay, each block's output is bit for bit the eager PDL-off one, and the same as
+    with GEMV2 waiting first (KVRELAY_MOE_EARLY=0)."""
+    from kvrelay.kernels import moe, pdl
+    from kvrelay.kernels.fp8 import quantize_weight_block128
+
+    dev = _pdl_device()
+    g = torch.Generator().manual_seed(31 * t + e)
+    h = i = 2880
+    q1, s1 = quantize_weight_block128((torch.randn(e, 2 * i, h, generator=g) * h ** -0.5).to(dev))
+    q2, s2 = quantize_weight_block128((torch.randn(e, h, i, generator=g) * i ** -0.5).to(dev))
+    ex = moe.MoEWeights.from_fp8(q1, s1, (torch.randn(e, 2 * i, generator=g) * 0.5).bfloat16().to(dev),
+                                 q2, s2, (torch.randn(e, h, generator=g) * 0.5).bfloat16().to(dev))
+    gate_w = (torch.randn(e, h, generator=g) * h ** -0.5).bfloat16().to(dev)
+    gate_b = torch.randn(e, generator=g).bfloat16().to(dev)
+    xs = [torch.randn(t, h, generator=g).bfloat16().to(dev) for _ in range(4)]
+
+    def chain():
+        return [moe.moe_forward(xs[j % 4], gate_w, gate_b, ex, 4, path="gemv") for j in range(20)]
+
+    graphs = {}
+    for early in ("1", "0"):
+        monkeypatch.setenv("KVRELAY_PDL", "1")
+        monkeypatch.setenv("KVRELAY_MOE_EARLY", early)
+        assert pdl.enabled(dev)
+        chain()  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = chain()
+        graphs[early] = (graph, outs)
+    monkeypatch.setenv("KVRELAY_PDL", "0")  # the eager references below: plain launches
+    monkeypatch.setenv("KVRELAY_MOE_EARLY", "0")
+    for rep in range(4):
+        for x in xs:
+            x.copy_(torch.randn(t, h, generator=g).bfloat16().to(dev))
+        ref = [moe.moe_forward(xs[j % 4], gate_w, gate_b, ex, 4, path="gemv") for j in range(20)]
+        for early, (graph, outs) in graphs.items():
+            graph.replay()
+            torch.cuda.synchronize()
+            for j in range(20):
+                assert torch.equal(outs[j], ref[j]), (early, rep, j, (outs[j].float() - ref[j].float()).abs().max())
