@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -194,6 +195,83 @@ def _sink_decode_merge_kernel(o_part, lse_part, sinks, out, s_ob, s_oh,
     tl.store(out + b.to(tl.int64) * s_ob + h * s_oh + offs_d, res.to(out.dtype.element_ty))
 
 
+@triton.jit
+def _sink_decode_merge_quant_kernel(o_part, lse_part, sinks, q_ptr, s_ptr, B, n_cols, s_q, s_sm, s_sk,
+                                    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+                                    USE_PDL: tl.constexpr = False):
+    enter(USE_PDL)  # kernels/pdl.py: the partials are the split kernel's, just written
+    # _sink_decode_merge_kernel's math for the heads of one 128-wide block of the flattened output row b,
+    # rounded to bf16 as its store rounds, then kernels/fp8_gemm.py _quant_act_kernel's 1x128 quantisation
+    # for the output projection: one launch instead of two. Rows >= B (M padding) come out as zeros with
+    # the floor scale, as quantize_act_1x128 writes them.
+    b = tl.program_id(0)
+    kb = tl.program_id(1)
+    c = kb * 128 + tl.arange(0, 128)
+    ok = (c < n_cols) & (c * 0 + b < B)
+    h = c // HEAD_DIM
+    n_heads = n_cols // HEAD_DIM
+    sp = tl.arange(0, SPLITS_P2)
+    row = (b.to(tl.int64) * n_heads + h) * NUM_SPLITS  # [128]: each column's head's first partial
+    ok2 = (sp[:, None] < NUM_SPLITS) & ok[None, :]
+    lse = tl.load(lse_part + row[None, :] + sp[:, None], mask=ok2, other=float("-inf"))
+    sink = tl.load(sinks + h, mask=ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    m = tl.maximum(tl.max(lse, 0), sink)  # finite: the sink is always there
+    w = tl.exp2(lse - m[None, :])
+    denom = tl.sum(w, 0) + tl.exp2(sink - m)
+    o = tl.load(o_part + (row[None, :] + sp[:, None]) * HEAD_DIM + (c % HEAD_DIM)[None, :], mask=ok2, other=0.0)
+    v = (tl.sum(o * w, 0) / denom).to(tl.bfloat16).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(v), 0), 1e-12) / 448.0
+    qv = tl.minimum(tl.maximum(v / scale, -448.0), 448.0)
+    tl.store(q_ptr + b.to(tl.int64) * s_q + c, qv.to(q_ptr.dtype.element_ty))
+    tl.store(s_ptr + b * s_sm + kb * s_sk, scale)
+
+
+@dataclass
+class MergePending:
+    """A split-KV decode whose merge (and sink) is still to run: the partials of `sink_decode(...,
+    merge=False)` for `batch` rows of `n_heads` heads. `apply` merges into a [B, Hq, D] output like
+    sink_decode; `quantize` merges straight into the output projection's FP8 input (one launch)."""
+
+    o_part: torch.Tensor
+    lse_part: torch.Tensor
+    sinks: torch.Tensor
+    batch: int
+    n_heads: int
+    head_dim: int
+    num_splits: int
+    dtype: torch.dtype
+
+    def apply(self) -> torch.Tensor:
+        out = torch.empty(self.batch, self.n_heads, self.head_dim, dtype=self.dtype, device=self.o_part.device)
+        _merge(self, out)
+        return out
+
+    def quantize(self, quant_k: int):
+        """(fp8 [Bp, Kp], scale f32 [Bp, Kp/128] M-major, Bp = B rounded up to 4): what
+        kernels.fp8_gemm.quantize_act_1x128(self.apply().reshape(B, -1), quant_k) returns, in one launch
+        (same math; only the fp32 order of the merge's sums over splits may differ)."""
+        b, n_cols = self.batch, self.n_heads * self.head_dim
+        if quant_k % 128 or quant_k < n_cols or self.dtype != torch.bfloat16:
+            raise ValueError(f"MergePending.quantize: quant_k {quant_k} must be a multiple of 128 and >= {n_cols}, "
+                             f"and the output bf16 (got {self.dtype})")
+        bp = -(-b // 4) * 4
+        q = torch.empty(bp, quant_k, dtype=torch.float8_e4m3fn, device=self.o_part.device)
+        s = torch.empty(quant_k // 128, bp, dtype=torch.float32, device=self.o_part.device).t()
+        if bp:
+            _sink_decode_merge_quant_kernel[(bp, quant_k // 128)](
+                self.o_part, self.lse_part, self.sinks, q, s, b, n_cols, q.stride(0), s.stride(0), s.stride(1),
+                HEAD_DIM=self.head_dim, NUM_SPLITS=self.num_splits,
+                SPLITS_P2=triton.next_power_of_2(self.num_splits), num_warps=4, **pdl_kwargs(q.device))
+        return q, s
+
+
+def _merge(p: MergePending, out: torch.Tensor) -> None:
+    _sink_decode_merge_kernel[(p.batch, p.n_heads)](
+        p.o_part, p.lse_part, p.sinks, out, out.stride(0), out.stride(1),
+        HEAD_DIM=p.head_dim, NUM_SPLITS=p.num_splits, SPLITS_P2=triton.next_power_of_2(p.num_splits), num_warps=1,
+        **pdl_kwargs(out.device))
+
+
 def _window_arg(window: int | None) -> int:
     return 0 if window is None or window <= 0 else int(window)
 
@@ -266,8 +344,10 @@ def sink_decode(q: torch.Tensor, pool: torch.Tensor, sinks: torch.Tensor, kv_ind
                 kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor, *, sm_scale: float,
                 window: int | None, out: torch.Tensor | None = None, num_splits: int | None = None,
                 block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
-                workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Split-KV decode: q [B, Hq, D] (one new token per sequence, already in the pool) -> [B, Hq, D].
+                workspace: tuple[torch.Tensor, torch.Tensor] | None = None, merge: bool = True):
+    """Split-KV decode: q [B, Hq, D] (one new token per sequence, already in the pool) -> [B, Hq, D], or
+    with merge=False the split kernel's partials as a MergePending (the output projection then merges
+    them into its FP8 input in one launch, MergePending.quantize).
 
     Graph-safe: reads all lengths on the device; `num_splits` and `workspace` fixed per batch size (a
     workspace from decode_workspace for at least this batch and split count; a larger one is fine).
@@ -278,7 +358,7 @@ def sink_decode(q: torch.Tensor, pool: torch.Tensor, sinks: torch.Tensor, kv_ind
     if num_splits is None:
         num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
         num_splits = default_num_splits(batch, kv_heads, num_sms=num_sms, block_n=block_n, window=window)
-    if out is None:
+    if out is None and merge:
         out = torch.empty_like(q)
     if workspace is None:
         workspace = decode_workspace(batch, n_heads, head_dim, num_splits, q.device)
@@ -293,10 +373,10 @@ def sink_decode(q: torch.Tensor, pool: torch.Tensor, sinks: torch.Tensor, kv_ind
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, F32=INTERPRET, num_warps=num_warps, num_stages=num_stages,
         **pdl_kwargs(q.device))
-    _sink_decode_merge_kernel[(batch, n_heads)](
-        o_part, lse_part, sinks, out, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits), num_warps=1,
-        **pdl_kwargs(q.device))
+    pending = MergePending(o_part, lse_part, sinks, batch, n_heads, head_dim, num_splits, q.dtype)
+    if not merge:
+        return pending
+    _merge(pending, out)
     return out
 
 

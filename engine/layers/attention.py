@@ -121,6 +121,16 @@ class Attention:
 
                 xq, sx = sink_correct_quantize(o.out, o.lse, o.sinks, kp)
                 return self.out.run_quantized(xq, sx, o.out.shape[0], o.out.dtype)
+        from kvrelay.kernels.triton_attention import MergePending
+
+        if isinstance(o, MergePending):
+            # a Triton split-KV decode: its merge (with the sink) runs fused with the quantisation
+            kp = self.out.quant_k
+            if kp is None or o.dtype != torch.bfloat16:
+                o = o.apply()
+            else:
+                xq, sx = o.quantize(kp)
+                return self.out.run_quantized(xq, sx, o.batch, o.dtype)
         return self.out(o.reshape(-1, self.heads.num_q * self.head_dim))
 
 
@@ -276,8 +286,8 @@ class GpuAttention(BatchAttention):
                                batch.host["kv_last_page_len"][g])
 
     def run(self, q, pool, group, sinks, sm_scale, window, defer_sink: bool = False):
-        """-> [T, Hq, D]; a FlashInfer decode asked for defer_sink returns a SinkPending instead, a Triton
-        decode (its merge applies the sink) always the finished output."""
+        """-> [T, Hq, D]; a decode asked for defer_sink returns a SinkPending (FlashInfer) or a MergePending
+        (Triton split-KV: its merge, which applies the sink, is left to the output projection) instead."""
         from kvrelay.kernels import triton_attention as ta
 
         kv = self.batch.kv[group]
@@ -288,7 +298,7 @@ class GpuAttention(BatchAttention):
                 return self.fi[group].decode(q, pool, sinks)
             return ta.sink_decode(q, pool, sinks, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len,
                                   sm_scale=sm_scale, window=window, num_splits=self.decode_splits[group],
-                                  block_n=self.DECODE_BLOCK_N, workspace=self._ws)
+                                  block_n=self.DECODE_BLOCK_N, workspace=self._ws, merge=not defer_sink)
         if self.prefill_kind[group] == "flashinfer":
             return self.fi[group].prefill(q, pool, sinks)
         return ta.sink_prefill(q, pool, sinks, self.batch.qo_indptr, kv.kv_indptr, kv.kv_indices,

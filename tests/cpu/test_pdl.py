@@ -185,6 +185,11 @@ KERNELS = [
     _spec(triton_attention._sink_decode_merge_kernel,
           {"o_part": P["f32"], "lse_part": P["f32"], "sinks": P["f32"], "out": P["bf16"], **_ints("s_ob", "s_oh")},
           {"HEAD_DIM": 64, "NUM_SPLITS": 2, "SPLITS_P2": 2}, num_warps=1),
+    # the merge fused with the output projection's quantisation (the fused decode path's)
+    _spec(triton_attention._sink_decode_merge_quant_kernel,
+          {"o_part": P["f32"], "lse_part": P["f32"], "sinks": P["f32"], "q_ptr": P["fp8"], "s_ptr": P["f32"],
+           **_ints("B", "n_cols", "s_q", "s_sm", "s_sk")},
+          {"HEAD_DIM": 64, "NUM_SPLITS": 2, "SPLITS_P2": 2}, num_warps=4),
     _spec(moe._route_kernel, {"logits": P["bf16"], "bias": P["bf16"], "w_out": P["bf16"], "id_out": P["i64"],
                               **_ints("T", "E", "s_lt")},
           {"HAS_BIAS": False, "K": 4, "E_P2": 32, "BLOCK_T": 16}),

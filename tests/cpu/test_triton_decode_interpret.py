@@ -83,6 +83,45 @@ def test_sink_decode_window_aware_default_splits_interpreted():
         raise AssertionError("an undersized workspace must be refused")
 
 
+@_interpreted
+def test_merge_quantize_equals_merge_then_quantize_interpreted():
+    # MergePending.quantize (the split partials merged with the sink straight into the output projection's
+    # 1x128 FP8 input, one launch) against the merge kernel's output quantised by quantize_act_1x128: the
+    # same scales and values (up to the fp32 order of the sums over splits), padding rows zero with the
+    # floor scale, and K padded past the heads' columns; the merged values are the reference attention's.
+    from kvrelay.kernels import reference as R
+    from kvrelay.kernels import triton_attention as ta
+    from kvrelay.kernels.fp8_gemm import quantize_act_1x128
+
+    g = torch.Generator().manual_seed(21)
+    heads, kv_heads, d, page = 8, 2, 64, 16
+    for kv_lens, window, splits, quant_k in (([1, 9, 40, 129, 300], None, 3, 512), ([77], 8, 1, 512),
+                                             ([5, 260], None, 8, 640)):
+        b = refs.make_paged_batch(kv_lens, [1] * len(kv_lens), kv_heads, d, page, "cpu", gen=g)
+        q = torch.randn(len(kv_lens), heads, d, generator=g).bfloat16()
+        sinks = torch.randn(heads, generator=g) + 4
+        pending = ta.sink_decode(q, b.pool, sinks, b.kv_indptr, b.kv_indices, b.kv_last_page_len, sm_scale=0.125,
+                                 window=window, num_splits=splits, merge=False)
+        assert isinstance(pending, ta.MergePending) and pending.num_splits == splits
+        merged = pending.apply()
+        kv = R.PagedKV(b.kv_indptr, b.kv_indices, b.kv_last_page_len)
+        qo = torch.arange(len(kv_lens) + 1, dtype=torch.int32)
+        assert refs.rel_err(merged, R.paged_attention(q.float(), b.pool.float(), qo, kv, sinks, 0.125, window)) < 1e-2
+        xq, sx = pending.quantize(quant_k)
+        wq, wsx = quantize_act_1x128(merged.reshape(len(kv_lens), -1), quant_k)
+        assert xq.shape == wq.shape and sx.shape == wsx.shape and sx.stride() == wsx.stride()
+        assert torch.allclose(sx, wsx, rtol=1e-2, atol=0), (kv_lens, (sx - wsx).abs().max())
+        got, want = xq.float() * sx.repeat_interleave(128, 1), wq.float() * wsx.repeat_interleave(128, 1)
+        assert refs.rel_err(got, want) < 2e-2, (kv_lens, refs.rel_err(got, want))
+        assert not got[len(kv_lens):].any() and not got[:, heads * d:].any()
+    try:
+        pending.quantize(100)
+    except ValueError as exc:
+        assert "quant_k" in str(exc)
+    else:
+        raise AssertionError("a quant_k that is not a multiple of 128 must be refused")
+
+
 class _RecordingFlashInfer:
     """Stands in for kernels.attention.FlashInferSinkAttention (no flashinfer on CPU): records which layer
     kinds were built and planned; its decode returns zeros, enough to tell who answered."""
@@ -129,6 +168,7 @@ def test_gpu_attention_sends_chosen_groups_to_triton_decode_interpreted():
     from types import SimpleNamespace
 
     from kvrelay.engine.layers.attention import GpuAttention, SinkPending
+    from kvrelay.kernels.triton_attention import MergePending
     from kvrelay.kernels import attention as fa
     from kvrelay.kernels import reference as R
     from kvrelay.kernels import select
@@ -163,8 +203,10 @@ def test_gpu_attention_sends_chosen_groups_to_triton_decode_interpreted():
         for _ in range(2):
             att.plan_replay(lay, {w: 0 for w in windows})
             assert isinstance(att.run(q, pools["full"], "full", sinks, 0.125, None, defer_sink=True), SinkPending)
-            out = att.run(q, pools["sliding"], "sliding", sinks, 0.125, window, defer_sink=True)
-            assert isinstance(out, torch.Tensor) and att._ws is ws
+            pending = att.run(q, pools["sliding"], "sliding", sinks, 0.125, window, defer_sink=True)
+            assert isinstance(pending, MergePending) and att._ws is ws and pending.num_splits == 1
+            out = pending.apply()
+            assert torch.equal(out, att.run(q, pools["sliding"], "sliding", sinks, 0.125, window))
         assert _RecordingFlashInfer.planned == [None, None]  # the sliding group never planned by FlashInfer
         ref = R.paged_attention(q.float(), pools["sliding"].float(), lay.qo_indptr, lay.kv["sliding"], sinks, 0.125,
                                 window)
@@ -178,7 +220,7 @@ def test_gpu_attention_sends_chosen_groups_to_triton_decode_interpreted():
         eager.plan(lay)
         assert eager.decode_kind == {"full": "triton", "sliding": "triton"} and not _RecordingFlashInfer.planned
         ws = eager._ws
-        out = eager.run(q, pools["full"], "full", sinks, 0.125, None, defer_sink=True)
+        out = eager.run(q, pools["full"], "full", sinks, 0.125, None, defer_sink=True).apply()
         ref = R.paged_attention(q.float(), pools["full"].float(), lay.qo_indptr, lay.kv["full"], sinks, 0.125, None)
         assert refs.rel_err(out, ref) < 1e-2
         small, _ = _decode_batch([5], windows, heads, kv_heads, d, page, g)
@@ -196,8 +238,8 @@ def test_gpu_attention_sends_chosen_groups_to_triton_decode_interpreted():
 @_interpreted
 def test_model_fused_path_takes_finished_triton_decode_interpreted():
     # The fused model path asks GpuAttention.run to defer the sink (defer_sink=True); a Triton-decoded
-    # group answers with the finished output instead of a SinkPending, which Block.attend /
-    # Attention.project_out take as is: the same GPU-kernel model (fused glue) with its attention on the
+    # group answers with its split partials (a MergePending), which Attention.project_out merges (bf16
+    # weights: MergePending.apply; FP8: merged straight into the quantised input): the same GPU-kernel model (fused glue) with its attention on the
     # Triton kernels and on kernels/reference.py gives the same logits, prefill and decode steps, sliding
     # window (8) crossed. (The interpreted glue itself is compared with the CPU path in test_fused_kernels.)
     from kvrelay.engine.config import PRESETS

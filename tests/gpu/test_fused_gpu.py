@@ -194,6 +194,45 @@ def test_sink_correct_quantize_equals_correction_then_quantiser(b, heads, d):
     assert not ((deq - raw).abs() <= raw.abs() * 2 ** -4 + 1e-3).all()  # the sink was applied
 
 
+@pytest.mark.parametrize("b,splits,window", [(1, 64, None), (1, 2, 128), (8, 9, None), (64, 2, None), (3, 1, 128)])
+def test_merge_quantize_equals_merge_then_quantiser(b, splits, window):
+    """MergePending.quantize (the Triton split-KV decode's merge + sink fused with the output projection's
+    1x128 FP8 quantisation) against the merge kernel's output through quantize_act_1x128: the same scales
+    and FP8 values up to the fp32 order of the sums over splits (at most one FP8 step apart, rarely),
+    padding rows zero with the floor scale; and the merged values are the float32 reference attention's."""
+    from kvrelay.kernels import reference as R
+    from kvrelay.kernels import triton_attention as ta
+    from kvrelay.kernels.fp8 import dequantize_act_1x128
+    from kvrelay.kernels.fp8_gemm import quantize_act_1x128
+    from kernel_refs import make_paged_batch, rel_err
+
+    dev = _cuda()
+    g = torch.Generator().manual_seed(b * 100 + splits)
+    heads, kv_heads, d, page = 64, 8, 64, 16
+    kv_lens = torch.randint(1, 3000, (b,), generator=g).tolist()
+    pb = make_paged_batch(kv_lens, [1] * b, kv_heads, d, page, dev, gen=g)
+    q = torch.randn(b, heads, d, generator=g).bfloat16().to(dev)
+    sinks = (torch.randn(heads, generator=g) + 2).to(dev)
+    pending = ta.sink_decode(q, pb.pool, sinks, pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len, sm_scale=0.125,
+                             window=window, num_splits=splits, merge=False)
+    poison_allocator(1 << 22)
+    xq, sx = pending.quantize(heads * d)
+    merged = pending.apply()
+    cq, cs = quantize_act_1x128(merged.reshape(b, -1), heads * d)
+    assert xq.shape == cq.shape and sx.stride() == cs.stride()
+    assert torch.allclose(sx, cs, rtol=2 ** -7, atol=0)
+    same = (_bits(xq) == _bits(cq)).float().mean().item()
+    assert same > 0.99, same
+    got = dequantize_act_1x128(xq[:b], sx[:b])
+    want = dequantize_act_1x128(cq[:b], cs[:b])
+    assert ((got - want).abs() <= want.abs() * 2 ** -3 + sx[:b].repeat_interleave(128, -1) * 2 ** -6).all()
+    assert not _bits(xq[b:]).any()
+    kv = R.PagedKV(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    qo = torch.arange(b + 1, dtype=torch.int32, device=dev)
+    ref = R.paged_attention(q.float(), pb.pool.float(), qo, kv, sinks, 0.125, window)
+    assert rel_err(merged, ref) < 1e-2
+
+
 @pytest.mark.parametrize("t,e", [(1, 32), (1, 128), (8, 32), (64, 128)])
 def test_router_logits_match_cublas_and_float32(t, e):
     from kvrelay.kernels.fused import router_logits

@@ -87,7 +87,10 @@ def test_model_decode_steps_equal_with_and_without_pdl(quant, decode, gemv, monk
                 assert _launched_with_pdl(k), k.__name__
             if decode == "triton":
                 assert r.attn.decode_kind == {"full": "triton", "sliding": "triton"}
-                for k in (triton_attention._sink_decode_split_kernel, triton_attention._sink_decode_merge_kernel):
+                # the merge runs fused with the output projection's FP8 quantisation (MergePending.quantize)
+                merge = (triton_attention._sink_decode_merge_quant_kernel if quant == "fp8-block128"
+                         else triton_attention._sink_decode_merge_kernel)
+                for k in (triton_attention._sink_decode_split_kernel, merge):
                     assert _launched_with_pdl(k), k.__name__
     for i, (off, on) in enumerate(zip(steps["0"], steps["1"])):
         assert torch.equal(off, on), f"step {i}: PDL changed the logits ({(off.float() - on.float()).abs().max()})"
