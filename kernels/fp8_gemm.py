@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .fp8_gemv import Fp8GemvLaunch, new_counters, triton_fp8_gemv
+from .pdl import enter, pdl_kwargs
 
 BLOCK = 128
 FP8 = torch.float8_e4m3fn
@@ -33,7 +34,8 @@ _log = logging.getLogger(__name__)
 
 
 @triton.jit
-def _quant_act_kernel(x, q, s, M, K, s_xm, s_qm, s_sm, s_sk, BLOCK_K: tl.constexpr):
+def _quant_act_kernel(x, q, s, M, K, s_xm, s_qm, s_sm, s_sk, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+    enter(USE_PDL)  # kernels/pdl.py: before any load (x is the previous kernel's) or store
     # One program per (row, 128-wide K block); columns >= K and rows >= M (padding) are written as zeros.
     m = tl.program_id(0)
     kb = tl.program_id(1)
@@ -48,7 +50,8 @@ def _quant_act_kernel(x, q, s, M, K, s_xm, s_qm, s_sm, s_sk, BLOCK_K: tl.constex
 
 @triton.jit
 def _quant_act_tile_kernel(x, q, s, M, MP, K, s_xm, s_qm, s_sm, s_sk, BLOCK_M: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
+                           BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+    enter(USE_PDL)  # kernels/pdl.py: before any load or store
     # Prefill sizes: one program per (BLOCK_M rows, 128-wide K block), the same math per 1x128 group as
     # _quant_act_kernel (max-abs, floor, / 448, divide, clamp, one cast); rows in [M, MP) are padding
     # (zeros, floor scale), rows >= MP of the last tile are not stored.
@@ -93,11 +96,11 @@ def quantize_act_1x128(x: torch.Tensor, k_padded: int | None = None, m_major: bo
     block_m, num_warps = tile
     if mp and block_m == 1:
         _quant_act_kernel[(mp, kb)](x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
-                                    BLOCK_K=BLOCK, num_warps=num_warps)
+                                    BLOCK_K=BLOCK, num_warps=num_warps, **pdl_kwargs(x.device))
     elif mp:
         _quant_act_tile_kernel[(triton.cdiv(mp, block_m), kb)](
             x, q, s, m, mp, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1), BLOCK_M=block_m,
-            BLOCK_K=BLOCK, num_warps=num_warps)
+            BLOCK_K=BLOCK, num_warps=num_warps, **pdl_kwargs(x.device))
     return q, s
 
 

@@ -7,7 +7,7 @@ what needs nothing of N (index math, loads of weights, which no decode kernel wr
 `griddepcontrol.wait` until N has COMPLETED and its writes are visible. Kernel N's
 `griddepcontrol.launch_dependents` (or its end) is what lets N+1 launch.
 
-Rules every kernel here follows (kernels/fused.py, router.py, moe_gemv.py, fp8_gemv.py, attention.py, moe.py,
+Rules every kernel here follows (kernels/fused.py, router.py, moe_gemv.py, fp8_gemv.py, fp8_gemm.py, attention.py, moe.py,
 triton_attention.py):
 - `wait(USE_PDL)` runs in every program, before its first load of anything an earlier kernel may write
   and before its first store or atomic (a store could overwrite what the previous kernel still reads);

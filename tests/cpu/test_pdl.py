@@ -23,7 +23,7 @@ import pytest
 import torch
 import triton
 
-from kvrelay.kernels import attention, fp8_gemv, fused, moe, moe_gemv, pdl, router, triton_attention
+from kvrelay.kernels import attention, fp8_gemm, fp8_gemv, fused, moe, moe_gemv, pdl, router, triton_attention
 
 
 @pytest.fixture
@@ -190,6 +190,12 @@ KERNELS = [
           {"o_part": P["f32"], "lse_part": P["f32"], "sinks": P["f32"], "q_ptr": P["fp8"], "s_ptr": P["f32"],
            **_ints("B", "n_cols", "s_q", "s_sm", "s_sk")},
           {"HEAD_DIM": 64, "NUM_SPLITS": 2, "SPLITS_P2": 2}, num_warps=4),
+    # the 1x128 activation quantiser (the grouped MoE GEMMs' inputs, the unfused path): one-row and tiled
+    _spec(fp8_gemm._quant_act_kernel, {"x": P["bf16"], "q": P["fp8"], "s": P["f32"],
+                                       **_ints("M", "K", "s_xm", "s_qm", "s_sm", "s_sk")}, {"BLOCK_K": 128}),
+    _spec(fp8_gemm._quant_act_tile_kernel, {"x": P["bf16"], "q": P["fp8"], "s": P["f32"],
+                                            **_ints("M", "MP", "K", "s_xm", "s_qm", "s_sm", "s_sk")},
+          {"BLOCK_M": 64, "BLOCK_K": 128}),
     _spec(moe._route_kernel, {"logits": P["bf16"], "bias": P["bf16"], "w_out": P["bf16"], "id_out": P["i64"],
                               **_ints("T", "E", "s_lt")},
           {"HAS_BIAS": False, "K": 4, "E_P2": 32, "BLOCK_T": 16}),
