@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from kvrelay.engine.kv_geometry import GROUPS, pages_spanned
+from kvrelay.engine.staging import StagingRing, pack
 from kvrelay.kernels.reference import PagedKV
 
 
@@ -28,7 +29,9 @@ class BatchLayout:
     Tokens are laid out ragged, sequence after sequence (qo_indptr); `logit_rows` are the rows of each
     sequence's last new token. `host` holds CPU copies (pinned on a CUDA device) of the small index
     arrays that planners read on the host (FlashInfer's plan, Triton's tile plan): "qo_indptr" and per
-    group "kv_indptr"/"kv_last_page_len", so planning never waits for the device."""
+    group "kv_indptr"/"kv_last_page_len", so planning never waits for the device. A layout made from a
+    staging ring (a Runner's forward, engine/staging.py) has host copies in the ring's slot: read them
+    while that forward is set up, not after the ring comes round to the slot again."""
 
     qo_indptr: torch.Tensor
     positions: torch.Tensor
@@ -159,15 +162,17 @@ def plan_decode(seqs: list, *, page_size: int, max_context: int) -> dict:
     return out
 
 
-def layout(lists: dict, device: torch.device) -> BatchLayout:
-    """The BatchLayout on `device` of a `plan_lists` (or `plan_arrays`) result."""
+def layout(lists: dict, device: torch.device, staging: StagingRing | None = None) -> BatchLayout:
+    """The BatchLayout on `device` of a `plan_lists` (or `plan_arrays`) result. `staging`: the ring whose
+    current slot holds the host arrays (a Runner's, on CUDA); without one a CUDA layout takes fresh pinned
+    memory and a CPU layout stays as it is, tensors made one by one."""
     qo, positions, rows = lists["qo"], lists["positions"], lists["rows"]
     indptr, indices, last_len = lists["indptr"], lists["indices"], lists["last_len"]
     w_pages, w_offsets = lists["w_pages"], lists["w_offsets"]
     n_tok, n_seq = len(positions), len(rows)
     host = {"qo_indptr": qo, "kv_indptr": indptr, "kv_last_page_len": last_len, "positions": positions,
             "write_pages": w_pages, "write_offsets": w_offsets}
-    if device.type != "cuda":
+    if device.type != "cuda" and staging is None:
         def t(x: list[int], dtype=torch.int32) -> torch.Tensor:
             return torch.tensor(x, dtype=dtype, device=device)
 
@@ -183,50 +188,30 @@ def layout(lists: dict, device: torch.device) -> BatchLayout:
                       if isinstance(v, dict) else torch.tensor(v, dtype=_HOST_DTYPE.get(k, torch.int32)))
                   for k, v in host.items()},
         )
-    # CUDA: every array in two pinned host buffers (int64 for indexing, int32 for the attention
-    # kernels), two asynchronous copies, device views; no copy from pageable memory (which would
-    # wait for the stream) and no per-layer host work.
-    parts64 = [("positions", positions), ("logit_rows", rows)]
-    parts64 += [(("wp", g), w_pages[g]) for g in GROUPS] + [(("wo", g), w_offsets[g]) for g in GROUPS]
-    parts32 = [("qo", qo)] + [(("ip", g), indptr[g]) for g in GROUPS]
-    parts32 += [(("ix", g), indices[g]) for g in GROUPS] + [(("ll", g), last_len[g]) for g in GROUPS]
-    v64, h64 = _pack(parts64, torch.int64, device)
-    v32, h32 = _pack(parts32, torch.int32, device)
+    # CUDA: every array in one pinned host buffer (int64 for indexing, int32 for the attention kernels),
+    # one asynchronous copy, device views; no copy from pageable memory (which would wait for the stream)
+    # and no per-layer host work.
+    i64, i32 = torch.int64, torch.int32
+    parts = [("positions", positions, i64), ("logit_rows", rows, i64)]
+    parts += [(("wp", g), w_pages[g], i64) for g in GROUPS] + [(("wo", g), w_offsets[g], i64) for g in GROUPS]
+    parts += [("qo", qo, i32)] + [(("ip", g), indptr[g], i32) for g in GROUPS]
+    parts += [(("ix", g), indices[g], i32) for g in GROUPS] + [(("ll", g), last_len[g], i32) for g in GROUPS]
+    dev, hv = pack(parts, device, staging)
     return BatchLayout(
-        qo_indptr=v32["qo"],
-        positions=v64["positions"],
-        logit_rows=v64["logit_rows"],
-        kv={g: PagedKV(v32[("ip", g)], v32[("ix", g)], v32[("ll", g)]) for g in GROUPS},
-        write_pages={g: v64[("wp", g)] for g in GROUPS},
-        write_offsets={g: v64[("wo", g)] for g in GROUPS},
+        qo_indptr=dev["qo"],
+        positions=dev["positions"],
+        logit_rows=dev["logit_rows"],
+        kv={g: PagedKV(dev[("ip", g)], dev[("ix", g)], dev[("ll", g)]) for g in GROUPS},
+        write_pages={g: dev[("wp", g)] for g in GROUPS},
+        write_offsets={g: dev[("wo", g)] for g in GROUPS},
         num_tokens=n_tok, num_seqs=n_seq,
-        host={"qo_indptr": h32["qo"], "kv_indptr": {g: h32[("ip", g)] for g in GROUPS},
-              "kv_last_page_len": {g: h32[("ll", g)] for g in GROUPS},
+        host={"qo_indptr": hv["qo"], "kv_indptr": {g: hv[("ip", g)] for g in GROUPS},
+              "kv_last_page_len": {g: hv[("ll", g)] for g in GROUPS},
               # what a piecewise graph step copies into its fixed buffers (engine/cuda_graph.py)
-              "positions": h64["positions"], "write_pages": {g: h64[("wp", g)] for g in GROUPS},
-              "write_offsets": {g: h64[("wo", g)] for g in GROUPS}},
+              "positions": hv["positions"], "write_pages": {g: hv[("wp", g)] for g in GROUPS},
+              "write_offsets": {g: hv[("wo", g)] for g in GROUPS}},
     )
 
 
 # Host copies that index rows (int64, as on the device); the rest are the attention kernels' int32.
 _HOST_DTYPE = {"positions": torch.long, "write_pages": torch.long, "write_offsets": torch.long}
-
-
-def _flat(parts: list[tuple], dtype: torch.dtype) -> tuple[torch.Tensor, list[tuple]]:
-    """Concatenate int lists or numpy arrays into one host tensor of `dtype`: (tensor, [(key, offset, n)])."""
-    spans, arrays, o = [], [], 0
-    for key, values in parts:
-        spans.append((key, o, len(values)))
-        o += len(values)
-        arrays.append(np.asarray(values, dtype=np.int64))
-    flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
-    return torch.from_numpy(flat).to(dtype), spans
-
-
-def _pack(parts: list[tuple], dtype: torch.dtype, device: torch.device):
-    """Concatenate int lists (or numpy arrays) into one pinned host tensor, copy it to `device`
-    asynchronously, and return ({key: device view}, {key: host view})."""
-    host, spans = _flat(parts, dtype)
-    host = host.pin_memory()
-    dev = host.to(device, non_blocking=True)
-    return ({k: dev[o: o + n] for k, o, n in spans}, {k: host[o: o + n] for k, o, n in spans})

@@ -65,9 +65,12 @@ class PageAllocator:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise OutOfPages(f"need {n} pages, {len(self._free)} free of {self.num_pages}")
-        pages = [self._free.pop() for _ in range(n)]
-        for p in pages:
-            self._refs[p] = 1
+        # the last n free ids, last first (what n pops give), without a Python loop over pages: an
+        # 8192-token prompt takes 513 pages a group before its forward's first kernel
+        k = len(self._free) - n
+        pages = self._free[k:][::-1]
+        del self._free[k:]
+        self._refs.update(dict.fromkeys(pages, 1))
         return pages
 
     def share(self, pages) -> None:
@@ -413,13 +416,14 @@ class KVCache:
         return batch_plan.plan_decode([self.seqs[sid] for sid in seq_ids], page_size=self.page_size,
                                       max_context=self.cfg.max_context)
 
-    def plan(self, batch: list[tuple[Hashable, int]]) -> BatchLayout:
+    def plan(self, batch: list[tuple[Hashable, int]], staging=None) -> BatchLayout:
         """Layout for appending n_new tokens to each (already reserved) sequence, in order. Long batches
         are planned as numpy arrays (batch_plan.plan_arrays, no Python loop over tokens), short ones as
-        lists (cheaper for a few tokens); both give the same layout."""
+        lists (cheaper for a few tokens); both give the same layout. `staging`: the caller's
+        engine/staging.StagingRing, whose current slot takes the host arrays (batch_plan.layout)."""
         if sum(n for _, n in batch) >= batch_plan.ARRAYS_MIN_TOKENS:
             lists = batch_plan.plan_arrays([(sid, self.seqs[sid], n) for sid, n in batch], page_size=self.page_size,
                                            max_context=self.cfg.max_context)
         else:
             lists = self.plan_lists(batch)
-        return batch_plan.layout(lists, self.device)
+        return batch_plan.layout(lists, self.device, staging)

@@ -6,11 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from kvrelay.engine import partition
 from kvrelay.engine.layers.linear import Linear, Shard, WeightGetter
 from kvrelay.engine.partition import HeadRange
+from kvrelay.engine.staging import StagingRing, pack
 from kvrelay.kernels.reference import apply_rotary, write_kv
 
 
@@ -225,6 +227,7 @@ class GpuAttention(BatchAttention):
         if graph_batch is not None:
             self._triton_decode_setup(graph_batch)
         self.tiles = None
+        self._tile_staging = None  # engine/staging.StagingRing of the tile lists, on CUDA (made at first use)
 
     def _decode_kinds(self, batch: int | None) -> dict[str, str]:
         from kvrelay.kernels import select
@@ -263,16 +266,21 @@ class GpuAttention(BatchAttention):
                 self.fi[g].plan_prefill(host["qo_indptr"], host["kv_indptr"][g], batch.kv[g].kv_indices,
                                         host["kv_last_page_len"][g])
         if "triton" in self.prefill_kind.values():
-            qo = host["qo_indptr"].tolist()
-            seq, q0 = [], []
-            for b in range(len(qo) - 1):
-                starts = range(0, qo[b + 1] - qo[b], self.block_q)
-                seq += [b] * len(starts)
-                q0 += list(starts)
-            t = torch.tensor([seq, q0], dtype=torch.int32)
+            from kvrelay.kernels.triton_attention import prefill_tiles
+
+            seq, q0 = prefill_tiles(host["qo_indptr"].numpy(), self.block_q)
             if batch.qo_indptr.is_cuda:
-                t = t.pin_memory().to(batch.qo_indptr.device, non_blocking=True)
-            self.tiles = (t[0], t[1])
+                # a ring of its own, one slot per plan (each plan is one forward's), instead of pinning
+                # fresh memory per plan
+                if self._tile_staging is None:
+                    self._tile_staging = StagingRing(batch.qo_indptr.device)
+                self._tile_staging.next()
+                dev, _ = pack([(0, seq, torch.int32), (1, q0, torch.int32)], batch.qo_indptr.device,
+                              self._tile_staging)
+                self.tiles = (dev[0], dev[1])
+            else:
+                t = torch.from_numpy(np.stack([seq, q0]).astype(np.int32))
+                self.tiles = (t[0], t[1])
 
     def plan_replay(self, batch, used: dict[str, int]) -> None:
         """The replay hook of a CUDA-graph decode batch (engine/cuda_graph.DecodeGraphBuffers.prepare):

@@ -281,7 +281,7 @@ def test_plan_arrays_equals_plan_lists():
     sliding pages dropped out of the window, several sequences in one batch, one-token rows among them."""
     import numpy as np
 
-    from kvrelay.engine import batch_plan
+    from kvrelay.engine import batch_plan, staging
 
     kv = KVCache(CFG, num_pages=4096, page_size=4, device="cpu")
     cases = [[("a", 0, 1)], [("b", 0, 300)], [("c", 130, 57)], [("d", 7, 1), ("e", 0, 33), ("f", 1000, 401)],
@@ -305,12 +305,14 @@ def test_plan_arrays_equals_plan_lists():
         assert a.keys() == b.keys()
         for k in a:
             assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
-        # the CUDA branch's one host buffer per dtype, from lists or from arrays
-        parts = [("positions", want["positions"]), ("wp", want["w_pages"]["sliding"]), ("qo", want["qo"])]
-        aparts = [("positions", got["positions"]), ("wp", got["w_pages"]["sliding"]), ("qo", got["qo"])]
+        # the CUDA branch's one host buffer (engine/staging.pack), from lists or from arrays, the same
         for dt in (torch.int64, torch.int32):
-            (ha, sa), (hb, sb) = batch_plan._flat(parts, dt), batch_plan._flat(aparts, dt)
-            assert sa == sb and ha.dtype == hb.dtype == dt and torch.equal(ha, hb)
+            parts, aparts = ([("positions", p["positions"], dt), ("wp", p["w_pages"]["sliding"], dt), ("qo", p["qo"], dt)]
+                             for p in (want, got))
+            (da, ha), (db, hb) = staging.pack(parts, kv.device), staging.pack(aparts, kv.device)
+            for k in ("positions", "wp", "qo"):
+                assert ha[k].dtype == hb[k].dtype == da[k].dtype == dt and torch.equal(ha[k], hb[k]), k
+                assert torch.equal(da[k], db[k]) and torch.equal(da[k], ha[k]), k
         # KVCache.plan takes the arrays from ARRAYS_MIN_TOKENS new tokens on, with the same layout
         c = _layout_tensors(kv.plan(batch))
         for k in a:
