@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -15,10 +16,10 @@ device: cpu
 """
 
 
-def _cli(*args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
+def _cli(*args: str, timeout: float = 60, env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "kvrelay.cluster.cli", *args], capture_output=True, text=True,
-                         timeout=timeout)
+                         timeout=timeout, env=env)
     return out, time.monotonic() - t0
 
 
@@ -30,17 +31,35 @@ def test_status_of_an_address_where_nothing_listens_fails_fast():
     assert took < 30
 
 
-def test_status_of_an_address_that_is_no_ray_cluster_honours_its_timeout():
-    """Something accepts connections there but never answers as a GCS: Ray's join would wait 10+ minutes."""
+def test_status_of_an_address_that_is_no_ray_cluster_honours_its_timeout(tmp_path):
+    """Something accepts connections there but never answers as a GCS: Ray's join would wait 10+ minutes.
+    With a Ray auth token at hand (as after any local `kvrelay serve`), Ray gets as far as connecting; a
+    machine that never ran a cluster has none, and Ray (2.60) then refuses before it connects (next test)."""
+    env = dict(os.environ, HOME=str(tmp_path), RAY_AUTH_TOKEN="0123456789abcdef0123456789abcdef")
     with socket.socket() as mute:
         mute.bind(("127.0.0.1", 0))
         mute.listen()
         address = f"127.0.0.1:{mute.getsockname()[1]}"
-        out, took = _cli("status", "--address", address, "--timeout", "3")
+        out, took = _cli("status", "--address", address, "--timeout", "3", env=env)
     assert out.returncode == 1
     assert out.stderr.strip().splitlines()[-1] == (
         f"error: no running kvrelay cluster at {address}: something accepts connections there but no Ray "
         "cluster answered within 3 s")
+    assert took < 20
+
+
+def test_status_without_a_ray_auth_token_says_so_at_once(tmp_path):
+    """No token anywhere (a fresh HOME, no RAY_AUTH_TOKEN*): one line naming the missing token, not a hang."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH_TOKEN")}
+    env["HOME"] = str(tmp_path)
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen()
+        address = f"127.0.0.1:{mute.getsockname()[1]}"
+        out, took = _cli("status", "--address", address, "--timeout", "3", env=env)
+    assert out.returncode == 1
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: no running kvrelay cluster at {address}: ") and "token" in last.lower(), last
     assert took < 20
 
 
