@@ -23,6 +23,15 @@ def _cli(*args: str, timeout: float = 60, env: dict | None = None) -> tuple[subp
     return out, time.monotonic() - t0
 
 
+def _status_of_a_mute_listener(env: dict) -> tuple[str, subprocess.CompletedProcess, float]:
+    """`kvrelay status --timeout 3` against a socket that accepts connections and never answers."""
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen()
+        address = f"127.0.0.1:{mute.getsockname()[1]}"
+        return (address, *_cli("status", "--address", address, "--timeout", "3", env=env))
+
+
 def test_status_of_an_address_where_nothing_listens_fails_fast():
     out, took = _cli("status", "--address", "127.0.0.1:1", "--timeout", "2")
     assert out.returncode == 1
@@ -36,11 +45,7 @@ def test_status_of_an_address_that_is_no_ray_cluster_honours_its_timeout(tmp_pat
     With a Ray auth token at hand (as after any local `kvrelay serve`), Ray gets as far as connecting; a
     machine that never ran a cluster has none, and Ray (2.60) then refuses before it connects (next test)."""
     env = dict(os.environ, HOME=str(tmp_path), RAY_AUTH_TOKEN="0123456789abcdef0123456789abcdef")
-    with socket.socket() as mute:
-        mute.bind(("127.0.0.1", 0))
-        mute.listen()
-        address = f"127.0.0.1:{mute.getsockname()[1]}"
-        out, took = _cli("status", "--address", address, "--timeout", "3", env=env)
+    address, out, took = _status_of_a_mute_listener(env)
     assert out.returncode == 1
     assert out.stderr.strip().splitlines()[-1] == (
         f"error: no running kvrelay cluster at {address}: something accepts connections there but no Ray "
@@ -52,11 +57,7 @@ def test_status_without_a_ray_auth_token_says_so_at_once(tmp_path):
     """No token anywhere (a fresh HOME, no RAY_AUTH_TOKEN*): one line naming the missing token, not a hang."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH_TOKEN")}
     env["HOME"] = str(tmp_path)
-    with socket.socket() as mute:
-        mute.bind(("127.0.0.1", 0))
-        mute.listen()
-        address = f"127.0.0.1:{mute.getsockname()[1]}"
-        out, took = _cli("status", "--address", address, "--timeout", "3", env=env)
+    address, out, took = _status_of_a_mute_listener(env)
     assert out.returncode == 1
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: no running kvrelay cluster at {address}: ") and "token" in last.lower(), last
