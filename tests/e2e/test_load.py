@@ -99,9 +99,12 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-def test_idle_workers_use_under_two_percent_of_a_core(running):
+def test_idle_workers_use_under_three_percent_of_a_core(running):
     """Nothing to do, nothing burnt: each worker process (its step loop, NIXL/UCX progress, Ray's own
-    threads) over 10 s of idling after a request."""
+    threads) over 10 s of idling after a request. Measured on the 2-core CI box with Ray 2.60: 1.9-2.1% in
+    all, of which Ray's core-worker main loop ~0.9% (~95 wakeups/s) and NIXL's progress thread, paused
+    5 ms between polls (transfer/nixl.py), ~0.9%; our step loops sleep on a condition. The bound catches
+    a busy poll (the unpaused NIXL thread took 98% of a core) without flaking on Ray's share."""
     run, server = running
     r = httpx.post(f"{server.http_url}/v1/completions", timeout=60,
                    json={"model": run.client.model_name, "prompt": prompt_of(10, 1), "max_tokens": 4})
@@ -112,7 +115,7 @@ def test_idle_workers_use_under_two_percent_of_a_core(running):
     time.sleep(10.0)
     used = {p: (_cpu_seconds(p) - before[p]) / 10.0 for p in pids}
     print(f"\nidle CPU share per worker: {used}")
-    assert all(u < 0.02 for u in used.values()), used
+    assert all(u < 0.03 for u in used.values()), used
 
 
 def test_top_logprobs_across_the_handoff(running, reference):
