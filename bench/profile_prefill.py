@@ -33,8 +33,8 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     # kernels/moe.py routing + sort, kernels/router.py (the fused residual+norm+router of decode sizes
     # counts here: its router GEMV is most of its bytes), kernels/fused.py's router GEMV, moe_gemv's combine
     ("MoE routing/sort/permute/combine",
-     r"_route_kernel|_router_route_kernel|_add_norm_route_kernel|_router_gemv_kernel|_sort_pairs_kernel"
-     r"|combine_kernel"),
+     r"_route_kernel|_router_route_kernel|_add_norm_route_kernel|_router_gemv_kernel"
+     r"|_sort_pairs_kernel|_sort_count_kernel|_sort_place_kernel|combine_kernel"),
     # kernels/fp8_gemm.py's 1x128 quantisation of a GEMM's input (one row per program, or prefill's row tiles)
     ("activation quantisation", r"_quant_act_kernel|_quant_act_tile_kernel"),
     # kernels/fused.py: rotary on q/k, and rotary + the paged KV write in one launch (+ its prefill tiles)
@@ -67,8 +67,8 @@ def categorise(name: str) -> str:
 
 
 # Where a kernel was launched from decides for the kernels whose name says only what library ran them (aten's
-# elementwise/reduce/sort/scan kernels, cuBLAS GEMMs): the router's bf16 GEMM and MoE sort (torch ops above
-# kernels.moe.SORT_KERNEL_MAX_PAIRS pairs, i.e. at prefill), the LM head's GEMM, the first token's argmax.
+# elementwise/reduce/sort/scan kernels, cuBLAS GEMMs): the router's bf16 GEMM and MoE sort (torch ops on
+# a path="torch" sort), the LM head's GEMM, the first token's argmax.
 # (category, regex searched in the Python frames "path(def line): function" of the op that launched the
 # kernel, innermost first); the first rule any frame matches wins, so a rule above beats one below whatever
 # the frames' depth. Our Triton kernels keep their name's category (they are named for what they do).

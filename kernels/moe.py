@@ -190,26 +190,124 @@ def _sort_pairs_kernel(ids, sorted_ids, block_expert, counts_out, n, E, max_bloc
         tl.store(block_expert + b0 + b_ax, be, mask=b0 + b_ax < max_blocks)
 
 
-SORT_KERNEL_MAX_PAIRS = 8192  # above this (long prefill chunks) the torch ops below are faster
+# Pairs up to here: the one-program sort above; past it (prefill), the chunked sort below: one program
+# per CHUNK pairs, so 32,768 pairs (an 8k-token prefill) sort in two launches instead of ~15 torch ops.
+SORT_KERNEL_MAX_PAIRS = 8192
+SORT_CHUNK_PROGRAMS = 128  # the chunked sort's programs for a long batch (CHUNK grows past 128 x BLOCK)
+
+
+# n, CHUNK, chunk and block counts vary with the batch: unspecialised, one compiled kernel serves them all
+@triton.jit(do_not_specialize=["n", "E", "CHUNK"])
+def _sort_count_kernel(ids, chunk_counts, n, E, CHUNK, E_P2: tl.constexpr, BLOCK: tl.constexpr,
+                       USE_PDL: tl.constexpr = False):
+    # The chunked sort's pass 1: program p counts the pairs per expert of its CHUNK pairs into
+    # chunk_counts[p, :E] (every entry written: no zeroing launch).
+    enter(USE_PDL)  # kernels/pdl.py: before any load or store
+    p = tl.program_id(0)
+    e_ax = tl.arange(0, E_P2)
+    offs = tl.arange(0, BLOCK)
+    counts = tl.zeros([E_P2], tl.int32)
+    lo = p * CHUNK
+    for c0 in range(lo, tl.minimum(lo + CHUNK, n), BLOCK):
+        ok = (c0 + offs < n) & (c0 + offs < lo + CHUNK)
+        v = tl.load(ids + c0 + offs, mask=ok, other=E_P2).to(tl.int32)
+        counts += tl.sum((v[:, None] == e_ax[None, :]).to(tl.int32), 0)
+    tl.store(chunk_counts + p * E + e_ax, counts, mask=e_ax < E)
+
+
+@triton.jit(do_not_specialize=["n", "E", "CHUNK", "num_chunks", "max_blocks"])
+def _sort_place_kernel(ids, chunk_counts, sorted_ids, block_expert, counts_out, n, E, CHUNK, num_chunks,
+                       max_blocks, E_P2: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                       QB: tl.constexpr, NB: tl.constexpr, USE_PDL: tl.constexpr = False):
+    # Pass 2: program p sums every chunk's counts (the experts' totals, hence their padded segments) and
+    # those of the chunks before its own (where its pairs of each expert start), then ranks its pairs as
+    # the one-program sort does. Same stable order, padding and block experts as the torch ops; program 0
+    # also writes the padding slots' sentinel, the per-expert counts and the expert of every M block.
+    enter(USE_PDL)  # kernels/pdl.py: before any load or store
+    p = tl.program_id(0)
+    e_ax = tl.arange(0, E_P2)
+    e_ok = e_ax < E
+    q_ax = tl.arange(0, QB)
+    total = tl.zeros([E_P2], tl.int32)
+    before = tl.zeros([E_P2], tl.int32)
+    for q0 in range(0, num_chunks, QB):
+        q = q0 + q_ax
+        cc = tl.load(chunk_counts + q[:, None] * E + e_ax[None, :],
+                     mask=(q < num_chunks)[:, None] & e_ok[None, :], other=0)
+        total += tl.sum(cc, 0)
+        before += tl.sum(tl.where((q < p)[:, None], cc, 0), 0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pend = tl.cumsum(padded, 0)
+    seg = pend - padded
+    seen = before
+    offs = tl.arange(0, BLOCK)
+    lo = p * CHUNK
+    for c0 in range(lo, tl.minimum(lo + CHUNK, n), BLOCK):
+        ok = (c0 + offs < n) & (c0 + offs < lo + CHUNK)
+        v = tl.load(ids + c0 + offs, mask=ok, other=E_P2).to(tl.int32)
+        hot = (v[:, None] == e_ax[None, :]).to(tl.int32)
+        earlier = tl.cumsum(hot, 0) - hot  # earlier pairs of the same expert in this block
+        dest = tl.sum(hot * (seg[None, :] + seen[None, :] + earlier), 1)
+        tl.store(sorted_ids + dest, (c0 + offs).to(tl.int32), mask=ok)
+        seen += tl.sum(hot, 0)
+    if p == 0:
+        tl.store(counts_out + e_ax, total, mask=e_ok)
+        # the padding slots of each expert's segment, [count, padded), hold the sentinel n
+        j = tl.arange(0, BLOCK_M)
+        pad = (seg + total)[:, None] + j[None, :]
+        tl.store(sorted_ids + pad, tl.zeros([E_P2, BLOCK_M], tl.int32) + n,
+                 mask=e_ok[:, None] & (j[None, :] < (padded - total)[:, None]))
+        # blocks past the last segment: a whole block of sentinels, expert E (empty)
+        used = tl.sum(tl.where(e_ok, padded, 0), 0)
+        b_ax = tl.arange(0, NB)
+        ends = tl.where(e_ok, pend, 2147483647)
+        for b0 in range(0, max_blocks, NB):
+            start = (b0 + b_ax) * BLOCK_M
+            be = tl.sum((ends[None, :] <= start[:, None]).to(tl.int32), 1)
+            tl.store(block_expert + b0 + b_ax, be, mask=b0 + b_ax < max_blocks)
+            rows = start[:, None] + j[None, :]
+            tl.store(sorted_ids + rows, tl.zeros([NB, BLOCK_M], tl.int32) + n,
+                     mask=((b0 + b_ax < max_blocks) & (start >= used))[:, None])
 
 
 def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, *, path: str = "auto"):
     """(sorted pair ids padded per expert to block_m with the sentinel T*k, expert of each M block
     (num_experts = empty), count per expert). No host sync: capturable. path "kernel" (one Triton
-    program, for decode-sized batches), "torch", or "auto"."""
+    program, for decode-sized batches), "chunked" (two launches of one program per chunk of pairs, for
+    prefill), "torch", or "auto" (on CUDA: kernel up to SORT_KERNEL_MAX_PAIRS pairs, chunked past it).
+    All three give the same tensors (int32 from the kernels, int64 counts from torch)."""
     flat = ids.reshape(-1)
     n = flat.numel()
-    if path == "kernel" or (path == "auto" and ids.is_cuda and 0 < n <= SORT_KERNEL_MAX_PAIRS):
-        max_blocks = triton.cdiv(n, block_m) + min(num_experts, n)
+    max_blocks = triton.cdiv(n, block_m) + min(num_experts, n)  # sum_e ceil(c_e/BM) <= n/BM + non-empty experts
+    e_p2 = triton.next_power_of_2(num_experts)
+    block = max(16, 8192 // e_p2)
+    if path == "auto" and ids.is_cuda and n > 0:
+        path = "kernel" if n <= SORT_KERNEL_MAX_PAIRS else "chunked"
+    if path == "kernel":
         sorted_ids = torch.full((max_blocks * block_m,), n, dtype=torch.int32, device=ids.device)
         block_expert = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
         counts = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
-        e_p2 = triton.next_power_of_2(num_experts)
         _sort_pairs_kernel[(1,)](flat, sorted_ids, block_expert, counts, n, num_experts, max_blocks,
-                                 E_P2=e_p2, BLOCK=max(16, 8192 // e_p2), BLOCK_M=block_m, NB=64, num_warps=8,
+                                 E_P2=e_p2, BLOCK=block, BLOCK_M=block_m, NB=64, num_warps=8,
                                  **pdl_kwargs(ids.device))
         return sorted_ids, block_expert, counts
-    n = flat.numel()
+    if path == "chunked":
+        chunk = triton.cdiv(triton.cdiv(max(n, 1), SORT_CHUNK_PROGRAMS), block) * block
+        num_chunks = triton.cdiv(max(n, 1), chunk)
+        # Every slot is written by _sort_place_kernel (pairs, padding, whole empty blocks): torch.empty.
+        sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=ids.device)
+        block_expert = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
+        counts = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+        chunk_counts = torch.empty(num_chunks, num_experts, dtype=torch.int32, device=ids.device)
+        pdl = pdl_kwargs(ids.device)
+        _sort_count_kernel[(num_chunks,)](flat, chunk_counts, n, num_experts, chunk, E_P2=e_p2, BLOCK=block,
+                                          num_warps=4, **pdl)
+        _sort_place_kernel[(num_chunks,)](flat, chunk_counts, sorted_ids, block_expert, counts, n, num_experts,
+                                          chunk, num_chunks, max_blocks, E_P2=e_p2, BLOCK=block,
+                                          BLOCK_M=block_m, QB=max(1, 4096 // e_p2), NB=64, num_warps=4, **pdl)
+        return sorted_ids, block_expert, counts
+    if path not in ("torch", "auto"):
+        raise ValueError(f"sort path must be auto, kernel, chunked or torch, got {path!r}")
     counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     pend = torch.cumsum(padded, 0)
@@ -217,8 +315,6 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, *, path: s
     se = flat[order]
     rank = torch.arange(n, device=ids.device) - (torch.cumsum(counts, 0) - counts)[se]
     dest = (pend - padded)[se] + rank
-    # sum_e ceil(c_e / BM) <= n / BM + (number of non-empty experts)
-    max_blocks = triton.cdiv(n, block_m) + min(num_experts, n)
     sorted_ids = torch.full((max_blocks * block_m,), n, dtype=torch.int32, device=ids.device)
     sorted_ids[dest] = order.to(torch.int32)
     starts = torch.arange(max_blocks, device=ids.device) * block_m

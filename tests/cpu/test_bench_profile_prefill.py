@@ -24,6 +24,8 @@ NAMES = {
     "_gemv2_kernel": "MoE expert GEMM",
     "_grouped_kernel": "MoE expert GEMM",
     "_sort_pairs_kernel": "MoE routing/sort/permute/combine",
+    "_sort_count_kernel": "MoE routing/sort/permute/combine",
+    "_sort_place_kernel": "MoE routing/sort/permute/combine",
     "_route_kernel": "MoE routing/sort/permute/combine",
     "_router_route_kernel": "MoE routing/sort/permute/combine",
     "_add_norm_route_kernel": "MoE routing/sort/permute/combine",

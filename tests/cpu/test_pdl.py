@@ -210,6 +210,12 @@ KERNELS = [
     _spec(moe._sort_pairs_kernel, {"ids": P["i64"], "sorted_ids": P["i32"], "block_expert": P["i32"],
                                    "counts_out": P["i32"], **_ints("n", "E", "max_blocks")},
           {"E_P2": 32, "BLOCK": 256, "BLOCK_M": 16, "NB": 64}, num_warps=8),
+    _spec(moe._sort_count_kernel, {"ids": P["i64"], "chunk_counts": P["i32"], **_ints("n", "E", "CHUNK")},
+          {"E_P2": 32, "BLOCK": 256}, num_warps=4),
+    _spec(moe._sort_place_kernel, {"ids": P["i64"], "chunk_counts": P["i32"], "sorted_ids": P["i32"],
+                                   "block_expert": P["i32"], "counts_out": P["i32"],
+                                   **_ints("n", "E", "CHUNK", "num_chunks", "max_blocks")},
+          {"E_P2": 32, "BLOCK": 256, "BLOCK_M": 64, "QB": 128, "NB": 64}, num_warps=4),
 ]
 
 _GLOBAL_MEM = {"LDG", "LD", "LDGSTS", "STG", "ST", "ATOMG", "ATOM", "RED", "REDG", "UTMALDG", "UTMASTG",

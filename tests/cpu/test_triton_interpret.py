@@ -8,6 +8,7 @@ The decode-attention kernel choice (Triton split-KV vs FlashInfer) is in test_tr
 
 from __future__ import annotations
 
+import pytest
 import torch
 from interp_helpers import interpreted, refs
 
@@ -136,6 +137,28 @@ def test_expert_sort_kernel_equals_torch_sort_interpreted():
         want = sort_by_expert(ids, num_experts, block_m, path="torch")
         for a, b, name in zip(got, want, ("sorted_ids", "block_expert", "counts")):
             assert torch.equal(a.long(), b.long()), (num_experts, tokens, name)
+
+
+
+@_interpreted
+def test_chunked_expert_sort_equals_torch_sort_interpreted():
+    """The prefill path's chunked sort (a count launch and a place launch, one program per chunk of pairs)
+    gives exactly the torch ops' stable order, padding sentinels and block experts: chunks that split an
+    expert's pairs, more pairs than SORT_CHUNK_PROGRAMS x BLOCK (chunks of several blocks), experts nobody
+    picked, a non-power-of-two expert count, a batch that leaves whole empty blocks."""
+    from kvrelay.kernels import moe
+    g = torch.Generator().manual_seed(5)
+    cases = [(32, 9000, 4, 64), (128, 2100, 4, 64), (8, 700, 2, 16), (32, 3, 4, 64), (20, 40000, 4, 128)]
+    for num_experts, tokens, k, block_m in cases:
+        ids = torch.multinomial(torch.rand(num_experts, generator=g) ** 4, tokens * k, replacement=True,
+                                generator=g).view(tokens, k)
+        got = moe.sort_by_expert(ids, num_experts, block_m, path="chunked")
+        want = moe.sort_by_expert(ids, num_experts, block_m, path="torch")
+        for a, b, name in zip(got, want, ("sorted_ids", "block_expert", "counts")):
+            assert a.dtype == (torch.int32), name
+            assert torch.equal(a.long(), b.long()), (num_experts, tokens, name)
+    with pytest.raises(ValueError, match="sort path"):
+        moe.sort_by_expert(ids, 20, 64, path="radix")
 
 
 def _gemv_operands(m, k, n, g):

@@ -107,6 +107,24 @@ def test_expert_sort_kernel_equals_torch_sort(num_experts, tokens):
             assert torch.equal(a.long(), b.long())
 
 
+@pytest.mark.parametrize("num_experts,tokens,block_m", [(32, 8192, 64), (128, 8192, 64), (32, 32768, 128),
+                                                        (128, 2049, 16)])
+def test_chunked_expert_sort_equals_torch_sort(num_experts, tokens, block_m):
+    """The prefill path's chunked sort (what sort_by_expert picks past SORT_KERNEL_MAX_PAIRS on CUDA) equals
+    the torch ops on the GPU, bit for bit, under PDL as the model launches it, at an 8k-token prefill's
+    32,768 pairs and a 32k-token chunk's 131,072."""
+    from kvrelay.kernels import moe
+
+    g = torch.Generator(device="cuda").manual_seed(tokens + num_experts)
+    weights = torch.rand(num_experts, device="cuda", generator=g) ** 3
+    ids = torch.multinomial(weights, tokens * 4, replacement=True, generator=g).view(tokens, 4)
+    assert ids.numel() > moe.SORT_KERNEL_MAX_PAIRS
+    got = moe.sort_by_expert(ids, num_experts, block_m)  # auto: the chunked kernels
+    want = moe.sort_by_expert(ids, num_experts, block_m, path="torch")
+    for a, b in zip(got, want):
+        assert a.dtype == torch.int32
+        assert torch.equal(a.long(), b.long())
+
 def _fp8_setup(e, hid, inter, tokens, seed, dev):
     from kvrelay.kernels.fp8 import dequantize_weight_block128, quantize_weight_block128
     from kvrelay.kernels.moe import MoEWeights, route_topk
