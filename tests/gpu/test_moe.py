@@ -125,6 +125,21 @@ def test_chunked_expert_sort_equals_torch_sort(num_experts, tokens, block_m):
         assert a.dtype == torch.int32
         assert torch.equal(a.long(), b.long())
 
+
+def test_grouped_moe_on_the_chunked_sort_matches_reference(monkeypatch):
+    """A prefill-sized grouped MoE (2,500 tokens: 10,000 pairs, past the one-program sort) on the chunked
+    sort: against the float32 reference, and bit-equal to the same call on the torch sort."""
+    from kvrelay.kernels import moe
+    dev = _cuda()
+    ex, x, ids, rw, ref = _fp8_setup(32, 512, 256, 2500, 17, dev)
+    assert ids.numel() > moe.SORT_KERNEL_MAX_PAIRS
+    out = moe.moe_experts(x, ids, rw, ex, path="grouped")
+    assert rel_err(out, ref) < 1.5e-2
+    sort = moe.sort_by_expert
+    monkeypatch.setattr(moe, "sort_by_expert", lambda *a, **k: sort(*a, **{**k, "path": "torch"}))
+    assert torch.equal(moe.moe_experts(x, ids, rw, ex, path="grouped"), out)
+
+
 def _fp8_setup(e, hid, inter, tokens, seed, dev):
     from kvrelay.kernels.fp8 import dequantize_weight_block128, quantize_weight_block128
     from kvrelay.kernels.moe import MoEWeights, route_topk
