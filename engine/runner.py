@@ -201,7 +201,10 @@ class Runner:
     def _check_ids(self, flat: list[int]) -> None:
         # Range check on the host: no device round trip per step.
         if flat and (min(flat) < 0 or max(flat) >= self.cfg.vocab_size):
-            raise ValueError(f"token id outside [0, {self.cfg.vocab_size})")
+            raise self._id_error()
+
+    def _id_error(self) -> ValueError:
+        return ValueError(f"token id outside [0, {self.cfg.vocab_size})")
 
     def _ids(self, flat: list[int]) -> torch.Tensor:
         if self._staging is None:
@@ -212,10 +215,10 @@ class Runner:
         try:
             dev, host = pack([(0, flat, torch.long)], self.device, self._staging)
         except OverflowError:  # past int64: outside the vocabulary too
-            raise ValueError(f"token id outside [0, {self.cfg.vocab_size})") from None
+            raise self._id_error() from None
         h = host[0].numpy()
         if h.size and (int(h.min()) < 0 or int(h.max()) >= self.cfg.vocab_size):
-            raise ValueError(f"token id outside [0, {self.cfg.vocab_size})")
+            raise self._id_error()
         return dev[0]
 
     def _run(self, items: list[tuple[Hashable, list[int]]], *, all_logits: bool = False,
@@ -294,8 +297,7 @@ class Runner:
         n = len(items)
         bs = self._graphs.padded_size(n)
         toks = [t for _, t in items]
-        if min(toks) < 0 or max(toks) >= self.cfg.vocab_size:
-            raise ValueError(f"token id outside [0, {self.cfg.vocab_size})")
+        self._check_ids(toks)
         for sid, _ in items:
             self.kv.reserve(sid, 1)
         lists = self.kv.plan_decode([sid for sid, _ in items])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import attn64_cfg, dummy_weights
 
 from kernel_refs import poison_allocator
 
@@ -258,18 +259,11 @@ def test_model_fused_equals_unfused(quant, monkeypatch):
     """The model on CUDA (graphs on) with the fused glue against the same weights with KVRELAY_FUSED=0:
     the same tokens fed to both, logits within bf16 rounding of each other at every step, top-1 equal
     except at near-ties; and the fused decode step launches fewer kernels."""
-    from kvrelay.engine.config import PRESETS
-    from kvrelay.engine.layers.linear import TensorDictWeights
     from kvrelay.engine.runner import Runner
-    from kvrelay.engine.weights import canonical_shapes, open_weights
 
     dev = _cuda()
-    cfg = PRESETS["tiny"].replace(
-        name="tiny-attn64", head_dim=64, num_attention_heads=64, num_key_value_heads=8, hidden_size=256,
-        intermediate_size=256, sliding_window=128, num_hidden_layers=4, initial_context_length=4096,
-        max_context=4096)
-    dummy = open_weights(None, cfg, dummy=True, seed=5)
-    w = TensorDictWeights({n: dummy.get(n, device="cpu") for n in canonical_shapes(cfg)})
+    cfg = attn64_cfg()
+    w = dummy_weights(cfg, seed=5)
     runners = {}
     for fused in (True, False):
         monkeypatch.setenv("KVRELAY_FUSED", "1" if fused else "0")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import attn64_cfg, dummy_weights
 
 pytestmark = pytest.mark.gpu
 
@@ -30,15 +31,6 @@ def _cuda():
     return torch.device("cuda")
 
 
-def _attn64_cfg():
-    from kvrelay.engine.config import PRESETS
-
-    return PRESETS["tiny"].replace(
-        name="tiny-attn64", head_dim=64, num_attention_heads=64, num_key_value_heads=8, hidden_size=256,
-        intermediate_size=256, sliding_window=128, num_hidden_layers=4, initial_context_length=4096,
-        max_context=4096)
-
-
 def _model(kind):
     from kvrelay.engine.config import PRESETS, load_model_config
     from kvrelay.engine.weights import open_weights
@@ -46,14 +38,8 @@ def _model(kind):
     if kind == "fixture":
         cfg = load_model_config(FIXTURE)
         return cfg, open_weights(FIXTURE, cfg)
-    from kvrelay.engine.layers.linear import TensorDictWeights
-    from kvrelay.engine.weights import canonical_shapes
-
-    cfg = PRESETS["gpt-oss-tiny"] if kind == "gpt-oss-tiny" else _attn64_cfg()
-    # Dummy weights are drawn on the device they are asked for (a CUDA generator differs from the CPU
-    # one): draw them once on the CPU so the reference and the GPU model hold the same weights.
-    dummy = open_weights(None, cfg, dummy=True, seed=11)
-    return cfg, TensorDictWeights({n: dummy.get(n, device="cpu") for n in canonical_shapes(cfg)})
+    cfg = PRESETS["gpt-oss-tiny"] if kind == "gpt-oss-tiny" else attn64_cfg()
+    return cfg, dummy_weights(cfg, seed=11)
 
 
 def _prompts(cfg, kind):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import attn64_cfg, dummy_weights
 
 pytestmark = pytest.mark.gpu
 
@@ -41,10 +42,7 @@ _GEMV = "gemv-n32-k256-s4-w4-st2"
     ("fp8-block128", "flashinfer", False), ("fp8-block128", "triton", False), ("bf16", "flashinfer", False),
     ("bf16", "triton", False), ("fp8-block128", "flashinfer", True)])
 def test_model_decode_steps_equal_with_and_without_pdl(quant, decode, gemv, monkeypatch):
-    from kvrelay.engine.config import PRESETS
-    from kvrelay.engine.layers.linear import TensorDictWeights
     from kvrelay.engine.runner import Runner
-    from kvrelay.engine.weights import canonical_shapes, open_weights
     from kvrelay.kernels import fp8_gemv, fused, moe_gemv, pdl, router, triton_attention
     from kvrelay.kernels.fp8_gemm import Fp8BlockLinear
 
@@ -59,12 +57,8 @@ def test_model_decode_steps_equal_with_and_without_pdl(quant, decode, gemv, monk
         pick = Fp8BlockLinear._pick
         monkeypatch.setattr(Fp8BlockLinear, "_pick", lambda self, m, xq, sx:
                             _GEMV if m <= self.GEMV_MAX_M else pick(self, m, xq, sx))
-    cfg = PRESETS["tiny"].replace(
-        name="tiny-attn64", head_dim=64, num_attention_heads=64, num_key_value_heads=8, hidden_size=256,
-        intermediate_size=256, sliding_window=128, num_hidden_layers=4, initial_context_length=4096,
-        max_context=4096)
-    dummy = open_weights(None, cfg, dummy=True, seed=7)
-    w = TensorDictWeights({n: dummy.get(n, device="cpu") for n in canonical_shapes(cfg)})
+    cfg = attn64_cfg()
+    w = dummy_weights(cfg, seed=7)
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (9, 150, 40)]
     feed = torch.randint(0, cfg.vocab_size, (10, 3), generator=g).tolist()

@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from tiny_models import attn64_cfg, dummy_weights
 
 from kvrelay.engine import batch_plan
 from kvrelay.engine.config import PRESETS
@@ -110,16 +111,10 @@ def test_runner_back_to_back_forwards_through_the_ring_equal_forwards_without_it
     Triton prefill, whose tile lists take the attention's own ring; full layers planned by FlashInfer,
     which copies from the layout's host views): each forward's layout equals the CPU one, the ring's two
     buffers are reused, and the logits equal a Runner's without a ring, bit for bit."""
-    from kvrelay.engine.layers.linear import TensorDictWeights
     from kvrelay.engine.runner import Runner
-    from kvrelay.engine.weights import canonical_shapes, open_weights
 
-    cfg = PRESETS["tiny"].replace(
-        name="tiny-attn64", head_dim=64, num_attention_heads=64, num_key_value_heads=8, hidden_size=256,
-        intermediate_size=256, sliding_window=128, num_hidden_layers=2, initial_context_length=4096,
-        max_context=4096)
-    dummy = open_weights(None, cfg, dummy=True, seed=11)
-    w = TensorDictWeights({n: dummy.get(n, device="cpu") for n in canonical_shapes(cfg)})
+    cfg = attn64_cfg(layers=2)
+    w = dummy_weights(cfg, seed=11)
     staged = Runner(cfg, w, device="cuda", page_size=16, kv_tokens=8192, cuda_graphs=False)
     plain = Runner(cfg, w, device="cuda", page_size=16, kv_tokens=8192, cuda_graphs=False)
     plain._staging = None  # ids and layouts made without a ring (fresh pinned memory per layout)
