@@ -124,7 +124,8 @@ def decode_bytes_per_step(cfg, batch: int, context: int, quant: str) -> float:
     for layer in range(cfg.num_hidden_layers):
         seen = min(context + 1, cfg.sliding_window) if cfg.layer_is_sliding(layer) else context + 1
         kv += batch * seen * kv_token
-    return cfg.num_hidden_layers * per_layer + 2.0 * cfg.vocab_size * h + kv
+    head = 1.0 if quant == "fp8-block128-lmhead" else 2.0  # the unembedding (engine/layers/linear.MODEL_QUANTS)
+    return cfg.num_hidden_layers * per_layer + head * cfg.vocab_size * h + kv
 
 
 def weight_bytes(cfg, quant: str) -> float:
@@ -134,7 +135,8 @@ def weight_bytes(cfg, quant: str) -> float:
     total = 0.0
     for name, shape in canonical_shapes(cfg).items():
         n = math.prod(shape)
-        total += n * (1.0 if quant.startswith("fp8") and is_fp8_target(name) else 2.0)
+        fp8 = is_fp8_target(name) or (name == "unembedding.weight" and quant == "fp8-block128-lmhead")
+        total += n * (1.0 if quant.startswith("fp8") and fp8 else 2.0)
     return total
 
 

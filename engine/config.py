@@ -113,13 +113,14 @@ class ModelConfig:
 
     def weight_bytes(self, quant: str = "bf16") -> int:
         """Device bytes of the served weights (estimate for sizing before loading): FP8 GEMM weights take
-        one byte per parameter, embedding, unembedding and everything else two."""
+        one byte per parameter, embedding, unembedding (one under fp8-block128-lmhead) and the rest two."""
         h, d, e, i = self.hidden_size, self.head_dim, self.num_experts, self.intermediate_size
         attn = h * (self.num_attention_heads + 2 * self.num_key_value_heads) * d + self.num_attention_heads * d * h
         experts = e * 3 * h * i
         gemm = self.num_hidden_layers * (attn + experts)
-        other = 2 * self.vocab_size * h + self.num_hidden_layers * h * e
-        return gemm * (1 if quant == "fp8-block128" else 2) + 2 * other
+        other = self.vocab_size * h + self.num_hidden_layers * h * e  # embedding, routers (bf16)
+        head = self.vocab_size * h * (1 if quant == "fp8-block128-lmhead" else 2)
+        return gemm * (1 if quant.startswith("fp8") else 2) + 2 * other + head
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

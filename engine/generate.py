@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible runs)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    parser.add_argument("--quant", choices=("bf16", "fp8-block128"), default="bf16")
+    parser.add_argument("--quant", choices=("bf16", "fp8-block128", "fp8-block128-lmhead"), default="bf16")
     parser.add_argument("--dummy", action="store_true", help="random weights of the model's shape")
     parser.add_argument("--weights-seed", type=int, default=0, help="seed of the --dummy weights")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")

@@ -21,7 +21,7 @@ from kvrelay.engine.config import ModelConfig
 from kvrelay.engine.kv_cache import BatchLayout, KVCache
 from kvrelay.engine.layers.attention import Attention, AttentionFn, BatchAttention, GpuAttention
 from kvrelay.engine.layers.embedding import Embedding, Unembedding
-from kvrelay.engine.layers.linear import QUANTS, Shard, WeightGetter
+from kvrelay.engine.layers.linear import MODEL_QUANTS, Shard, WeightGetter, head_quant, layer_quant
 from kvrelay.engine.layers.moe import MoE
 from kvrelay.engine.layers.norm import RMSNorm
 from kvrelay.engine.layers.rotary import YarnRotary
@@ -127,8 +127,8 @@ class GptOss:
         shard: Shard = Shard(),
         attention_fn: AttentionFn | None = None,
     ):
-        if quant not in QUANTS:
-            raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
+        if quant not in MODEL_QUANTS:
+            raise ValueError(f"quant must be one of {MODEL_QUANTS}, got {quant!r}")
         self.cfg, self.device, self.dtype, self.quant, self.shard = cfg, torch.device(device), dtype, quant, shard
         # None: the device's kernels (kernels.select); an explicit function runs through the generic
         # per-layer wrapper (the reference, or any drop-in with its signature).
@@ -140,10 +140,11 @@ class GptOss:
         common = dict(shard=shard, device=device, dtype=dtype)
         self.embedding = Embedding(weights, cfg, **common)
         self.rotary = YarnRotary(cfg, device=device, dtype=dtype)
-        self.blocks = [Block(weights, cfg, i, quant=quant, **common) for i in range(cfg.num_hidden_layers)]
+        self.blocks = [Block(weights, cfg, i, quant=layer_quant(quant), **common)
+                       for i in range(cfg.num_hidden_layers)]
         self.norm = RMSNorm(weights, "norm.scale", cfg.rms_norm_eps, device)
         self.fused_head = select.fuse_glue(self.device)
-        self.unembedding = Unembedding(weights, cfg, **common)
+        self.unembedding = Unembedding(weights, cfg, quant=head_quant(quant), **common)
 
     def make_attention(self, page_size: int, **gpu_kwargs) -> BatchAttention:
         """A per-batch attention object for this model (plan once per forward, run in every layer)."""
@@ -186,8 +187,14 @@ class GptOss:
         if self.fused_head:
             from kvrelay.kernels.fused import add_rms_norm
 
-            return self.unembedding(add_rms_norm(x, delta, self.norm.scale, self.norm.eps, rows=logit_rows,
-                                                 store_x=False)[1]).float()
+            # an FP8 head takes the normed rows already quantised (its 1x128 scales) from the same launch
+            kq = self.unembedding.quant_k
+            h = add_rms_norm(x, delta, self.norm.scale, self.norm.eps, rows=logit_rows, store_x=False,
+                             quant_k=kq)[1]
+            if kq is None:
+                return self.unembedding(h).float()
+            rows = x.shape[0] if logit_rows is None else logit_rows.shape[0]
+            return self.unembedding.run_quantized(*h, rows, x.dtype).float()
         if delta is not None:
             x = self.blocks[-1].add_delta(x, delta)
         if logit_rows is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvrelay.engine.layers.linear import Shard, WeightGetter
+from kvrelay.engine.layers.linear import Linear, Shard, WeightGetter
 
 
 def _vocab_span(vocab: int, shard: Shard) -> tuple[int, int]:
@@ -33,17 +33,33 @@ class Embedding:
 
 
 class Unembedding:
-    def __init__(self, weights: WeightGetter, cfg, *, shard: Shard, device, dtype: torch.dtype):
+    """quant "fp8-block128": this rank's vocabulary rows quantised once at load and multiplied as every FP8
+    linear is (engine/layers/linear.Linear: 1x128 activation scales, cuBLAS blockwise on a GPU)."""
+
+    def __init__(self, weights: WeightGetter, cfg, *, shard: Shard, device, dtype: torch.dtype,
+                 quant: str = "bf16"):
         self.shard = shard
         self.vocab = cfg.vocab_size
         self.start, self.stop = _vocab_span(cfg.vocab_size, shard)
         self.per = -(-cfg.vocab_size // shard.world_size)
-        self.weight = weights.get("unembedding.weight", slices=(slice(self.start, self.stop),), dtype=dtype,
-                                  device=device)
+        w = weights.get("unembedding.weight", slices=(slice(self.start, self.stop),), dtype=dtype, device=device)
+        self.linear = Linear(w, None, quant) if quant != "bf16" else None
+        self.weight = w if self.linear is None else self.linear.weight  # FP8: the bf16 copy is not kept
+
+    @property
+    def quant_k(self) -> int | None:
+        """K padded to 128 when the product runs the GPU FP8 GEMM (input may come pre-quantised), else None."""
+        return self.linear.quant_k if self.linear is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Logits [T, vocab] in x's dtype (bf16, as the torch reference returns them)."""
-        logits = F.linear(x, self.weight)
+        return self._gather(F.linear(x, self.weight) if self.linear is None else self.linear(x))
+
+    def run_quantized(self, xq: torch.Tensor, sx: torch.Tensor, m: int, dtype: torch.dtype) -> torch.Tensor:
+        """self(x) of m rows that arrive FP8-quantised for this GEMM (kernels.fused.add_rms_norm quant_k)."""
+        return self._gather(self.linear.run_quantized(xq, sx, m, dtype))
+
+    def _gather(self, logits: torch.Tensor) -> torch.Tensor:
         if self.shard.world_size == 1:
             return logits
         logits = F.pad(logits, (0, self.per - logits.shape[-1]))

@@ -41,3 +41,34 @@ def test_fp8_close_to_bf16():
           f"{top1_agree:.2f}")
     assert 0 < mean_rel < 0.35 and top1_agree >= 0.6
     assert torch.equal(fp8.score(prompt), b)
+
+
+def test_fp8_lm_head_is_the_fp8_product_of_the_bf16_head():
+    """quant="fp8-block128-lmhead": the blocks exactly as fp8-block128, the unembedding quantised too (the
+    reference FP8 GEMM of the bf16 head's weight, bit for bit), logits within FP8 rounding of fp8-block128's,
+    one byte per unembedding weight in the sizing estimate."""
+    from kvrelay.kernels.fp8 import fp8_block_linear_ref, quantize_weight_block128
+
+    cfg = load_model_config(FIXTURE)
+    w = open_weights(FIXTURE, cfg)
+    fp8 = Runner(cfg, w, page_size=4, kv_tokens=256, quant="fp8-block128")
+    head = Runner(cfg, w, page_size=4, kv_tokens=256, quant="fp8-block128-lmhead")
+    assert fp8.model.unembedding.weight.dtype == torch.bfloat16
+    assert head.model.unembedding.weight.dtype == torch.float8_e4m3fn
+    assert torch.equal(head.model.blocks[1].attn.qkv.weight.float(), fp8.model.blocks[1].attn.qkv.weight.float())
+    x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16()
+    want = fp8_block_linear_ref(x, *quantize_weight_block128(fp8.model.unembedding.weight), None).bfloat16()
+    assert torch.equal(head.model.unembedding(x), want)
+    prompt = list(range(40, 80))
+    a, b = fp8.score(prompt), head.score(prompt)
+    rel = float((a - b).norm() / a.norm())
+    top1 = float((a.argmax(-1) == b.argmax(-1)).float().mean())
+    print(f"fp8-block128-lmhead vs fp8-block128 on the fixture: relative logit error {rel:.2e}, top-1 agreement "
+          f"{top1:.2f}")
+    assert 0 < rel < 0.06 and top1 >= 0.85
+    assert torch.equal(head.score(prompt), b)
+    assert cfg.weight_bytes("fp8-block128") - cfg.weight_bytes("fp8-block128-lmhead") == cfg.vocab_size * cfg.hidden_size
+    assert cfg.weight_bytes("bf16") - cfg.weight_bytes("fp8-block128") == (
+        cfg.num_hidden_layers * (cfg.hidden_size * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+                                 * cfg.head_dim + cfg.num_attention_heads * cfg.head_dim * cfg.hidden_size
+                                 + cfg.num_experts * 3 * cfg.hidden_size * cfg.intermediate_size))

@@ -194,6 +194,30 @@ def test_fp8_runs_and_stays_close_to_bf16(kind):
     assert all(len(t) == 5 for t in toks)
 
 
+def test_fp8_lm_head_on_gpu_stays_close_to_the_bf16_head():
+    """quant fp8-block128-lmhead on CUDA: the head runs the GPU FP8 GEMM on the fused norm's quantised rows
+    (prefill, graph-replayed decode steps, all-position scoring); its logits stay within FP8 rounding of
+    fp8-block128's (the same blocks, a bf16 head) and of the CPU model of the same quant."""
+    from kvrelay.engine.runner import Runner
+
+    dev = _cuda()
+    cfg, w, prompts, _, _ = _reference("attn64")
+    kw = dict(page_size=16, kv_tokens=8192, cuda_graph_batch_sizes=GRAPH_SIZES)
+    fp8 = Runner(cfg, w, device=dev, quant="fp8-block128", **kw)
+    head = Runner(cfg, w, device=dev, quant="fp8-block128-lmhead", **kw)
+    cpu = Runner(cfg, w, quant="fp8-block128-lmhead", page_size=16, kv_tokens=8192)
+    assert head.model.unembedding.quant_k is not None and fp8.model.unembedding.quant_k is None
+    prompt = prompts[1]
+    a, b, c = fp8.score(prompt), head.score(prompt), cpu.score(prompt)
+    assert float((a - b).norm() / a.norm()) < 0.06
+    assert float((c - b.cpu()).norm() / c.norm()) < 0.03
+    for r in (fp8, head):
+        r.prefill(0, prompt)
+    for step, tok in enumerate((7, 8, 9, 10)):  # graph replays: logits of both heads on the same tokens
+        la, lb = fp8.decode([0], [tok])[0], head.decode([0], [tok])[0]
+        assert float((la - lb).norm() / la.norm()) < 0.06, step
+
+
 def test_llm_generate_on_gpu():
     """LLM's continuous batching over the GPU Runner (graphs on): batched and one-by-one generation both
     follow the reference (batch composition changes bf16 rounding on a GPU, so they need not be equal)."""
