@@ -4,6 +4,7 @@ CPU with the tiny preset: they must write JSON + PNG with the fields the lead re
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -289,3 +290,17 @@ def test_decode_pool_holds_the_largest_point(tmp_path, monkeypatch, short, mode)
     else:
         assert [p["batch"] for p in data["points"]] == [1]
         assert [(s["batch"], "KV pool too small" in s["reason"]) for s in data["skipped"]] == [(3, True)]
+
+
+def test_h200_steps_script_parses_and_needs_the_commit(tmp_path):
+    """bench/h200_steps.sh (the device calls' runner, README 'On the GPU machine') is valid bash and stops
+    before doing anything when the carried tree's commit is not given (results must name their commit)."""
+    import subprocess
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "h200_steps.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    env = {k: v for k, v in os.environ.items() if k != "KVRELAY_GIT_COMMIT"}
+    res = subprocess.run(["bash", str(script)], cwd=tmp_path, env={**env, "OUT": str(tmp_path), "STEPS": "pre20"},
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode != 0 and "set KVRELAY_GIT_COMMIT" in res.stderr
+    assert list(tmp_path.iterdir()) == []
