@@ -10,7 +10,7 @@
 #   decsweep20/decsweep120 (decode curves at 8k and 32k, batch 1..256), pp20/pp120 (prefill 8192 profile),
 #   pre20/pre120 (prefill 8192), serve1 (bench/serve_h200.sh SOLO_ONLY against configs/h200-1gpu-20b.yaml),
 #   tgpu (pytest $TESTS, default tests/gpu), aot (FlashInfer's JIT-built modules as $OUT/fi-aot.tgz).
-# Environment it installs from when present: .dev/fi (FlashInfer wheels alone, for calls without the serving
+# QUANT (default fp8-block128) is the benchmarks' --quant. Environment it installs from when present: .dev/fi (FlashInfer wheels alone, for calls without the serving
 #   stack), .dev/extra when EXTRA=1, and .fiaot/fi-aot.tgz (modules saved by `aot`, unpacked into
 #   flashinfer/data/aot so the first FlashInfer call does not JIT for ~3 min).
 set -uo pipefail
@@ -36,7 +36,7 @@ if [ -f .fiaot/fi-aot.tgz ]; then
   fi_dir=$(python3 -c "import flashinfer, os; print(os.path.dirname(flashinfer.__file__))" 2>/dev/null)
   [ -n "$fi_dir" ] && mkdir -p "$fi_dir/data/aot" && tar xzf .fiaot/fi-aot.tgz -C "$fi_dir/data/aot"
 fi
-M="--dummy --quant fp8-block128 --device cuda"
+M="--dummy --quant ${QUANT:-fp8-block128} --device cuda"  # QUANT=fp8-block128-lmhead: the FP8 head too
 bench() { local name=$1; shift; mkdir -p /tmp/r/$name; timeout "$left" python3 -m "$@" --out /tmp/r/$name; }
 for s in ${STEPS:-}; do
   left=$(( LIMIT - ($(date +%s) - T0) ))
