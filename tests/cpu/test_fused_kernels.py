@@ -112,6 +112,11 @@ GLUE = textwrap.dedent("""
             none, picked = fused.add_rms_norm(x, delta, w, eps, rows=rows, store_x=False)
             assert none is None
             same(picked, chain_n[rows], ("rows", t, h))
+            # and the FP8 head's (quant fp8-block128-lmhead): those rows quantised for its GEMM
+            hq, hs = fp8_gemm.quantize_act_1x128(chain_n[rows], kp)
+            _, (pq, ps) = fused.add_rms_norm(x, delta, w, eps, rows=rows, store_x=False, quant_k=kp)
+            same(pq, hq, ("rows q", t, h))
+            same(ps, hs, ("rows scale", t, h))
         # add only (no norm): the residual after the last layer
         x_new, nothing = fused.add_rms_norm(x, y, None, eps)
         assert nothing is None
