@@ -75,7 +75,7 @@ def categorise(name: str) -> str:
 CALL_SITES: tuple[tuple[str, str], ...] = (
     ("LM head/sampling", r"engine/model\.py\(\d+\): head$|engine/runner\.py\(\d+\): sample$|engine/sampling\.py"),
     ("MoE routing/sort/permute/combine",
-     r"kernels/moe\.py\(\d+\): (sort_by_expert|route_topk|_moe_grouped)$|kernels/reference\.py\(\d+\): route_topk$"
+     r"kernels/moe(_sort)?\.py\(\d+\): (sort_by_expert|route_topk|_moe_grouped)$|kernels/reference\.py\(\d+\): route_topk$"
      r"|engine/layers/moe\.py\(\d+\): (_gpu_forward|fused_route_in)$"),
     ("rotary/KV write", r"engine/layers/rotary\.py|engine/layers/attention\.py\(\d+\): rotate_and_write$"),
     ("attention", r"engine/layers/attention\.py\(\d+\): (run|apply)$|kernels/(attention|triton_attention)\.py"

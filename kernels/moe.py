@@ -9,7 +9,7 @@ Two expert paths, chosen by the number of (token, expert) pairs:
   weight rows once and never sorts tokens; bias, SwiGLU and routing weight fused, the k experts summed in
   a fixed order (bit-exact replay). Memory-bound: its floor is the bytes of the active experts.
 - "grouped" (prefill / big batches): pairs sorted by expert into BLOCK_M-padded groups (graph-safe
-  torch ops, no host sync), then a Triton grouped GEMM (tl.dot; fp8 with 1x128 x 128x128 block scales
+  Triton counting sorts, kernels/moe_sort.py, no host sync), then a Triton grouped GEMM (tl.dot; fp8 with 1x128 x 128x128 block scales
   or bf16) with bias (+ SwiGLU, or + routing weight) in the epilogue.
 - "torch" (bf16 weights only): torch._grouped_mm over expert-sorted rows, for comparison.
   torch._scaled_grouped_mm takes row-wise scales only, not our 128x128 blocks, so it is not an FP8 path.
@@ -34,6 +34,8 @@ from . import moe_configs
 from .fp8_gemm import BLOCK, quantize_act_1x128
 from .moe_configs import GemmConfig, GroupedConfig
 from .moe_gemv import moe_gemv
+# the pair sort lives in kernels/moe_sort.py; re-exported here, where its callers (and tests) look for it
+from .moe_sort import SORT_KERNEL_MAX_PAIRS, sort_by_expert  # noqa: F401
 from .moe_gemv import swiglu as _swiglu  # the clamped SwiGLU, fused into both paths' GEMM1
 from .pdl import enter, pdl_kwargs
 
@@ -150,178 +152,6 @@ class MoEWeights:
 # --------------------------------------------------------------------------------------------------
 # prefill path: expert-sorted grouped GEMM
 # --------------------------------------------------------------------------------------------------
-@triton.jit
-def _sort_pairs_kernel(ids, sorted_ids, block_expert, counts_out, n, E, max_blocks,
-                       E_P2: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
-                       USE_PDL: tl.constexpr = False):
-    # One program: a stable counting sort of the (token, expert) pairs by expert. Pass 1 counts pairs per
-    # expert; pass 2 walks the pairs in order, ranking each among the earlier pairs of its expert (a
-    # prefix sum over a one-hot [BLOCK, E] tile plus a running count per expert), and writes its pair id
-    # at its expert's padded segment start + rank. Same result as the torch ops below, in ~3 launches
-    # instead of ~15 (a decode step runs this once per layer).
-    enter(USE_PDL)  # kernels/pdl.py: before any load or store
-    e_ax = tl.arange(0, E_P2)
-    offs = tl.arange(0, BLOCK)
-    counts = tl.zeros([E_P2], tl.int32)
-    for c0 in range(0, n, BLOCK):
-        ok = c0 + offs < n
-        v = tl.load(ids + c0 + offs, mask=ok, other=E_P2).to(tl.int32)
-        counts += tl.sum((v[:, None] == e_ax[None, :]).to(tl.int32), 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    pend = tl.cumsum(padded, 0)
-    seg = pend - padded
-    tl.store(counts_out + e_ax, counts, mask=e_ax < E)
-    seen = tl.zeros([E_P2], tl.int32)
-    for c0 in range(0, n, BLOCK):
-        ok = c0 + offs < n
-        v = tl.load(ids + c0 + offs, mask=ok, other=E_P2).to(tl.int32)
-        hot = (v[:, None] == e_ax[None, :]).to(tl.int32)
-        before = tl.cumsum(hot, 0) - hot  # earlier pairs of the same expert in this chunk
-        dest = tl.sum(hot * (seg[None, :] + seen[None, :] + before), 1)
-        tl.store(sorted_ids + dest, (c0 + offs).to(tl.int32), mask=ok)
-        seen += tl.sum(hot, 0)
-    # The expert of each M block: how many experts' padded segments end at or before the block's start
-    # (searchsorted right); blocks past the last segment get E (empty).
-    b_ax = tl.arange(0, NB)
-    for b0 in range(0, max_blocks, NB):
-        start = (b0 + b_ax) * BLOCK_M
-        ends = tl.where(e_ax < E, pend, 2147483647)
-        be = tl.sum((ends[None, :] <= start[:, None]).to(tl.int32), 1)
-        tl.store(block_expert + b0 + b_ax, be, mask=b0 + b_ax < max_blocks)
-
-
-# Pairs up to here: the one-program sort above; past it (prefill), the chunked sort below: one program
-# per CHUNK pairs, so 32,768 pairs (an 8k-token prefill) sort in two launches instead of ~15 torch ops.
-SORT_KERNEL_MAX_PAIRS = 8192
-SORT_CHUNK_PROGRAMS = 128  # the chunked sort's programs for a long batch (CHUNK grows past 128 x BLOCK)
-
-
-# n, CHUNK, chunk and block counts vary with the batch: unspecialised, one compiled kernel serves them all
-@triton.jit(do_not_specialize=["n", "E", "CHUNK"])
-def _sort_count_kernel(ids, chunk_counts, n, E, CHUNK, E_P2: tl.constexpr, BLOCK: tl.constexpr,
-                       USE_PDL: tl.constexpr = False):
-    # The chunked sort's pass 1: program p counts the pairs per expert of its CHUNK pairs into
-    # chunk_counts[p, :E] (every entry written: no zeroing launch).
-    enter(USE_PDL)  # kernels/pdl.py: before any load or store
-    p = tl.program_id(0)
-    e_ax = tl.arange(0, E_P2)
-    offs = tl.arange(0, BLOCK)
-    counts = tl.zeros([E_P2], tl.int32)
-    lo = p * CHUNK
-    for c0 in range(lo, tl.minimum(lo + CHUNK, n), BLOCK):
-        ok = (c0 + offs < n) & (c0 + offs < lo + CHUNK)
-        v = tl.load(ids + c0 + offs, mask=ok, other=E_P2).to(tl.int32)
-        counts += tl.sum((v[:, None] == e_ax[None, :]).to(tl.int32), 0)
-    tl.store(chunk_counts + p * E + e_ax, counts, mask=e_ax < E)
-
-
-@triton.jit(do_not_specialize=["n", "E", "CHUNK", "num_chunks", "max_blocks"])
-def _sort_place_kernel(ids, chunk_counts, sorted_ids, block_expert, counts_out, n, E, CHUNK, num_chunks,
-                       max_blocks, E_P2: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-                       QB: tl.constexpr, NB: tl.constexpr, USE_PDL: tl.constexpr = False):
-    # Pass 2: program p sums every chunk's counts (the experts' totals, hence their padded segments) and
-    # those of the chunks before its own (where its pairs of each expert start), then ranks its pairs as
-    # the one-program sort does. Same stable order, padding and block experts as the torch ops; program 0
-    # also writes the padding slots' sentinel, the per-expert counts and the expert of every M block.
-    enter(USE_PDL)  # kernels/pdl.py: before any load or store
-    p = tl.program_id(0)
-    e_ax = tl.arange(0, E_P2)
-    e_ok = e_ax < E
-    q_ax = tl.arange(0, QB)
-    total = tl.zeros([E_P2], tl.int32)
-    before = tl.zeros([E_P2], tl.int32)
-    for q0 in range(0, num_chunks, QB):
-        q = q0 + q_ax
-        cc = tl.load(chunk_counts + q[:, None] * E + e_ax[None, :],
-                     mask=(q < num_chunks)[:, None] & e_ok[None, :], other=0)
-        total += tl.sum(cc, 0)
-        before += tl.sum(tl.where((q < p)[:, None], cc, 0), 0)
-    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    pend = tl.cumsum(padded, 0)
-    seg = pend - padded
-    seen = before
-    offs = tl.arange(0, BLOCK)
-    lo = p * CHUNK
-    for c0 in range(lo, tl.minimum(lo + CHUNK, n), BLOCK):
-        ok = (c0 + offs < n) & (c0 + offs < lo + CHUNK)
-        v = tl.load(ids + c0 + offs, mask=ok, other=E_P2).to(tl.int32)
-        hot = (v[:, None] == e_ax[None, :]).to(tl.int32)
-        earlier = tl.cumsum(hot, 0) - hot  # earlier pairs of the same expert in this block
-        dest = tl.sum(hot * (seg[None, :] + seen[None, :] + earlier), 1)
-        tl.store(sorted_ids + dest, (c0 + offs).to(tl.int32), mask=ok)
-        seen += tl.sum(hot, 0)
-    if p == 0:
-        tl.store(counts_out + e_ax, total, mask=e_ok)
-        # the padding slots of each expert's segment, [count, padded), hold the sentinel n
-        j = tl.arange(0, BLOCK_M)
-        pad = (seg + total)[:, None] + j[None, :]
-        tl.store(sorted_ids + pad, tl.zeros([E_P2, BLOCK_M], tl.int32) + n,
-                 mask=e_ok[:, None] & (j[None, :] < (padded - total)[:, None]))
-        # blocks past the last segment: a whole block of sentinels, expert E (empty)
-        used = tl.sum(tl.where(e_ok, padded, 0), 0)
-        b_ax = tl.arange(0, NB)
-        ends = tl.where(e_ok, pend, 2147483647)
-        for b0 in range(0, max_blocks, NB):
-            start = (b0 + b_ax) * BLOCK_M
-            be = tl.sum((ends[None, :] <= start[:, None]).to(tl.int32), 1)
-            tl.store(block_expert + b0 + b_ax, be, mask=b0 + b_ax < max_blocks)
-            rows = start[:, None] + j[None, :]
-            tl.store(sorted_ids + rows, tl.zeros([NB, BLOCK_M], tl.int32) + n,
-                     mask=((b0 + b_ax < max_blocks) & (start >= used))[:, None])
-
-
-def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, *, path: str = "auto"):
-    """(sorted pair ids padded per expert to block_m with the sentinel T*k, expert of each M block
-    (num_experts = empty), count per expert). No host sync: capturable. path "kernel" (one Triton
-    program, for decode-sized batches), "chunked" (two launches of one program per chunk of pairs, for
-    prefill), "torch", or "auto" (on CUDA: kernel up to SORT_KERNEL_MAX_PAIRS pairs, chunked past it).
-    All three give the same tensors (int32 from the kernels, int64 counts from torch)."""
-    flat = ids.reshape(-1)
-    n = flat.numel()
-    max_blocks = triton.cdiv(n, block_m) + min(num_experts, n)  # sum_e ceil(c_e/BM) <= n/BM + non-empty experts
-    e_p2 = triton.next_power_of_2(num_experts)
-    block = max(16, 8192 // e_p2)
-    if path == "auto" and ids.is_cuda and n > 0:
-        path = "kernel" if n <= SORT_KERNEL_MAX_PAIRS else "chunked"
-    if path == "kernel":
-        sorted_ids = torch.full((max_blocks * block_m,), n, dtype=torch.int32, device=ids.device)
-        block_expert = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
-        counts = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
-        _sort_pairs_kernel[(1,)](flat, sorted_ids, block_expert, counts, n, num_experts, max_blocks,
-                                 E_P2=e_p2, BLOCK=block, BLOCK_M=block_m, NB=64, num_warps=8,
-                                 **pdl_kwargs(ids.device))
-        return sorted_ids, block_expert, counts
-    if path == "chunked":
-        chunk = triton.cdiv(triton.cdiv(max(n, 1), SORT_CHUNK_PROGRAMS), block) * block
-        num_chunks = triton.cdiv(max(n, 1), chunk)
-        # Every slot is written by _sort_place_kernel (pairs, padding, whole empty blocks): torch.empty.
-        sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=ids.device)
-        block_expert = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
-        counts = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
-        chunk_counts = torch.empty(num_chunks, num_experts, dtype=torch.int32, device=ids.device)
-        pdl = pdl_kwargs(ids.device)
-        _sort_count_kernel[(num_chunks,)](flat, chunk_counts, n, num_experts, chunk, E_P2=e_p2, BLOCK=block,
-                                          num_warps=4, **pdl)
-        _sort_place_kernel[(num_chunks,)](flat, chunk_counts, sorted_ids, block_expert, counts, n, num_experts,
-                                          chunk, num_chunks, max_blocks, E_P2=e_p2, BLOCK=block,
-                                          BLOCK_M=block_m, QB=max(1, 4096 // e_p2), NB=64, num_warps=4, **pdl)
-        return sorted_ids, block_expert, counts
-    if path not in ("torch", "auto"):
-        raise ValueError(f"sort path must be auto, kernel, chunked or torch, got {path!r}")
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    pend = torch.cumsum(padded, 0)
-    order = torch.argsort(flat, stable=True)
-    se = flat[order]
-    rank = torch.arange(n, device=ids.device) - (torch.cumsum(counts, 0) - counts)[se]
-    dest = (pend - padded)[se] + rank
-    sorted_ids = torch.full((max_blocks * block_m,), n, dtype=torch.int32, device=ids.device)
-    sorted_ids[dest] = order.to(torch.int32)
-    starts = torch.arange(max_blocks, device=ids.device) * block_m
-    block_expert = torch.searchsorted(pend, starts, right=True).to(torch.int32)
-    return sorted_ids, block_expert, counts
-
-
 # n_pairs, num_m and E are only compared against: not specializing them keeps one compiled kernel per config
 # whatever the batch (a pair or block count divisible by 16 would otherwise compile a second variant).
 @triton.jit(do_not_specialize=["num_m", "n_pairs", "E"])

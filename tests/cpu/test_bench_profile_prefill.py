@@ -89,7 +89,9 @@ SITES = [
     (["/r/engine/layers/linear.py(103): __call__", "/r/engine/layers/moe.py(95): _gpu_forward",
       "/r/engine/layers/moe.py(61): __call__", "/r/engine/model.py(85): attention_out_deferred"],
      "MoE routing/sort/permute/combine"),
-    # kernels.moe.sort_by_expert's torch ops (argsort, cumsum, scatter_add) under the grouped experts
+    # kernels.moe_sort.sort_by_expert's torch ops (argsort, cumsum, scatter_add) under the grouped experts
+    (["/r/kernels/moe_sort.py(120): sort_by_expert", "/r/kernels/moe.py(336): _moe_grouped",
+      "/r/kernels/moe.py(417): moe_experts"], "MoE routing/sort/permute/combine"),
     (["/r/kernels/moe.py(188): sort_by_expert", "/r/kernels/moe.py(359): _moe_grouped",
       "/r/kernels/moe.py(417): moe_experts", "/r/engine/layers/moe.py(118): _experts",
       "/r/engine/layers/moe.py(95): _gpu_forward"], "MoE routing/sort/permute/combine"),

@@ -23,7 +23,7 @@ import pytest
 import torch
 import triton
 
-from kvrelay.kernels import attention, fp8_gemm, fp8_gemv, fused, moe, moe_gemv, pdl, router, triton_attention
+from kvrelay.kernels import attention, fp8_gemm, fp8_gemv, fused, moe, moe_gemv, moe_sort, pdl, router, triton_attention
 
 
 @pytest.fixture
@@ -207,12 +207,12 @@ KERNELS = [
           {"FP8": True, "SWIGLU": True, "MUL_ROUTE": False, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128,
            "GROUP_M": 8, "MASKED": False, "EVEN_K": True, "TMA": False, "ALPHA": 1.702, "LIMIT": 7.0},
           num_warps=4, num_stages=3),
-    _spec(moe._sort_pairs_kernel, {"ids": P["i64"], "sorted_ids": P["i32"], "block_expert": P["i32"],
+    _spec(moe_sort._sort_pairs_kernel, {"ids": P["i64"], "sorted_ids": P["i32"], "block_expert": P["i32"],
                                    "counts_out": P["i32"], **_ints("n", "E", "max_blocks")},
           {"E_P2": 32, "BLOCK": 256, "BLOCK_M": 16, "NB": 64}, num_warps=8),
-    _spec(moe._sort_count_kernel, {"ids": P["i64"], "chunk_counts": P["i32"], **_ints("n", "E", "CHUNK")},
+    _spec(moe_sort._sort_count_kernel, {"ids": P["i64"], "chunk_counts": P["i32"], **_ints("n", "E", "CHUNK")},
           {"E_P2": 32, "BLOCK": 256}, num_warps=4),
-    _spec(moe._sort_place_kernel, {"ids": P["i64"], "chunk_counts": P["i32"], "sorted_ids": P["i32"],
+    _spec(moe_sort._sort_place_kernel, {"ids": P["i64"], "chunk_counts": P["i32"], "sorted_ids": P["i32"],
                                    "block_expert": P["i32"], "counts_out": P["i32"],
                                    **_ints("n", "E", "CHUNK", "num_chunks", "max_blocks")},
           {"E_P2": 32, "BLOCK": 256, "BLOCK_M": 64, "QB": 128, "NB": 64}, num_warps=4),

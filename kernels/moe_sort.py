@@ -1,0 +1,183 @@
+"""Sorting a batch's (token, expert) pairs by expert for the grouped expert GEMMs (kernels/moe.py): each
+expert's pairs in a contiguous segment padded to the GEMM's M block, and the expert of every M block.
+Three paths give the same tensors: one Triton program (decode batches), two launches of one program per
+chunk of pairs (prefill), and torch ops (CPU, and the reference)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .pdl import enter, pdl_kwargs
+
+
+# The counting sort's steps, shared by the one-program sort (decode batches) and the chunked one (prefill).
+@triton.jit
+def _count_pairs(ids, lo, hi, E_P2: tl.constexpr, BLOCK: tl.constexpr):
+    """Pairs per expert among pairs [lo, hi): [E_P2] int32."""
+    e_ax = tl.arange(0, E_P2)
+    offs = tl.arange(0, BLOCK)
+    counts = tl.zeros([E_P2], tl.int32)
+    for c0 in range(lo, hi, BLOCK):
+        v = tl.load(ids + c0 + offs, mask=c0 + offs < hi, other=E_P2).to(tl.int32)
+        counts += tl.sum((v[:, None] == e_ax[None, :]).to(tl.int32), 0)
+    return counts
+
+
+@triton.jit
+def _place_pairs(ids, sorted_ids, lo, hi, seg, seen, E_P2: tl.constexpr, BLOCK: tl.constexpr):
+    """Walk pairs [lo, hi) in order, ranking each among the earlier pairs of its expert (a prefix sum over
+    a one-hot [BLOCK, E] tile plus `seen`, the expert's pairs before lo), and write its pair id at its
+    expert's padded segment start `seg` + rank."""
+    e_ax = tl.arange(0, E_P2)
+    offs = tl.arange(0, BLOCK)
+    for c0 in range(lo, hi, BLOCK):
+        ok = c0 + offs < hi
+        v = tl.load(ids + c0 + offs, mask=ok, other=E_P2).to(tl.int32)
+        hot = (v[:, None] == e_ax[None, :]).to(tl.int32)
+        earlier = tl.cumsum(hot, 0) - hot  # earlier pairs of the same expert in this block
+        dest = tl.sum(hot * (seg[None, :] + seen[None, :] + earlier), 1)
+        tl.store(sorted_ids + dest, (c0 + offs).to(tl.int32), mask=ok)
+        seen += tl.sum(hot, 0)
+
+
+@triton.jit
+def _block_experts(block_expert, sorted_ids, pend, e_ok, used, n, max_blocks, BLOCK_M: tl.constexpr,
+                   NB: tl.constexpr, FILL_EMPTY: tl.constexpr):
+    """The expert of each M block: how many experts' padded segments end at or before the block's start
+    (searchsorted right); blocks past the last segment (from `used`) get E (empty), and with FILL_EMPTY
+    their slots the sentinel n."""
+    b_ax = tl.arange(0, NB)
+    j = tl.arange(0, BLOCK_M)
+    ends = tl.where(e_ok, pend, 2147483647)
+    for b0 in range(0, max_blocks, NB):
+        start = (b0 + b_ax) * BLOCK_M
+        be = tl.sum((ends[None, :] <= start[:, None]).to(tl.int32), 1)
+        tl.store(block_expert + b0 + b_ax, be, mask=b0 + b_ax < max_blocks)
+        if FILL_EMPTY:
+            tl.store(sorted_ids + start[:, None] + j[None, :], tl.zeros([NB, BLOCK_M], tl.int32) + n,
+                     mask=((b0 + b_ax < max_blocks) & (start >= used))[:, None])
+
+
+@triton.jit
+def _sort_pairs_kernel(ids, sorted_ids, block_expert, counts_out, n, E, max_blocks,
+                       E_P2: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
+                       USE_PDL: tl.constexpr = False):
+    # One program: a stable counting sort of the (token, expert) pairs by expert: count, place, block
+    # experts (sorted_ids arrives filled with the sentinel). Same result as the torch ops below, in ~3
+    # launches instead of ~15 (a decode step runs this once per layer).
+    enter(USE_PDL)  # kernels/pdl.py: before any load or store
+    e_ok = tl.arange(0, E_P2) < E
+    counts = _count_pairs(ids, 0, n, E_P2, BLOCK)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pend = tl.cumsum(padded, 0)
+    tl.store(counts_out + tl.arange(0, E_P2), counts, mask=e_ok)
+    _place_pairs(ids, sorted_ids, 0, n, pend - padded, tl.zeros([E_P2], tl.int32), E_P2, BLOCK)
+    _block_experts(block_expert, sorted_ids, pend, e_ok, 0, n, max_blocks, BLOCK_M, NB, False)
+
+
+# Pairs up to here: the one-program sort above; past it (prefill), the chunked sort below: one program
+# per CHUNK pairs, so 32,768 pairs (an 8k-token prefill) sort in two launches instead of ~15 torch ops.
+SORT_KERNEL_MAX_PAIRS = 8192
+SORT_CHUNK_PROGRAMS = 128  # the chunked sort's programs for a long batch (CHUNK grows past 128 x BLOCK)
+
+
+# n, CHUNK, chunk and block counts vary with the batch: unspecialised, one compiled kernel serves them all
+@triton.jit(do_not_specialize=["n", "E", "CHUNK"])
+def _sort_count_kernel(ids, chunk_counts, n, E, CHUNK, E_P2: tl.constexpr, BLOCK: tl.constexpr,
+                       USE_PDL: tl.constexpr = False):
+    # The chunked sort's pass 1: program p counts the pairs per expert of its CHUNK pairs into
+    # chunk_counts[p, :E] (every entry written: no zeroing launch).
+    enter(USE_PDL)  # kernels/pdl.py: before any load or store
+    p = tl.program_id(0)
+    e_ax = tl.arange(0, E_P2)
+    counts = _count_pairs(ids, p * CHUNK, tl.minimum(p * CHUNK + CHUNK, n), E_P2, BLOCK)
+    tl.store(chunk_counts + p * E + e_ax, counts, mask=e_ax < E)
+
+
+@triton.jit(do_not_specialize=["n", "E", "CHUNK", "num_chunks", "max_blocks"])
+def _sort_place_kernel(ids, chunk_counts, sorted_ids, block_expert, counts_out, n, E, CHUNK, num_chunks,
+                       max_blocks, E_P2: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                       QB: tl.constexpr, NB: tl.constexpr, USE_PDL: tl.constexpr = False):
+    # Pass 2: program p sums every chunk's counts (the experts' totals, hence their padded segments) and
+    # those of the chunks before its own (where its pairs of each expert start), then places its pairs as
+    # the one-program sort does. Same stable order, padding and block experts as the torch ops; program 0
+    # also writes the padding slots' sentinel, the per-expert counts and the expert of every M block.
+    enter(USE_PDL)  # kernels/pdl.py: before any load or store
+    p = tl.program_id(0)
+    e_ax = tl.arange(0, E_P2)
+    e_ok = e_ax < E
+    q_ax = tl.arange(0, QB)
+    total = tl.zeros([E_P2], tl.int32)
+    before = tl.zeros([E_P2], tl.int32)
+    for q0 in range(0, num_chunks, QB):
+        q = q0 + q_ax
+        cc = tl.load(chunk_counts + q[:, None] * E + e_ax[None, :],
+                     mask=(q < num_chunks)[:, None] & e_ok[None, :], other=0)
+        total += tl.sum(cc, 0)
+        before += tl.sum(tl.where((q < p)[:, None], cc, 0), 0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pend = tl.cumsum(padded, 0)
+    seg = pend - padded
+    _place_pairs(ids, sorted_ids, p * CHUNK, tl.minimum(p * CHUNK + CHUNK, n), seg, before, E_P2, BLOCK)
+    if p == 0:
+        tl.store(counts_out + e_ax, total, mask=e_ok)
+        # the padding slots of each expert's segment, [count, padded), hold the sentinel n
+        j = tl.arange(0, BLOCK_M)
+        tl.store(sorted_ids + (seg + total)[:, None] + j[None, :], tl.zeros([E_P2, BLOCK_M], tl.int32) + n,
+                 mask=e_ok[:, None] & (j[None, :] < (padded - total)[:, None]))
+        _block_experts(block_expert, sorted_ids, pend, e_ok, tl.sum(tl.where(e_ok, padded, 0), 0), n,
+                       max_blocks, BLOCK_M, NB, True)
+
+
+def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, *, path: str = "auto"):
+    """(sorted pair ids padded per expert to block_m with the sentinel T*k, expert of each M block
+    (num_experts = empty), count per expert). No host sync: capturable. path "kernel" (one Triton
+    program, for decode-sized batches), "chunked" (two launches of one program per chunk of pairs, for
+    prefill), "torch", or "auto" (on CUDA: kernel up to SORT_KERNEL_MAX_PAIRS pairs, chunked past it).
+    All three give the same tensors (int32 from the kernels, int64 counts from torch)."""
+    flat = ids.reshape(-1)
+    n = flat.numel()
+    max_blocks = triton.cdiv(n, block_m) + min(num_experts, n)  # sum_e ceil(c_e/BM) <= n/BM + non-empty experts
+    e_p2 = triton.next_power_of_2(num_experts)
+    block = max(16, 8192 // e_p2)
+    if path == "auto" and ids.is_cuda and n > 0:
+        path = "kernel" if n <= SORT_KERNEL_MAX_PAIRS else "chunked"
+    if path == "kernel":
+        sorted_ids = torch.full((max_blocks * block_m,), n, dtype=torch.int32, device=ids.device)
+        block_expert = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
+        counts = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+        _sort_pairs_kernel[(1,)](flat, sorted_ids, block_expert, counts, n, num_experts, max_blocks,
+                                 E_P2=e_p2, BLOCK=block, BLOCK_M=block_m, NB=64, num_warps=8,
+                                 **pdl_kwargs(ids.device))
+        return sorted_ids, block_expert, counts
+    if path == "chunked":
+        chunk = triton.cdiv(triton.cdiv(max(n, 1), SORT_CHUNK_PROGRAMS), block) * block
+        num_chunks = triton.cdiv(max(n, 1), chunk)
+        # Every slot is written by _sort_place_kernel (pairs, padding, whole empty blocks): torch.empty.
+        sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=ids.device)
+        block_expert = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
+        counts = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+        chunk_counts = torch.empty(num_chunks, num_experts, dtype=torch.int32, device=ids.device)
+        pdl = pdl_kwargs(ids.device)
+        _sort_count_kernel[(num_chunks,)](flat, chunk_counts, n, num_experts, chunk, E_P2=e_p2, BLOCK=block,
+                                          num_warps=4, **pdl)
+        _sort_place_kernel[(num_chunks,)](flat, chunk_counts, sorted_ids, block_expert, counts, n, num_experts,
+                                          chunk, num_chunks, max_blocks, E_P2=e_p2, BLOCK=block,
+                                          BLOCK_M=block_m, QB=max(1, 4096 // e_p2), NB=64, num_warps=4, **pdl)
+        return sorted_ids, block_expert, counts
+    if path not in ("torch", "auto"):
+        raise ValueError(f"sort path must be auto, kernel, chunked or torch, got {path!r}")
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    pend = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    se = flat[order]
+    rank = torch.arange(n, device=ids.device) - (torch.cumsum(counts, 0) - counts)[se]
+    dest = (pend - padded)[se] + rank
+    sorted_ids = torch.full((max_blocks * block_m,), n, dtype=torch.int32, device=ids.device)
+    sorted_ids[dest] = order.to(torch.int32)
+    starts = torch.arange(max_blocks, device=ids.device) * block_m
+    block_expert = torch.searchsorted(pend, starts, right=True).to(torch.int32)
+    return sorted_ids, block_expert, counts
