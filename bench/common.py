@@ -333,7 +333,7 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    "gpt-oss-tiny, tiny) or a checkpoint directory")
     p.add_argument("--dummy", action="store_true", help="seeded random weights of the model's shape")
     p.add_argument("--quant", default="fp8-block128", choices=["fp8-block128", "bf16", "fp8-block128-lmhead"],
-                   help="fp8-block128-lmhead: the unembedding in FP8 too (engine/layers/linear.MODEL_QUANTS)")
+                   help="fp8-block128-lmhead: the unembedding in FP8 too (engine/config.MODEL_QUANTS)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--attention", default="auto", choices=["auto", "engine", "reference", "triton", "flashinfer"],

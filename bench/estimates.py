@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 from kvrelay.engine import kv_geometry
+from kvrelay.engine.config import head_quant, layer_quant
 
 USD_PER_GPU_HOUR = 3.0
 # Measured on the H200 (docs: h200-notes.md); used only to put achieved rates in context.
@@ -114,7 +115,7 @@ def prefill_flops(cfg, length: int) -> dict[str, float]:
 def decode_bytes_per_step(cfg, batch: int, context: int, quant: str) -> float:
     """Rough HBM bytes one decode step must read: dense weights, the experts the batch touches (expected
     distinct experts of `batch` x top-k uniform picks), and the KV of every sequence."""
-    wbytes = 1.0 if quant.startswith("fp8") else 2.0
+    wbytes = 1.0 if layer_quant(quant) != "bf16" else 2.0
     h, i, e, k = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.experts_per_token
     dense = cfg.qkv_width * h + h * cfg.q_width
     touched = e * (1.0 - (1.0 - k / e) ** batch)
@@ -124,7 +125,7 @@ def decode_bytes_per_step(cfg, batch: int, context: int, quant: str) -> float:
     for layer in range(cfg.num_hidden_layers):
         seen = min(context + 1, cfg.sliding_window) if cfg.layer_is_sliding(layer) else context + 1
         kv += batch * seen * kv_token
-    head = 1.0 if quant == "fp8-block128-lmhead" else 2.0  # the unembedding (engine/layers/linear.MODEL_QUANTS)
+    head = 1.0 if head_quant(quant) == "fp8-block128" else 2.0  # the unembedding (engine/config.MODEL_QUANTS)
     return cfg.num_hidden_layers * per_layer + head * cfg.vocab_size * h + kv
 
 
@@ -135,8 +136,9 @@ def weight_bytes(cfg, quant: str) -> float:
     total = 0.0
     for name, shape in canonical_shapes(cfg).items():
         n = math.prod(shape)
-        fp8 = is_fp8_target(name) or (name == "unembedding.weight" and quant == "fp8-block128-lmhead")
-        total += n * (1.0 if quant.startswith("fp8") and fp8 else 2.0)
+        fp8 = head_quant(quant) != "bf16" if name == "unembedding.weight" else (
+            layer_quant(quant) != "bf16" and is_fp8_target(name))
+        total += n * (1.0 if fp8 else 2.0)
     return total
 
 

@@ -25,6 +25,24 @@ FULL_ATTENTION = "full_attention"
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
+# What a model can be served as: every GEMM layer as `quant` says, the unembedding (LM head) bf16, except in
+# fp8-block128-lmhead, where it is FP8 too (128x128 block scales): half the bytes of the largest single read
+# of a decode step (1.16 GB at batch 1 for gpt-oss), at the cost of logits within FP8 rounding of the bf16
+# head's (TensorRT-LLM's quantised lm_head; vLLM and the published FP8 recipes keep it bf16, as we do by
+# default).
+MODEL_QUANTS = ("bf16", "fp8-block128", "fp8-block128-lmhead")  # engine/layers/linear.QUANTS + the FP8 head
+
+
+def layer_quant(quant: str) -> str:
+    """The quantisation of the transformer blocks' GEMM weights under a model quant (MODEL_QUANTS)."""
+    return "fp8-block128" if quant.startswith("fp8") else "bf16"
+
+
+def head_quant(quant: str) -> str:
+    """The quantisation of the unembedding under a model quant (MODEL_QUANTS)."""
+    return "fp8-block128" if quant == "fp8-block128-lmhead" else "bf16"
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     name: str
@@ -119,8 +137,8 @@ class ModelConfig:
         experts = e * 3 * h * i
         gemm = self.num_hidden_layers * (attn + experts)
         other = self.vocab_size * h + self.num_hidden_layers * h * e  # embedding, routers (bf16)
-        head = self.vocab_size * h * (1 if quant == "fp8-block128-lmhead" else 2)
-        return gemm * (1 if quant.startswith("fp8") else 2) + 2 * other + head
+        head = self.vocab_size * h * (1 if head_quant(quant) == "fp8-block128" else 2)
+        return gemm * (1 if layer_quant(quant) == "fp8-block128" else 2) + 2 * other + head
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

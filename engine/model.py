@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from kvrelay.engine.config import ModelConfig
+from kvrelay.engine.config import MODEL_QUANTS, ModelConfig, head_quant, layer_quant
 from kvrelay.engine.kv_cache import BatchLayout, KVCache
 from kvrelay.engine.layers.attention import Attention, AttentionFn, BatchAttention, GpuAttention
 from kvrelay.engine.layers.embedding import Embedding, Unembedding
-from kvrelay.engine.layers.linear import MODEL_QUANTS, Shard, WeightGetter, head_quant, layer_quant
+from kvrelay.engine.layers.linear import Shard, WeightGetter
 from kvrelay.engine.layers.moe import MoE
 from kvrelay.engine.layers.norm import RMSNorm
 from kvrelay.engine.layers.rotary import YarnRotary

@@ -15,22 +15,6 @@ import torch.nn.functional as F
 from kvrelay.engine.parallel import ParallelContext
 
 QUANTS = ("bf16", "fp8-block128")  # what one layer's weights can be
-# What a model can be served as: every GEMM layer as `quant` says, the unembedding (LM head) bf16, except in
-# fp8-block128-lmhead, where it is FP8 too (128x128 block scales): half the bytes of the largest single read
-# of a decode step (1.16 GB at batch 1 for gpt-oss), at the cost of logits within FP8 rounding of the bf16
-# head's (TensorRT-LLM's quantised lm_head; vLLM and the published FP8 recipes keep it bf16, as we do by
-# default).
-MODEL_QUANTS = QUANTS + ("fp8-block128-lmhead",)
-
-
-def layer_quant(quant: str) -> str:
-    """The quantisation of the transformer blocks' GEMM weights under a model quant (MODEL_QUANTS)."""
-    return "fp8-block128" if quant.startswith("fp8") else "bf16"
-
-
-def head_quant(quant: str) -> str:
-    """The quantisation of the unembedding under a model quant (MODEL_QUANTS)."""
-    return "fp8-block128" if quant == "fp8-block128-lmhead" else "bf16"
 
 
 class WeightGetter(Protocol):
