@@ -10,7 +10,9 @@
 #   decsweep20/decsweep120 (decode curves at 8k and 32k, batch 1..256), pp20/pp120 (prefill 8192 profile),
 #   pre20/pre120 (prefill 8192), serve1 (bench/serve_h200.sh SOLO_ONLY against configs/h200-1gpu-20b.yaml),
 #   tgpu (pytest $TESTS, default tests/gpu), aot (FlashInfer's JIT-built modules as $OUT/fi-aot.tgz).
-# QUANT (default fp8-block128) is the benchmarks' --quant. Environment it installs from when present: .dev/fi (FlashInfer wheels alone, for calls without the serving
+# QUANT (default fp8-block128) is the benchmarks' --quant; TAG (default empty) is appended to each step's result
+#   folder, so one call can run the script several times with different settings (QUANT=... TAG=-lmhead).
+# Environment it installs from when present: .dev/fi (FlashInfer wheels alone, for calls without the serving
 #   stack), .dev/extra when EXTRA=1, and .fiaot/fi-aot.tgz (modules saved by `aot`, unpacked into
 #   flashinfer/data/aot so the first FlashInfer call does not JIT for ~3 min).
 set -uo pipefail
@@ -37,7 +39,7 @@ if [ -f .fiaot/fi-aot.tgz ]; then
   [ -n "$fi_dir" ] && mkdir -p "$fi_dir/data/aot" && tar xzf .fiaot/fi-aot.tgz -C "$fi_dir/data/aot"
 fi
 M="--dummy --quant ${QUANT:-fp8-block128} --device cuda"  # QUANT=fp8-block128-lmhead: the FP8 head too
-bench() { local name=$1; shift; mkdir -p /tmp/r/$name; timeout "$left" python3 -m "$@" --out /tmp/r/$name; }
+bench() { local name=$1${TAG:-}; shift; mkdir -p /tmp/r/$name; timeout "$left" python3 -m "$@" --out /tmp/r/$name; }
 for s in ${STEPS:-}; do
   left=$(( LIMIT - ($(date +%s) - T0) ))
   [ "$left" -lt 30 ] && { echo "== skip $s ($left s left)"; continue; }
@@ -47,8 +49,8 @@ for s in ${STEPS:-}; do
     dec20|dec120) bench $s kvrelay.bench.decode --model gpt-oss-${s#dec} $M --lengths 8192 --batches 1 --mode pipelined ;;
     decsweep20|decsweep120) bench $s kvrelay.bench.decode --model gpt-oss-${s#decsweep} $M --lengths 8192,32768 \
         --batches 1,8,32,64,128,256 --mode pipelined --budget-s $(( left - 20 )) ;;
-    pp20|pp120) mkdir -p /tmp/r/$s; bench $s kvrelay.bench.profile_prefill --model gpt-oss-${s#pp} $M --length 8192 --top 30 \
-        --host-profile /tmp/r/$s/host.txt ;;
+    pp20|pp120) mkdir -p /tmp/r/$s${TAG:-}; bench $s kvrelay.bench.profile_prefill --model gpt-oss-${s#pp} $M --length 8192 \
+        --top 30 --host-profile /tmp/r/$s${TAG:-}/host.txt ;;
     pre20|pre120) bench $s kvrelay.bench.prefill --model gpt-oss-${s#pre} $M --lengths 8192 ;;
     serve1) SOLO_ONLY=1 SOLO_WORKLOADS=8k/256,1k/16 RESULTS=/tmp/r/serve timeout "$left" \
         bash bench/serve_h200.sh configs/h200-1gpu-20b.yaml h200-1gpu-20b ;;
