@@ -304,3 +304,38 @@ def test_h200_steps_script_parses_and_needs_the_commit(tmp_path):
                          capture_output=True, text=True, timeout=30)
     assert res.returncode != 0 and "set KVRELAY_GIT_COMMIT" in res.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_h200_steps_script_runs_each_benchmark_on_a_real_preset(tmp_path):
+    """Each benchmark step of bench/h200_steps.sh names a model preset that exists (a step once asked for
+    "gpt-oss-20", which every decode run of a device call rejected) and writes into its TAG-suffixed folder.
+    python3 is shimmed so that only the benchmark modules are recorded instead of run; the rest is real."""
+    import shlex
+    import subprocess
+    import sys
+
+    from kvrelay.engine.config import PRESETS
+
+    root = Path(__file__).resolve().parents[2]
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    log = tmp_path / "calls.txt"
+    (shim / "python3").write_text(
+        "#!/usr/bin/env bash\n"
+        f'if [ "$1" = -m ] && [[ "$2" == kvrelay.bench.* ]]; then echo "$*" >> {shlex.quote(str(log))}; exit 0; fi\n'
+        f'exec {shlex.quote(sys.executable)} "$@"\n')
+    (shim / "python3").chmod(0o755)
+    steps = "dec20 dec120 decsweep20 decsweep120 pp20 pp120 pre20 pre120 prof20"
+    env = {**os.environ, "PATH": f"{shim}:{os.environ['PATH']}", "OUT": str(tmp_path), "STEPS": steps,
+           "KVRELAY_GIT_COMMIT": "0" * 40, "WORK_DIR": str(tmp_path / "w"), "TAG": "-x"}
+    res = subprocess.run(["bash", str(root / "bench" / "h200_steps.sh")], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    calls = [shlex.split(line) for line in log.read_text().splitlines()]
+    assert len(calls) == len(steps.split())
+    for step, argv in zip(steps.split(), calls):
+        model = argv[argv.index("--model") + 1]
+        assert model in PRESETS and model.startswith("gpt-oss-"), (step, model)
+        assert model.endswith("120b" if "120" in step else "20b"), (step, model)
+        assert argv[argv.index("--out") + 1] == str(tmp_path / "w" / "r" / f"{step}-x")
+    assert (tmp_path / "r.tgz").is_file()
