@@ -8,7 +8,8 @@
 #   KVRELAY_GIT_COMMIT=<sha> STEPS="pre20 pp20 tgpu" LIMIT=540 bash bench/h200_steps.sh
 # Steps: prof20 (batch-1 decode profile, PDL off), dec20/dec120 (batch-1 decode at 8k, pipelined),
 #   decsweep20/decsweep120 (decode curves at 8k and 32k, batch 1..256), pp20/pp120 (prefill 8192 profile),
-#   pre20/pre120 (prefill 8192), serve1 (bench/serve_h200.sh SOLO_ONLY against configs/h200-1gpu-20b.yaml),
+#   pre20/pre120 (prefill 8192), serve1 (bench/serve_h200.sh SOLO_ONLY against $SERVE_CONFIG, default
+#   configs/h200-1gpu-20b.yaml, labelled $SERVE_LABEL$TAG),
 #   tgpu (pytest $TESTS, default tests/gpu), aot (FlashInfer's JIT-built modules as $OUT/fi-aot.tgz).
 # QUANT (default fp8-block128) is the benchmarks' --quant; TAG (default empty) is appended to each step's result
 #   folder, so one call can run the script several times with different settings (QUANT=... TAG=-lmhead).
@@ -55,7 +56,7 @@ for s in ${STEPS:-}; do
         --top 30 --host-profile $W/r/$s${TAG:-}/host.txt ;;
     pre20|pre120) bench $s kvrelay.bench.prefill --model gpt-oss-${s#pre}b $M --lengths 8192 ;;
     serve1) SOLO_ONLY=1 SOLO_WORKLOADS=8k/256,1k/16 RESULTS=$W/r/serve timeout "$left" \
-        bash bench/serve_h200.sh configs/h200-1gpu-20b.yaml h200-1gpu-20b ;;
+        bash bench/serve_h200.sh "${SERVE_CONFIG:-configs/h200-1gpu-20b.yaml}" "${SERVE_LABEL:-h200-1gpu-20b}${TAG:-}" ;;
     tgpu) # shellcheck disable=SC2086
         timeout "$left" python3 -m pytest -q -p no:cacheprovider -rf ${TESTS:-tests/gpu} 2>&1 | tee -a $W/r/gpu-tests.txt ;;
     aot) (cd ~/.cache/flashinfer/*/90a/cached_ops && tar czf "$OUT/fi-aot.tgz" -- */*.so) ;;
