@@ -16,6 +16,8 @@
 # Environment it installs from when present: .dev/fi (FlashInfer wheels alone, for calls without the serving
 #   stack), .dev/extra when EXTRA=1, and .fiaot/fi-aot.tgz (modules saved by `aot`, unpacked into
 #   flashinfer/data/aot so the first FlashInfer call does not JIT for ~3 min).
+# `aot` saves only what this machine built: dec*/pre* build no FlashInfer sink-prefill module, prof20 builds two
+#   (batch_prefill_attention_sink_bf16_swa_{False,True}_fa3, ~3 min on 2026-12-02), so run prof20 before `aot` once.
 set -uo pipefail
 : "${KVRELAY_GIT_COMMIT:?set KVRELAY_GIT_COMMIT to the commit of the carried tree}"
 T0=$(date +%s); LIMIT=${LIMIT:-540}
