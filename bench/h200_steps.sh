@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Named benchmark and test steps for one device call on the H200 machine, each under what is left of the
 # call's time (a step that would start with under 30 s left is skipped, so the results so far come back).
-# Results go to /tmp/r/<step>/ (WORK_DIR moves /tmp) and, at the end, to $OUT/r.tgz (the device tool fetches what is under $OUT).
+# Results go to /tmp/r/<step>/ (WORK_DIR moves this scratch from /tmp) and, at the end, to $OUT/r.tgz (the
+# device tool fetches what is under $OUT).
 #
 # usage, on the device machine from the repo root (the checkout travels without .git, so the commit of the
 # measured tree is passed in; it must be a commit whose tree is what was carried, for RESULTS.md to table it):
@@ -22,21 +23,20 @@ set -uo pipefail
 : "${KVRELAY_GIT_COMMIT:?set KVRELAY_GIT_COMMIT to the commit of the carried tree}"
 T0=$(date +%s); LIMIT=${LIMIT:-540}
 W=${WORK_DIR:-/tmp}  # scratch: results in $W/r, wheels in $W/site, the package links in $W/kvp
-export W
-mkdir -p $W/r $W/site
-if [ ! -d $W/kvp/kvrelay ]; then  # the checkout as the `kvrelay` package, as pyproject.toml maps it
-  mkdir -p $W/kvp/kvrelay
-  python3 - <<'PY'
+mkdir -p "$W/r" "$W/site"
+if [ ! -d "$W/kvp/kvrelay" ]; then  # the checkout as the `kvrelay` package, as pyproject.toml maps it
+  mkdir -p "$W/kvp/kvrelay"
+  KVP_DIR="$W/kvp/kvrelay" python3 - <<'PY'
 import os, tomllib
 for pkg, path in tomllib.load(open("pyproject.toml", "rb"))["tool"]["setuptools"]["package-dir"].items():
     parts = pkg.split(".")[1:]
     if len(parts) == 1:
-        os.symlink(os.path.abspath(path), os.environ["W"] + "/kvp/kvrelay/" + parts[0])
+        os.symlink(os.path.abspath(path), os.path.join(os.environ["KVP_DIR"], parts[0]))
 PY
 fi
-export PYTHONPATH=$W/site:$W/kvp PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 KVRELAY_GIT_CLEAN=1
+export PYTHONPATH="$W/site:$W/kvp" PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 KVRELAY_GIT_CLEAN=1
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 UCX_NET_DEVICES=lo KVRELAY_GIT_COMMIT
-pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $W/site "$@"; }
+pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$W/site" "$@"; }
 if [ -d .dev/fi ] && ! python3 -c "import flashinfer" 2>/dev/null; then pipi .dev/fi/*.whl; fi
 if [ -d .dev/extra ] && [ -n "${EXTRA:-}" ]; then pipi .dev/extra/*.whl; fi
 if [ -f .fiaot/fi-aot.tgz ]; then
@@ -44,7 +44,7 @@ if [ -f .fiaot/fi-aot.tgz ]; then
   [ -n "$fi_dir" ] && mkdir -p "$fi_dir/data/aot" && tar xzf .fiaot/fi-aot.tgz -C "$fi_dir/data/aot"
 fi
 M="--dummy --quant ${QUANT:-fp8-block128} --device cuda"  # QUANT=fp8-block128-lmhead: the FP8 head too
-bench() { local name=$1${TAG:-}; shift; mkdir -p $W/r/$name; timeout "$left" python3 -m "$@" --out $W/r/$name; }
+bench() { local name=$1${TAG:-}; shift; mkdir -p "$W/r/$name"; timeout "$left" python3 -m "$@" --out "$W/r/$name"; }
 for s in ${STEPS:-}; do
   left=$(( LIMIT - ($(date +%s) - T0) ))
   [ "$left" -lt 30 ] && { echo "== skip $s ($left s left)"; continue; }
@@ -54,13 +54,13 @@ for s in ${STEPS:-}; do
     dec20|dec120) bench $s kvrelay.bench.decode --model gpt-oss-${s#dec}b $M --lengths 8192 --batches 1 --mode pipelined ;;
     decsweep20|decsweep120) bench $s kvrelay.bench.decode --model gpt-oss-${s#decsweep}b $M --lengths 8192,32768 \
         --batches 1,8,32,64,128,256 --mode pipelined --budget-s $(( left - 20 )) ;;
-    pp20|pp120) mkdir -p $W/r/$s${TAG:-}; bench $s kvrelay.bench.profile_prefill --model gpt-oss-${s#pp}b $M --length 8192 \
-        --top 30 --host-profile $W/r/$s${TAG:-}/host.txt ;;
+    pp20|pp120) mkdir -p "$W/r/$s${TAG:-}"; bench $s kvrelay.bench.profile_prefill --model gpt-oss-${s#pp}b $M --length 8192 \
+        --top 30 --host-profile "$W/r/$s${TAG:-}/host.txt" ;;
     pre20|pre120) bench $s kvrelay.bench.prefill --model gpt-oss-${s#pre}b $M --lengths 8192 ;;
-    serve1) SOLO_ONLY=1 SOLO_WORKLOADS=8k/256,1k/16 RESULTS=$W/r/serve timeout "$left" \
+    serve1) SOLO_ONLY=1 SOLO_WORKLOADS=8k/256,1k/16 RESULTS="$W/r/serve" timeout "$left" \
         bash bench/serve_h200.sh "${SERVE_CONFIG:-configs/h200-1gpu-20b.yaml}" "${SERVE_LABEL:-h200-1gpu-20b}${TAG:-}" ;;
     tgpu) # shellcheck disable=SC2086
-        timeout "$left" python3 -m pytest -q -p no:cacheprovider -rf ${TESTS:-tests/gpu} 2>&1 | tee -a $W/r/gpu-tests.txt ;;
+        timeout "$left" python3 -m pytest -q -p no:cacheprovider -rf ${TESTS:-tests/gpu} 2>&1 | tee -a "$W/r/gpu-tests.txt" ;;
     aot) (cd ~/.cache/flashinfer/*/90a/cached_ops && tar czf "$OUT/fi-aot.tgz" -- */*.so) ;;
     *) echo "unknown step $s" ;;
   esac

@@ -342,4 +342,5 @@ def test_h200_steps_script_runs_each_benchmark_on_a_real_preset(tmp_path):
         assert model in PRESETS and model.startswith("gpt-oss-"), (step, model)
         assert model.endswith("120b" if "120" in step else "20b"), (step, model)
         assert argv[argv.index("--out") + 1] == str(tmp_path / "w" / "r" / f"{step}-x")
+    assert (tmp_path / "w" / "kvp" / "kvrelay" / "engine").resolve() == root / "engine"
     assert (tmp_path / "r.tgz").is_file()
