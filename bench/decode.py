@@ -79,13 +79,21 @@ def _pool_pages(cfg, args, lengths: list[int], batches: list[int]) -> tuple[dict
     free, _ = torch.cuda.mem_get_info(torch.device(args.device))
     page_full = C.kv_bytes_per_page(cfg, ps, len(cfg.full_layers))
     page_slide = C.kv_bytes_per_page(cfg, ps, len(cfg.sliding_layers))
-    # 5% on top of the weight estimate: scales, padding and the allocator's rounding are not counted.
-    weights = 1.05 * C.weight_bytes(cfg, args.quant)
-    spare = free - weights - args.mem_headroom_gib * 2**30 - want[SLIDING] * page_slide
-    cap = max(int(spare // page_full), full_seq)
-    if cap >= want[FULL]:
+    # The weights as they sit in memory (K padded to 128, scales), + 1% for the allocator's rounding. The
+    # old 5% on the unpadded bytes was ~3 GB too many on 120b, where that decided whether batch 64 at 8192
+    # fits one H200 (2026-12-03: one page group short).
+    spare = free - 1.01 * C.weight_bytes(cfg, args.quant, resident=True) - args.mem_headroom_gib * 2**30
+    if want[FULL] * page_full + want[SLIDING] * page_slide <= spare:
         return want, "sized to the largest point"
-    return {FULL: cap, SLIDING: want[SLIDING]}, (
+    # Not every point fits: the sliding group is sized for the largest batch that fits at the shortest
+    # length (not reserved for a batch skipped anyway), the full group takes the rest; the points it cannot
+    # hold are skipped as "KV pool too small".
+    short_seq = pages_spanned(min(lengths) + steps, ps) + fork
+    fits = [b for b in sorted(set(batches)) if (b * short_seq + 1) * page_full + (b * slide_seq + 1) * page_slide
+            <= spare]
+    slide = (fits[-1] if fits else 1) * slide_seq + 1
+    cap = max(int((spare - slide * page_slide) // page_full), full_seq + 1)
+    return {FULL: cap, SLIDING: slide}, (
         f"capped by GPU memory at {cap} full pages ({cap * ps:,} positions); larger points are marked")
 
 

@@ -8,7 +8,7 @@
 # measured tree is passed in; it must be a commit whose tree is what was carried, for RESULTS.md to table it):
 #   KVRELAY_GIT_COMMIT=<sha> STEPS="pre20 pp20 tgpu" LIMIT=540 bash bench/h200_steps.sh
 # Steps: prof20 (batch-1 decode profile, PDL off), dec20/dec120 (batch-1 decode at 8k, pipelined),
-#   decsweep20/decsweep120 (decode curves at 8k and 32k, batch 1..256), pp20/pp120 (prefill 8192 profile),
+#   decsweep20/decsweep120 (decode curves at 8k and 32k, batch 1..256; LENGTHS/BATCHES override the lists), pp20/pp120 (prefill 8192 profile),
 #   pre20/pre120 (prefill 8192), serve1 (bench/serve_h200.sh SOLO_ONLY against $SERVE_CONFIG, default
 #   configs/h200-1gpu-20b.yaml, labelled $SERVE_LABEL$TAG),
 #   tgpu (pytest $TESTS, default tests/gpu), aot (FlashInfer's JIT-built modules as $OUT/fi-aot.tgz).
@@ -52,8 +52,8 @@ for s in ${STEPS:-}; do
   case $s in
     prof20) KVRELAY_PDL=0 bench prof20 kvrelay.bench.profile_decode --model gpt-oss-20b $M --batch 1 --context 8192 --top 40 --graphs ;;
     dec20|dec120) bench $s kvrelay.bench.decode --model gpt-oss-${s#dec}b $M --lengths 8192 --batches 1 --mode pipelined ;;
-    decsweep20|decsweep120) bench $s kvrelay.bench.decode --model gpt-oss-${s#decsweep}b $M --lengths 8192,32768 \
-        --batches 1,8,32,64,128,256 --mode pipelined --budget-s $(( left - 20 )) ;;
+    decsweep20|decsweep120) bench $s kvrelay.bench.decode --model gpt-oss-${s#decsweep}b $M --lengths "${LENGTHS:-8192,32768}" \
+        --batches "${BATCHES:-1,8,32,64,128,256}" --mode pipelined --budget-s $(( left - 20 )) ;;
     pp20|pp120) mkdir -p "$W/r/$s${TAG:-}"; bench $s kvrelay.bench.profile_prefill --model gpt-oss-${s#pp}b $M --length 8192 \
         --top 30 --host-profile "$W/r/$s${TAG:-}/host.txt" ;;
     pre20|pre120) bench $s kvrelay.bench.prefill --model gpt-oss-${s#pre}b $M --lengths 8192 ;;

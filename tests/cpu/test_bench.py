@@ -240,6 +240,44 @@ def test_graph_and_attention_choice_follow_the_runner_signature(monkeypatch):
     assert C.graph_kwargs("off", "cuda", [1, 8])[0] == {}
 
 
+def test_decode_sweep_captures_a_graph_for_each_of_its_batches():
+    # The real Runner has both the switch and the sizes: a sweep's batch past the engine's default graphs
+    # (up to 128) ran on the piecewise path (20b batch 256 at 8192: 37.4 ms against 14.3 at 128).
+    from kvrelay.engine.config import DEFAULT_GRAPH_BATCH_SIZES
+
+    kw, label = C.graph_kwargs("auto", "cuda", [1, 96, 256])
+    assert kw == {"cuda_graphs": True,
+                  "cuda_graph_batch_sizes": tuple(sorted({*DEFAULT_GRAPH_BATCH_SIZES, 96, 256}))}
+    assert "256" in label
+    assert C.graph_kwargs("auto", "cpu", [1, 256])[0] == {"cuda_graphs": False}
+
+
+def test_decode_pool_on_a_full_gpu_fits_the_largest_batch_that_can_fit(monkeypatch):
+    # 120b on one H200 (2026-12-03): batch 64 at 8192 was skipped, one group short, because the sliding
+    # group was reserved for batch 256 (which cannot fit anyway) and the weights were counted 5% over
+    # unpadded. Free memory here is what that run had; the pool must now hold batch 64, not 128.
+    import types
+
+    import torch
+
+    from kvrelay.bench import decode
+
+    cfg = C.resolve_config("gpt-oss-120b")
+    args = types.SimpleNamespace(page_size=16, warmup=3, iters=10, mode="pipelined", device="cuda",
+                                 quant="fp8-block128", mem_headroom_gib=6.0)
+    free = int(139.286 * 2**30)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *_: (free, free))
+    pages, note = decode._pool_pages(cfg, args, [8192, 32768], [1, 8, 32, 64, 128, 256])
+    assert "capped" in note
+    full_seq = decode.pages_spanned(8192 + decode._steps(args), 16)
+    slide_seq = decode.window_pages(cfg.sliding_window, 16) + decode.pages_spanned(decode._steps(args), 16)
+    assert pages["full"] >= 64 * full_seq + 1 and pages["sliding"] == 64 * slide_seq + 1
+    assert pages["full"] < 128 * full_seq + 1
+    page = C.kv_bytes_per_page(cfg, 16, len(cfg.full_layers))
+    used = pages["full"] * page + pages["sliding"] * C.kv_bytes_per_page(cfg, 16, len(cfg.sliding_layers))
+    assert used + C.weight_bytes(cfg, "fp8-block128", resident=True) + 6 * 2**30 <= free
+
+
 def _keep_scratch_pages_like_a_gpu_runner(monkeypatch):
     """A GPU Runner with decode graphs keeps one scratch page per group (the padding rows' page) out of
     the pool it is given; on CPU it runs no graphs and keeps none. Make the CPU Runner keep them exactly
