@@ -170,7 +170,7 @@ class GptOss:
         delta = None
         for block in self.blocks:
             x, q = block.residual_attention_in(x, delta, cos, sin, cache, batch)
-            # summed into x: drop the MoE outputs (fp32 [T, k, hidden], 377 MB for an 8k-token prefill)
+            # summed into x: drop the MoE outputs ([T, k, hidden], 189 MB bf16 for an 8k-token prefill)
             # before this block's MoE allocates its own
             delta = None
             x, delta = block.attention_out_deferred(x, block.attend(q, cache, attn))

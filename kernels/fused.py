@@ -108,10 +108,10 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, rows_ptr, xo_ptr, out_ptr, q_ptr, 
     if DELTA == 1:  # a finished bf16/fp32 delta [T, H]: torch's add (fp32 math, one rounding to x's dtype)
         d = tl.load(d_ptr + src * s_dt + offs, mask=mask, other=0.0).to(tl.float32)
         x = (x + d).to(x_ptr.dtype.element_ty).to(tl.float32)
-    if DELTA == 2:  # the MoE's weighted expert outputs fp32 [T, K, H]: kernels.moe_gemv's combine (fixed order,
-        acc = tl.zeros([BLOCK], tl.float32)  # rounded to bf16), then the residual add
-        for j in tl.static_range(K_SUM):
-            acc += tl.load(d_ptr + src * s_dt + j * s_dk + offs, mask=mask, other=0.0)
+    if DELTA == 2:  # the MoE's weighted expert outputs [T, K, H] (fp32, or bf16 from the grouped path):
+        acc = tl.zeros([BLOCK], tl.float32)  # kernels.moe_gemv's combine (fixed order, fp32, rounded to
+        for j in tl.static_range(K_SUM):  # bf16), then the residual add
+            acc += tl.load(d_ptr + src * s_dt + j * s_dk + offs, mask=mask, other=0.0).to(tl.float32)
         d = acc.to(tl.bfloat16).to(tl.float32)
         x = (x + d).to(x_ptr.dtype.element_ty).to(tl.float32)
     if STORE_X:
@@ -137,8 +137,8 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, rows_ptr, xo_ptr, out_ptr, q_ptr, 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None, eps: float, *,
                  quant_k: int | None = None, rows: torch.Tensor | None = None, store_x: bool = True):
     """The residual stream's glue in one launch. x [T, H] (unit stride in H); delta None, a finished
-    [T, H] tensor (added as torch's `x + delta`), or the MoE's weighted expert outputs fp32 [T, k, H]
-    (summed over k in order and rounded to bf16 as kernels.moe_gemv's combine does, then added); then
+    [T, H] tensor (added as torch's `x + delta`), or the MoE's weighted expert outputs fp32 or bf16 [T, k, H]
+    (summed over k in order in fp32 and rounded to bf16 as kernels.moe_gemv's combine does, then added); then
     RMSNorm with `weight` (None: no norm). Returns (new x or None, normed):
     - new x [T, H] in x's dtype (None when store_x=False, or when delta is None: x is unchanged);
     - normed [T, H] in x's dtype, or with quant_k set (the GEMM's K padded to 128) the 1x128 FP8
@@ -156,9 +156,9 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         kind, k_sum, d = 0, 1, x
         store_x = False
     elif delta.dim() == 3:
-        if delta.shape[0] != t or delta.shape[2] != h or delta.dtype != torch.float32:
-            raise ValueError(f"add_rms_norm: MoE outputs must be fp32 [{t}, k, {h}], got {list(delta.shape)} "
-                             f"{delta.dtype}")
+        if delta.shape[0] != t or delta.shape[2] != h or delta.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"add_rms_norm: MoE outputs must be fp32 or bf16 [{t}, k, {h}], got "
+                             f"{list(delta.shape)} {delta.dtype}")
         kind, k_sum, d = 2, delta.shape[1], delta
         if d.stride(-1) != 1:
             d = d.contiguous()

@@ -82,7 +82,11 @@ GLUE = textwrap.dedent("""
         # the unfused GPU chain: combine kernel, torch add, RMSNorm kernel, activation quantiser
         comb = torch.empty(t, h, dtype=torch.bfloat16)
         moe_gemv.combine_kernel[(t, triton.cdiv(h, 1024))](y, comb, h, K_TOP=k, BLOCK=1024)
-        for delta, added in [(None, x), (dl, interp_add(x, dl)), (y, interp_add(x, comb))]:
+        # the grouped path's bf16 pair outputs (kernels/moe.py, a bf16 model): summed in fp32 as the fp32 ones
+        yb = y.to(torch.bfloat16)
+        comb_b = torch.empty(t, h, dtype=torch.bfloat16)
+        moe_gemv.combine_kernel[(t, triton.cdiv(h, 1024))](yb.float(), comb_b, h, K_TOP=k, BLOCK=1024)
+        for delta, added in [(None, x), (dl, interp_add(x, dl)), (y, interp_add(x, comb)), (yb, interp_add(x, comb_b))]:
             chain_n = fused.rms_norm(added, w, eps)
             chain_q, chain_s = fp8_gemm.quantize_act_1x128(chain_n, kp)
             x_new, normed = fused.add_rms_norm(x, delta, w, eps)
@@ -101,7 +105,7 @@ GLUE = textwrap.dedent("""
             assert torch.equal(s[:t], rs), (t, h)
             assert (s[t:] == 1e-12 / 448.0).all() and not bits(q[t:]).any() and not bits(q[:, h:]).any()
             # float32 reference of the whole chain
-            x32 = x.float() + (0 if delta is None else (delta.float() if delta.dim() == 2 else y.sum(1)))
+            x32 = x.float() + (0 if delta is None else (delta.float() if delta.dim() == 2 else delta.float().sum(1)))
             ref = w * x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
             assert ((normed.float() - ref).abs() <= ref.abs() * 2 ** -7 + 0.02).all(), (t, h)
             assert torch.allclose(s[:t], ref.view(t, -1, 128).abs().amax(-1) / 448.0, rtol=2 ** -7) if h % 128 == 0 else True

@@ -49,7 +49,8 @@ def _chain(x, delta, w, kp):
     elif delta.dim() == 3:
         t, k, h = delta.shape
         comb = torch.empty(t, h, dtype=torch.bfloat16, device=x.device)
-        moe_gemv.combine_kernel[(t, triton.cdiv(h, 1024))](delta, comb, h, K_TOP=k, BLOCK=1024)
+        # bf16 pair outputs (the grouped path's) are summed as their fp32 values
+        moe_gemv.combine_kernel[(t, triton.cdiv(h, 1024))](delta.float(), comb, h, K_TOP=k, BLOCK=1024)
         added = x + comb
     else:
         added = x + delta
@@ -79,7 +80,7 @@ def test_add_rms_norm_equals_unfused_chain_bit_for_bit(t, h):
     g = torch.Generator().manual_seed(t * 7 + h)
     kp = -(-h // 128) * 128
     x, dl, y, w = _inputs(t, h, 4, dev, g, grid=True)
-    for delta in (None, dl, y):
+    for delta in (None, dl, y, y.to(torch.bfloat16)):
         added, normed, (cq, cs) = _chain(x, delta, w, kp)
         poison_allocator(1 << 24)
         x_new, got = add_rms_norm(x, delta, w, EPS)
