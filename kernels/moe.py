@@ -345,15 +345,16 @@ def _moe_grouped(x, ids, route_w, ex: MoEWeights, alpha, limit, block_m=None, bl
         aa, as_ = quantize_act_1x128(act, ex.w2.shape[2], m_major=False)
     else:
         aa, as_ = act, None
-    # Uncombined (the next residual add sums them, kernels.fused.add_rms_norm) the weighted outputs of a bf16
-    # model are stored bf16: each pair rounded once before the fp32 sum, as the reference rounds each expert's
-    # output before adding it (in bf16). fp32 here was 377 MB written and read again per layer of an
-    # 8192-token prefill (2 x ~45 us at the copy ceiling). Combined here, they stay fp32 until the sum.
-    pair_dtype = torch.bfloat16 if not combine and x.dtype == torch.bfloat16 else torch.float32
+    # The weighted pair outputs of a bf16 model are stored bf16: each rounded once before the fp32 sum (here,
+    # or in the next residual add, kernels.fused.add_rms_norm, when uncombined), as the reference rounds each
+    # expert's output before adding it (in bf16). fp32 pairs were 377 MB written and read again per layer of
+    # an 8192-token prefill (2 x ~45 us at the copy ceiling). Both combine modes round alike, so the fused
+    # glue and the unfused/multi-rank path (combine=True) differ only in the order of the sum, as before.
+    pair_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
     y = torch.empty(n_pairs, h, dtype=pair_dtype, device=x.device)
     _grouped_gemm(aa, as_, ex.w2, ex.s2, ex.b2, route_w.reshape(-1), y, sorted_ids, block_expert, n_pairs, 1, h,
                   ex.w2.shape[2], ex.fp8, False, alpha, limit, block_m, config.w2, descs=ex.descs)
-    return y.view(t, k, h).sum(1).to(torch.bfloat16) if combine else y.view(t, k, h)
+    return y.view(t, k, h).float().sum(1).to(torch.bfloat16) if combine else y.view(t, k, h)
 
 
 def _moe_torch_grouped(x, ids, route_w, ex: MoEWeights, alpha, limit):

@@ -142,8 +142,8 @@ def test_grouped_moe_on_the_chunked_sort_matches_reference(monkeypatch):
 
 def test_grouped_uncombined_pairs_are_bf16_and_sum_to_the_combined_output():
     """combine=False on the grouped path of a bf16 model keeps each weighted pair output bf16 (half the bytes
-    the next residual add reads): each is the combined path's fp32 pair rounded once, so their fp32 sum is
-    the combined output within a bf16 step of each pair, and both stay within the float32 reference's bound."""
+    the next residual add reads), the pairs the combined path sums: their fp32 sum is the combined output
+    within its final bf16 rounding, and both stay within the float32 reference's bound."""
     from kvrelay.kernels import moe
 
     dev = _cuda()
@@ -152,7 +152,7 @@ def test_grouped_uncombined_pairs_are_bf16_and_sum_to_the_combined_output():
     assert pairs.dtype == torch.bfloat16 and pairs.shape == (300, ids.shape[1], 512)
     out = moe.moe_experts(x, ids, rw, ex, path="grouped")
     summed = pairs.float().sum(1)
-    step = pairs.float().abs().sum(1) * 2 ** -8 + out.float().abs() * 2 ** -8 + 1e-6
+    step = out.float().abs() * 2 ** -8 + 1e-6
     assert ((summed - out.float()).abs() <= step).all()
     assert rel_err(summed.to(torch.bfloat16), ref) < 1.5e-2 and rel_err(out, ref) < 1.5e-2
     # every pair slot holds a real output (not a zeroed or stale buffer)
