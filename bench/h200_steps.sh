@@ -59,8 +59,11 @@ for s in ${STEPS:-}; do
     pre20|pre120) bench $s kvrelay.bench.prefill --model gpt-oss-${s#pre}b $M --lengths "${PRE_LENGTHS:-8192}" ;;
     serve1) SOLO_ONLY=1 SOLO_WORKLOADS=8k/256,1k/16 RESULTS="$W/r/serve" timeout "$left" \
         bash bench/serve_h200.sh "${SERVE_CONFIG:-configs/h200-1gpu-20b.yaml}" "${SERVE_LABEL:-h200-1gpu-20b}${TAG:-}" ;;
-    tgpu) # shellcheck disable=SC2086
-        timeout "$left" python3 -m pytest -q -p no:cacheprovider -rf ${TESTS:-tests/gpu} 2>&1 | tee -a "$W/r/gpu-tests.txt" ;;
+    tgpu) # SIGINT at the limit: pytest then stops as on Ctrl-C and still prints its summary (-rf names each
+        # failure; 2026-12-03 a run cut by SIGTERM left only dots and an F); -v logs each test's name as it ends.
+        # shellcheck disable=SC2086
+        timeout -s INT -k 20 "$left" python3 -m pytest -v -p no:cacheprovider -rf ${TESTS:-tests/gpu} 2>&1 \
+          | tee -a "$W/r/gpu-tests.txt" | grep -E "FAILED|ERROR|passed|failed" ;;
     aot) (cd ~/.cache/flashinfer/*/90a/cached_ops && tar czf "$OUT/fi-aot.tgz" -- */*.so) ;;
     *) echo "unknown step $s" ;;
   esac
