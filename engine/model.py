@@ -66,8 +66,10 @@ class Block:
         return self.add_delta(*self.attention_out_deferred(x, o))
 
     def residual_attention_in(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor,
-                              sin: torch.Tensor, cache: KVCache, batch: BatchLayout):
-        """(x + delta, q): the residual stream finished, then attention_in on it."""
+                              sin: torch.Tensor, cache: KVCache, batch: BatchLayout, *, defer_rotary: bool = False):
+        """(x + delta, q): the residual stream finished, then attention_in on it. defer_rotary (the fused
+        path, for an attention that fuses_rotary): q is a RotaryPending, the rotary and KV write left to the
+        attention kernel."""
         group = cache.layer_group(self.layer)
         pool, pages, offsets = cache.layer_pool(self.layer), batch.write_pages[group], batch.write_offsets[group]
         if not self.fused:
@@ -78,6 +80,9 @@ class Block:
         kp = self.attn.qkv.quant_k
         x_new, h = add_rms_norm(x, delta, self.attn_norm.scale, self.eps, quant_k=kp)
         x = x if x_new is None else x_new
+        if defer_rotary:
+            hq, sx = (h, None) if kp is None else h
+            return x, self.attn.project_in_deferred(hq, sx, x.shape[0], x.dtype, cos, sin, pool, pages, offsets)
         if kp is None:
             return x, self.attn.project_in(h, cos, sin, pool, pages, offsets)
         return x, self.attn.project_in_quantized(*h, x.shape[0], x.dtype, cos, sin, pool, pages, offsets)
@@ -169,7 +174,9 @@ class GptOss:
         x, cos, sin = self.embed(ids, batch.positions)
         delta = None
         for block in self.blocks:
-            x, q = block.residual_attention_in(x, delta, cos, sin, cache, batch)
+            # a Triton split-KV decode may take the rotary and KV write into its kernel (GpuAttention.fuses_rotary)
+            defer = block.fused and attn.fuses_rotary(cache.layer_group(block.layer))
+            x, q = block.residual_attention_in(x, delta, cos, sin, cache, batch, defer_rotary=defer)
             # summed into x: drop the MoE outputs ([T, k, hidden], 189 MB bf16 for an 8k-token prefill)
             # before this block's MoE allocates its own
             delta = None

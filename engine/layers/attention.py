@@ -90,6 +90,14 @@ class Attention:
         return self.rotate_and_write(self.qkv.run_quantized(xq, sx, m, dtype), cos, sin, pool, write_pages,
                                      write_offsets)
 
+    def project_in_deferred(self, xq: torch.Tensor, sx: torch.Tensor | None, m: int, dtype: torch.dtype,
+                            cos: torch.Tensor, sin: torch.Tensor, pool: torch.Tensor, write_pages: torch.Tensor,
+                            write_offsets: torch.Tensor) -> "RotaryPending":
+        """project_in (xq normed, FP8-quantised when sx is given) with the rotary and the KV write left to
+        the attention kernel (GpuAttention.run: kernels/decode_rotary.py), or to RotaryPending.apply."""
+        qkv = self.qkv(xq) if sx is None else self.qkv.run_quantized(xq, sx, m, dtype)
+        return RotaryPending(self, qkv, cos, sin, pool, write_pages, write_offsets)
+
     def rotate_and_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: torch.Tensor,
                          write_pages: torch.Tensor, write_offsets: torch.Tensor) -> torch.Tensor:
         """qkv [T, (Hq + 2 Hkv) D] (bias included) -> q [T, Hq, D]; rotated K and V written to the cache."""
@@ -137,6 +145,25 @@ class Attention:
 
 
 @dataclass
+class RotaryPending:
+    """A layer's QKV projection whose rotary and KV-cache write are still to run (Attention.
+    project_in_deferred): a Triton split-KV decode does both inside its kernel (GpuAttention.run); anything
+    else calls `apply` first, which is Attention.rotate_and_write (q [T, Hq, D], K/V in the pool)."""
+
+    attn: Attention
+    qkv: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    pool: torch.Tensor
+    write_pages: torch.Tensor
+    write_offsets: torch.Tensor
+
+    def apply(self) -> torch.Tensor:
+        return self.attn.rotate_and_write(self.qkv, self.cos, self.sin, self.pool, self.write_pages,
+                                          self.write_offsets)
+
+
+@dataclass
 class SinkPending:
     """A decode attention output still without its sink (FlashInfer decode): out [B, Hq, D], the log2
     log-sum-exp [B, Hq] and the sinks [Hq]; `apply` corrects out in place (kernels/attention.py)."""
@@ -173,8 +200,15 @@ class BatchAttention:
 
     def run(self, q, pool, group, sinks, sm_scale, window, defer_sink: bool = False):
         """-> the attention output [T, Hq, D]; a backend may answer defer_sink=True with a SinkPending
-        (the output projection applies the sink then), this one never does."""
+        (the output projection applies the sink then), this one never does. q may be a RotaryPending."""
+        if isinstance(q, RotaryPending):
+            q = q.apply()
         return self.fn(q, pool, self.batch.qo_indptr, self.batch.kv[group], sinks, sm_scale, window)
+
+    def fuses_rotary(self, group: str) -> bool:
+        """Whether run() takes this group's layers' q as a RotaryPending and does the rotary and KV write in
+        its own kernel (GpuAttention's Triton decode); never here."""
+        return False
 
 
 class GpuAttention(BatchAttention):
@@ -283,6 +317,15 @@ class GpuAttention(BatchAttention):
                 t = torch.from_numpy(np.stack([seq, q0]).astype(np.int32))
                 self.tiles = (t[0], t[1])
 
+    def fuses_rotary(self, group: str) -> bool:
+        """KVRELAY_DECODE_ROTARY=1 (read at each forward, so a CUDA graph keeps the setting it was captured
+        with; off by default until an H200 A/B says it pays) and a decode batch of this group on the Triton
+        split kernel: its layers' rotary and KV write then run inside that kernel (kernels/decode_rotary.py)."""
+        import os
+
+        return (os.environ.get("KVRELAY_DECODE_ROTARY") == "1" and self.batch is not None
+                and self.batch.is_decode and self.decode_kind[group] != "flashinfer")
+
     def plan_replay(self, batch, used: dict[str, int]) -> None:
         """The replay hook of a CUDA-graph decode batch (engine/cuda_graph.DecodeGraphBuffers.prepare):
         `batch` is the graph's BatchLayout of fixed buffers, just refilled, with `used[g]` page indices
@@ -300,6 +343,16 @@ class GpuAttention(BatchAttention):
         from kvrelay.kernels import triton_attention as ta
 
         kv = self.batch.kv[group]
+        if isinstance(q, RotaryPending):
+            if self.batch.is_decode and self.decode_kind[group] != "flashinfer":
+                from kvrelay.kernels.decode_rotary import sink_decode_rotary
+
+                h = q.attn.heads
+                return sink_decode_rotary(q.qkv, q.cos, q.sin, h.num_q, h.num_kv, pool, q.write_pages,
+                                          q.write_offsets, sinks, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len,
+                                          sm_scale=sm_scale, window=window, num_splits=self.decode_splits[group],
+                                          block_n=self.DECODE_BLOCK_N, workspace=self._ws, merge=not defer_sink)
+            q = q.apply()
         if self.batch.is_decode:
             if self.decode_kind[group] == "flashinfer":
                 if defer_sink:

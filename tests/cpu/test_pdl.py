@@ -23,7 +23,8 @@ import pytest
 import torch
 import triton
 
-from kvrelay.kernels import attention, fp8_gemm, fp8_gemv, fused, moe, moe_gemv, moe_sort, pdl, router, triton_attention
+from kvrelay.kernels import (attention, decode_rotary, fp8_gemm, fp8_gemv, fused, moe, moe_gemv, moe_sort, pdl,
+                             router, triton_attention)
 
 
 @pytest.fixture
@@ -180,6 +181,14 @@ KERNELS = [
           {"q": P["bf16"], "pool": P["bf16"], "kv_indptr": P["i32"], "kv_indices": P["i32"], "kv_last": P["i32"],
            "o_part": P["f32"], "lse_part": P["f32"], **_ints("s_qb", "s_qh", "s_page", "s_kv", "s_tok", "s_head"),
            "qk_scale": F32, "WINDOW": I32},
+          {"GROUP": 8, "BLOCK_H": 16, "HEAD_DIM": 64, "PAGE": 16, "BLOCK_N": 64, "NUM_SPLITS": 2, "F32": False},
+          num_warps=4, num_stages=2),
+    # the same with the layer's rotary and KV write inside (kernels/decode_rotary.py, KVRELAY_DECODE_ROTARY=1)
+    _spec(decode_rotary._sink_decode_rotary_split_kernel,
+          {**{k: P["bf16"] for k in ("qkv", "cos", "sin", "pool")}, "kv_indptr": P["i32"], "kv_indices": P["i32"],
+           "kv_last": P["i32"], "pages": P["i64"], "offsets": P["i64"], "o_part": P["f32"], "lse_part": P["f32"],
+           **_ints("s_qkv", "s_cs", "s_page", "s_kv", "s_tok", "s_head"), "qk_scale": F32,
+           **_ints("WINDOW", "N_Q", "N_KV")},
           {"GROUP": 8, "BLOCK_H": 16, "HEAD_DIM": 64, "PAGE": 16, "BLOCK_N": 64, "NUM_SPLITS": 2, "F32": False},
           num_warps=4, num_stages=2),
     _spec(triton_attention._sink_decode_merge_kernel,

@@ -1,0 +1,154 @@
+"""Split-KV sink decode that also does the layer's rotary and KV-cache write: one launch instead of two.
+
+At batch-1 decode every layer runs kernels.fused.rotary_kv_write (q and k rotated, k and v stored into the
+pool) and then triton_attention's split kernel, which reads q and the pool back. Here each program (sequence,
+KV head, split) of the split kernel reads the QKV projection's row itself: its GROUP query heads rotated as
+rotary_kv_write rotates them (the same fp32 expressions, rounded to the activation dtype, so q enters the dot
+as the same bf16 values), and the new token's k and v. The new token sits at position kv_len - 1, which exactly
+one split covers; that split uses the fresh k/v for that row (its pool slot is not written yet) and stores
+them into the pool at (write_pages[b], write_offsets[b]), as rotary_kv_write would; no other program reads
+that slot. The partials and the merge are triton_attention's (MergePending), so the sink, the merge and the
+output projection's quantisation are unchanged.
+
+Used only where GpuAttention decodes a group with the Triton split kernel and KVRELAY_DECODE_ROTARY=1 (off by
+default until an H200 A/B says it pays: engine/layers/attention.GpuAttention.fuses_rotary). Same outputs as
+rotary_kv_write + triton_attention.sink_decode (tests/cpu/test_decode_rotary.py, bit for bit under the
+interpreter); the loop over keys is the split kernel's, kept beside it rather than shared so that the
+default kernel stays as measured.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .pdl import enter, pdl_kwargs
+from .triton_attention import INTERPRET, LOG2E, MergePending, _dot, _kv_len, _load_kv_tile, _merge, \
+    _pool_strides, _window_arg, decode_workspace, default_num_splits
+
+
+@triton.jit
+def _rotate(row, cos, sin, heads, ok, offs_d, HALF: tl.constexpr):
+    # rotary_kv_write's half-split rotary of head rows `heads` of one QKV row, in fp32: d < HALF gets
+    # x1 c - x2 s, d >= HALF gets x2 c + x1 s, with (x1, x2) the two halves (the partner column is d +- HALF)
+    partner = (offs_d + HALF) % (2 * HALF)
+    x = tl.load(row + heads[:, None] * (2 * HALF) + offs_d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    xp = tl.load(row + heads[:, None] * (2 * HALF) + partner[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    c = tl.load(cos + offs_d % HALF).to(tl.float32)[None, :]
+    s = tl.load(sin + offs_d % HALF).to(tl.float32)[None, :]
+    return tl.where((offs_d < HALF)[None, :], x * c - xp * s, x * c + xp * s)
+
+
+@triton.jit
+def _sink_decode_rotary_split_kernel(
+    qkv, cos, sin, pool, kv_indptr, kv_indices, kv_last, pages, offsets, o_part, lse_part,
+    s_qkv, s_cs, s_page, s_kv, s_tok, s_head, qk_scale, WINDOW, N_Q, N_KV,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, F32: tl.constexpr, USE_PDL: tl.constexpr = False,
+):
+    # kernels/pdl.py: before any load (the QKV row is the previous kernel's) or store (the pool write)
+    enter(USE_PDL)
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    p0, kv_len = _kv_len(kv_indptr, kv_last, b, PAGE)
+    lo = 0
+    if WINDOW > 0:
+        lo = tl.maximum(kv_len - WINDOW, 0)
+    n_vis = kv_len - lo
+    chunk = tl.cdiv(tl.cdiv(n_vis, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    c0 = lo + split * chunk
+    c1 = tl.minimum(c0 + chunk, kv_len)
+    new_pos = kv_len - 1
+
+    HALF: tl.constexpr = HEAD_DIM // 2
+    rows = tl.arange(0, BLOCK_H)
+    head = kvh * GROUP + rows
+    row_ok = rows < GROUP
+    offs_d = tl.arange(0, HEAD_DIM)
+    row = qkv + b.to(tl.int64) * s_qkv
+    cs = b.to(tl.int64) * s_cs
+    ty = qkv.dtype.element_ty
+    pty = pool.dtype.element_ty
+    qv = _rotate(row, cos + cs, sin + cs, head, row_ok, offs_d, HALF).to(ty)
+    one = tl.arange(0, 1) + kvh
+    k_new = _rotate(row, cos + cs, sin + cs, N_Q + one, one >= 0, offs_d, HALF).to(ty).to(pty)  # [1, D]
+    v_new = tl.load(row + (N_Q + N_KV + one)[:, None] * HEAD_DIM + offs_d[None, :]).to(pty)
+    if (c0 <= new_pos) & (new_pos < c1):  # the one split that holds the new token writes it to the pool
+        dst = (pool + tl.load(pages + b).to(tl.int64) * s_page + tl.load(offsets + b).to(tl.int64) * s_tok
+               + kvh * s_head + offs_d[None, :])
+        tl.store(dst, k_new)
+        tl.store(dst + s_kv, v_new)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    for start in range(c0, c1, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        kvalid = kpos < c1
+        fresh = (kpos == new_pos)[:, None]
+        k = _load_kv_tile(pool, kv_indices, p0, kpos, kvalid & (kpos != new_pos), kvh, 0, offs_d, s_page, s_kv,
+                          s_tok, s_head, PAGE)
+        v = _load_kv_tile(pool, kv_indices, p0, kpos, kvalid & (kpos != new_pos), kvh, 1, offs_d, s_page, s_kv,
+                          s_tok, s_head, PAGE)
+        k = tl.where(fresh, k_new, k)
+        v = tl.where(fresh, v_new, v)
+        s = _dot(qv, tl.trans(k), F32) * qk_scale
+        s = tl.where(kvalid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.where(m_new == float("-inf"), 0.0, tl.exp2(m_i - m_new))
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32)
+        m_i = m_new
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    n_heads = tl.num_programs(1) * GROUP
+    base = (b.to(tl.int64) * n_heads + head) * NUM_SPLITS + split
+    tl.store(o_part + base[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None])
+    tl.store(lse_part + base, lse, mask=row_ok)
+
+
+def sink_decode_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q: int, n_kv: int,
+                       pool: torch.Tensor, write_pages: torch.Tensor, write_offsets: torch.Tensor,
+                       sinks: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                       kv_last_page_len: torch.Tensor, *, sm_scale: float, window: int | None,
+                       num_splits: int | None = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+                       workspace: tuple[torch.Tensor, torch.Tensor] | None = None, merge: bool = True):
+    """kernels.fused.rotary_kv_write(qkv, cos, sin, n_q, n_kv, D, pool, write_pages, write_offsets) then
+    triton_attention.sink_decode(q, pool, sinks, ...) in one launch (+ the merge unless merge=False, which
+    returns the MergePending as sink_decode does). qkv [B, (n_q + 2 n_kv) D], one new token per sequence,
+    whose position the page table already counts (kv_len - 1) but whose K/V are not in the pool yet."""
+    batch = qkv.shape[0]
+    head_dim = pool.shape[4]
+    if pool.dim() != 5 or pool.shape[1] != 2 or pool.shape[3] != n_kv or pool.stride(-1) != 1:
+        raise ValueError(f"sink_decode_rotary: pool {list(pool.shape)} is not [pages, 2, page, {n_kv}, D]")
+    if qkv.shape[1] != (n_q + 2 * n_kv) * head_dim or qkv.stride(-1) != 1:
+        raise ValueError(f"sink_decode_rotary: qkv {list(qkv.shape)} is not [B, {(n_q + 2 * n_kv) * head_dim}]")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    page = pool.shape[2]
+    group = n_q // n_kv
+    if num_splits is None:
+        num_sms = torch.cuda.get_device_properties(qkv.device).multi_processor_count if qkv.is_cuda else 8
+        num_splits = default_num_splits(batch, n_kv, num_sms=num_sms, block_n=block_n, window=window)
+    if workspace is None:
+        workspace = decode_workspace(batch, n_q, head_dim, num_splits, qkv.device)
+    o_part, lse_part = workspace
+    if lse_part.numel() < batch * n_q * num_splits or o_part.numel() < batch * n_q * num_splits * head_dim:
+        raise ValueError(f"decode workspace of {lse_part.numel()} rows is smaller than batch {batch} x "
+                         f"{n_q} heads x {num_splits} splits")
+    sp, skv, stok, sh = _pool_strides(pool)
+    _sink_decode_rotary_split_kernel[(batch, n_kv, num_splits)](
+        qkv, cos, sin, pool, kv_indptr, kv_indices, kv_last_page_len, write_pages, write_offsets, o_part, lse_part,
+        qkv.stride(0), cos.stride(0), sp, skv, stok, sh, sm_scale * LOG2E, _window_arg(window), n_q, n_kv,
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page,
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, F32=INTERPRET, num_warps=num_warps, num_stages=num_stages,
+        **pdl_kwargs(qkv.device))
+    pending = MergePending(o_part, lse_part, sinks, batch, n_q, head_dim, num_splits, qkv.dtype)
+    if not merge:
+        return pending
+    out = torch.empty(batch, n_q, head_dim, dtype=qkv.dtype, device=qkv.device)
+    _merge(pending, out)
+    return out

@@ -1,0 +1,107 @@
+"""kernels/decode_rotary.py (the split-KV decode that also does the rotary and the KV-cache write) under
+TRITON_INTERPRET=1 on CPU tensors: bit for bit what kernels.fused.rotary_kv_write followed by
+triton_attention.sink_decode give (outputs, partials and the pool), and the model's decode with it switched
+on (KVRELAY_DECODE_ROTARY=1) equal to the model's without it. Its sm_90 PDL placement is in test_pdl.py."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from interp_helpers import interpreted, refs
+
+_interpreted = interpreted(__file__)
+
+
+def _slots(b, page):
+    # the new token's (page, offset): position kv_len - 1 through the page table
+    pages, offs = [], []
+    for s, n in enumerate(b.kv_lens):
+        p0 = int(b.kv_indptr[s])
+        pages.append(int(b.kv_indices[p0 + (n - 1) // page]))
+        offs.append((n - 1) % page)
+    return torch.tensor(pages, dtype=torch.long), torch.tensor(offs, dtype=torch.long)
+
+
+@_interpreted
+def test_decode_rotary_equals_rotary_write_then_split_decode_interpreted():
+    from kvrelay.kernels import fused, triton_attention as ta
+    from kvrelay.kernels.decode_rotary import sink_decode_rotary
+    from kvrelay.kernels.reference import rotary_cos_sin, yarn_inv_freq
+
+    g = torch.Generator().manual_seed(21)
+    for nq, nkv, d, page, lens in [(8, 2, 64, 16, [1, 9, 40, 129]), (6, 2, 32, 4, [3, 4, 5, 17])]:
+        b = refs.make_paged_batch(lens, [1] * len(lens), nkv, d, page, "cpu", gen=g)
+        pages, offs = _slots(b, page)
+        qkv = torch.randn(len(lens), (nq + 2 * nkv) * d, generator=g).to(torch.bfloat16)
+        inv, conc = yarn_inv_freq(d, 150000.0, 32.0, 4096, beta_fast=32.0, beta_slow=1.0)
+        cos, sin = rotary_cos_sin(torch.tensor(lens) - 1, inv, conc, torch.bfloat16)
+        sinks = (torch.randn(nq, generator=g) + 3).float()
+        # the new tokens' slots hold garbage before the write: a kernel that read them would be far off
+        b.pool[pages, :, offs] = 1e4
+        for window, splits in ((None, 1), (None, 3), (8, 2)):
+            pa, pb = b.pool.clone(), b.pool.clone()
+            args = (b.kv_indptr, b.kv_indices, b.kv_last_page_len)
+            kw = dict(sm_scale=0.125, window=window, num_splits=splits, block_n=16)
+            q = fused.rotary_kv_write(qkv, cos, sin, nq, nkv, d, pa, pages, offs)
+            want = ta.sink_decode(q, pa, sinks, *args, **kw)
+            got = sink_decode_rotary(qkv, cos, sin, nq, nkv, pb, pages, offs, sinks, *args, **kw)
+            assert torch.equal(got, want), (nq, window, splits, (got.float() - want.float()).abs().max())
+            assert torch.equal(pb, pa), (nq, window, splits)  # the same K/V rows written, nothing else
+            # deferred merge: the same partials, so the same merged + quantised projection input
+            kp = -(-nq * d // 128) * 128
+            wq, ws = ta.sink_decode(q, pa, sinks, *args, **kw, merge=False).quantize(kp)
+            gq, gs = sink_decode_rotary(qkv, cos, sin, nq, nkv, pb.clone(), pages, offs, sinks, *args, **kw,
+                                        merge=False).quantize(kp)
+            assert torch.equal(gq.view(torch.uint8), wq.view(torch.uint8)) and torch.equal(gs, ws)
+            # against float32: the attention over the pool with the rotated rows in place
+            ref = refs.sink_attention_ref(q, refs.PagedBatch(pa, b.qo_indptr, b.kv_indptr, b.kv_indices,
+                                                             b.kv_last_page_len, b.kv_lens, b.q_lens),
+                                          sinks, 0.125, window)
+            assert refs.rel_err(got, ref) < 1e-2
+            # attending the pool as it was (the garbage slot) is far off: the fresh row is what is used
+            stale = ta.sink_decode(q, b.pool.clone(), sinks, *args, **kw)
+            assert refs.rel_err(stale, ref) > 0.1
+
+
+@_interpreted
+def test_model_decode_with_rotary_in_the_attention_kernel_equals_without_interpreted():
+    # The GPU-kernel model (fused glue, Triton attention) under the interpreter: decode steps with
+    # KVRELAY_DECODE_ROTARY=1 (its layers' rotary + KV write inside the split-KV kernel) give the same logits,
+    # bit for bit, as without, across the sliding window (8); the fused kernel did run, in every layer.
+    from kvrelay.engine.config import PRESETS
+    from kvrelay.engine.runner import Runner
+    from kvrelay.engine.weights import open_weights
+    from kvrelay.kernels import decode_rotary
+
+    cfg = PRESETS["tiny"].replace(num_hidden_layers=2)
+    prompt = [3, 141, 59, 26, 535, 8, 97, 93, 23, 84, 62, 64]
+    calls = []
+    orig = decode_rotary.sink_decode_rotary
+
+    def counted(*a, **k):
+        calls.append(1)
+        return orig(*a, **k)
+
+    def run(on: bool):
+        os.environ["KVRELAY_KERNELS"] = "triton"
+        os.environ["KVRELAY_ATTENTION"] = "triton"
+        os.environ["KVRELAY_DECODE_ROTARY"] = "1" if on else "0"
+        try:
+            r = Runner(cfg, open_weights(None, cfg, dummy=True, seed=3), page_size=4, kv_tokens=64)
+            assert r.model.blocks[0].fused
+            out = [r.prefill("a", prompt).float()] + [r.decode(["a"], [t]).float() for t in (7, 900, 12)]
+        finally:
+            for k in ("KVRELAY_KERNELS", "KVRELAY_ATTENTION", "KVRELAY_DECODE_ROTARY"):
+                os.environ.pop(k, None)
+        return torch.stack([o.reshape(-1) for o in out])
+
+    decode_rotary.sink_decode_rotary = counted
+    try:
+        off = run(False)
+        assert not calls
+        on = run(True)
+    finally:
+        decode_rotary.sink_decode_rotary = orig
+    assert len(calls) == 3 * cfg.num_hidden_layers  # every decode step's every layer, never the prefill
+    assert torch.equal(on, off)
