@@ -163,14 +163,17 @@ def test_grouped_kernel_knobs_match_the_reference_interpreted(tmp_path):
     ex, (w1r, b1, w2r, b2), g = _experts(8, 192, 96, seed=1)
     x = torch.randn(21, 192, generator=g).bfloat16()
     rw, ids = _routing(21, 8, 4, g)
-    ref = refs.moe_ref(x, ids, rw, w1r, b1, w2r, b2, quant_act=True)
+    ref = refs.moe_ref(x, ids, rw, w1r, b1, w2r, b2, quant_act=True, round_pairs=True)
     base = GemmConfig(128, 4, 2)
     outs = {}
     for bm, knobs in [(16, {}), (16, dict(group_m=3)), (16, dict(masked=False)), (16, dict(tma=True)),
                       (16, dict(group_m=8, masked=False, tma=True)), (32, dict(group_m=2, masked=False))]:
         cfg = GemmConfig(**{**base.__dict__, **knobs})
         outs[(bm, cfg)] = out = moe._moe_grouped(x, ids, rw, ex, 1.702, 7.0, config=GroupedConfig(bm, cfg, cfg))
-        assert refs.rel_err(out, ref) < 1.5e-2, (bm, cfg)
+        # 2e-2: this small problem measured 0.0149 against the float32 reference with fp32 pair outputs and
+        # 0.0153 with the bf16 ones the grouped path now stores (the reference rounds its pairs alike); a wrong
+        # layout or a skipped tile is > 0.1, and the knobs themselves must change no bit (below).
+        assert refs.rel_err(out, ref) < 2e-2, (bm, cfg)
     first = outs[(16, base)]
     for (bm, cfg), out in outs.items():
         if bm == 16:
@@ -196,7 +199,7 @@ def test_moe_output_follows_the_table_and_matches_the_reference_interpreted(tmp_
     used.clear()
     tuned = moe._moe_grouped(x, ids, rw, ex, 1.702, 7.0)
     assert used == [(32, GemmConfig(64, 4, 2, 4, masked=False)), (32, GemmConfig(128, 4, 2, tma=True))]
-    ref = refs.moe_ref(x, ids, rw, w1r, b1, w2r, b2, quant_act=True)
+    ref = refs.moe_ref(x, ids, rw, w1r, b1, w2r, b2, quant_act=True, round_pairs=True)
     assert refs.rel_err(tuned, ref) < 1.5e-2
     assert refs.rel_err(tuned, heur) < 1e-2
     mp.undo()

@@ -108,10 +108,13 @@ def _fake_quant_1x128(v: torch.Tensor) -> torch.Tensor:
     return dequantize_act_1x128(q, s).reshape(-1)
 
 
-def moe_ref(x, ids, weights, w1, b1, w2, b2, alpha=1.702, limit=7.0, quant_act=False) -> torch.Tensor:
+def moe_ref(x, ids, weights, w1, b1, w2, b2, alpha=1.702, limit=7.0, quant_act=False,
+            round_pairs=False) -> torch.Tensor:
     """Float32 expert mixture for given routing: x [T, H]; ids/weights [T, k]; w1 [E, 2I, H] (interleaved
     gate/up rows); w2 [E, H, I]. Weights given already dequantised. quant_act: the GEMM inputs go
-    through 1x128 fp8 quantisation (after bf16 rounding), as the fp8 tensor-core path does."""
+    through 1x128 fp8 quantisation (after bf16 rounding), as the fp8 tensor-core path does. round_pairs:
+    each weighted expert output rounded to bf16 before the sum, as the grouped path stores them
+    (kernels/moe.py, a bf16 model)."""
     xf = x.float()
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
     for t in range(x.shape[0]):
@@ -122,7 +125,8 @@ def moe_ref(x, ids, weights, w1, b1, w2, b2, alpha=1.702, limit=7.0, quant_act=F
             a = swiglu_ref(h, alpha, limit)
             if quant_act:
                 a = _fake_quant_1x128(a)
-            out[t] += float(weights[t, j]) * (w2[e].float() @ a + b2[e].float())
+            y = float(weights[t, j]) * (w2[e].float() @ a + b2[e].float())
+            out[t] += y.bfloat16().float() if round_pairs else y
     return out
 
 
