@@ -44,8 +44,9 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     ("LM head/sampling", r"ArgMaxOps|ArgMinOps|multinomial|flashinfer::sampling"),
     # FlashInfer's kernels, kernels/triton_attention.py's, the sink corrections (kernels/attention.py, and
     # kernels/fused.py's correction fused with the O projection's quantisation; the split-KV merge fused
-    # with it, triton_attention.py)
+    # with it, triton_attention.py; the split-KV decode with the rotary + KV write inside, decode_rotary.py)
     ("attention", r"flashinfer|_sink_prefill_kernel|_sink_decode_split_kernel|_sink_decode_merge_kernel"
+                  r"|_sink_decode_rotary_split_kernel"
                   r"|_sink_decode_merge_quant_kernel|_sink_correction_kernel|_sink_quant_kernel"),
     # kernels/fused.py: RMSNorm, and the residual add (+ MoE combine, + next GEMM's quantisation) + RMSNorm
     ("norms/residual", r"_rms_norm_kernel|_add_rms_norm_kernel"),
