@@ -173,10 +173,14 @@ class GptOss:
             attn.plan(batch)
         x, cos, sin = self.embed(ids, batch.positions)
         delta = None
+        # per page group, once a forward: a Triton split-KV decode may take the rotary and KV write into its
+        # kernel (GpuAttention.fuses_rotary)
+        defer: dict[str, bool] = {}
         for block in self.blocks:
-            # a Triton split-KV decode may take the rotary and KV write into its kernel (GpuAttention.fuses_rotary)
-            defer = block.fused and attn.fuses_rotary(cache.layer_group(block.layer))
-            x, q = block.residual_attention_in(x, delta, cos, sin, cache, batch, defer_rotary=defer)
+            group = cache.layer_group(block.layer)
+            if group not in defer:
+                defer[group] = block.fused and attn.fuses_rotary(group)
+            x, q = block.residual_attention_in(x, delta, cos, sin, cache, batch, defer_rotary=defer[group])
             # summed into x: drop the MoE outputs ([T, k, hidden], 189 MB bf16 for an 8k-token prefill)
             # before this block's MoE allocates its own
             delta = None

@@ -13,8 +13,8 @@ output projection's quantisation are unchanged.
 Used only where GpuAttention decodes a group with the Triton split kernel and KVRELAY_DECODE_ROTARY=1 (off by
 default until an H200 A/B says it pays: engine/layers/attention.GpuAttention.fuses_rotary). Same outputs as
 rotary_kv_write + triton_attention.sink_decode (tests/cpu/test_decode_rotary.py, bit for bit under the
-interpreter); the loop over keys is the split kernel's, kept beside it rather than shared so that the
-default kernel stays as measured.
+interpreter); the range, the loop over keys and the partials are the split kernel's own helpers
+(triton_attention._split_range / _split_attend with FRESH / _store_partial).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from .pdl import enter, pdl_kwargs
-from .triton_attention import INTERPRET, LOG2E, MergePending, _dot, _kv_len, _load_kv_tile, _merge, \
-    _pool_strides, _window_arg, decode_workspace, default_num_splits
+from .triton_attention import INTERPRET, LOG2E, MergePending, _merge, _pool_strides, _split_attend, _split_range, \
+    _store_partial, _window_arg, split_setup
 
 
 @triton.jit
@@ -52,14 +52,7 @@ def _sink_decode_rotary_split_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    p0, kv_len = _kv_len(kv_indptr, kv_last, b, PAGE)
-    lo = 0
-    if WINDOW > 0:
-        lo = tl.maximum(kv_len - WINDOW, 0)
-    n_vis = kv_len - lo
-    chunk = tl.cdiv(tl.cdiv(n_vis, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    c0 = lo + split * chunk
-    c1 = tl.minimum(c0 + chunk, kv_len)
+    p0, kv_len, c0, c1 = _split_range(kv_indptr, kv_last, b, split, WINDOW, PAGE, BLOCK_N, NUM_SPLITS)
     new_pos = kv_len - 1
 
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -80,35 +73,10 @@ def _sink_decode_rotary_split_kernel(
                + kvh * s_head + offs_d[None, :])
         tl.store(dst, k_new)
         tl.store(dst + s_kv, v_new)
-
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    for start in range(c0, c1, BLOCK_N):
-        kpos = start + tl.arange(0, BLOCK_N)
-        kvalid = kpos < c1
-        fresh = (kpos == new_pos)[:, None]
-        k = _load_kv_tile(pool, kv_indices, p0, kpos, kvalid & (kpos != new_pos), kvh, 0, offs_d, s_page, s_kv,
-                          s_tok, s_head, PAGE)
-        v = _load_kv_tile(pool, kv_indices, p0, kpos, kvalid & (kpos != new_pos), kvh, 1, offs_d, s_page, s_kv,
-                          s_tok, s_head, PAGE)
-        k = tl.where(fresh, k_new, k)
-        v = tl.where(fresh, v_new, v)
-        s = _dot(qv, tl.trans(k), F32) * qk_scale
-        s = tl.where(kvalid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.where(m_new == float("-inf"), 0.0, tl.exp2(m_i - m_new))
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32)
-        m_i = m_new
-    has = l_i > 0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    n_heads = tl.num_programs(1) * GROUP
-    base = (b.to(tl.int64) * n_heads + head) * NUM_SPLITS + split
-    tl.store(o_part + base[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None])
-    tl.store(lse_part + base, lse, mask=row_ok)
+    m_i, l_i, acc = _split_attend(qv, pool, kv_indices, p0, c0, c1, kvh, offs_d, s_page, s_kv, s_tok, s_head,
+                                  qk_scale, new_pos, k_new, v_new, True, BLOCK_H, HEAD_DIM, PAGE, BLOCK_N, F32)
+    _store_partial(o_part, lse_part, m_i, l_i, acc, b, head, row_ok, split, tl.num_programs(1) * GROUP, offs_d,
+                   HEAD_DIM, NUM_SPLITS)
 
 
 def sink_decode_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q: int, n_kv: int,
@@ -130,15 +98,8 @@ def sink_decode_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     cos, sin = cos.contiguous(), sin.contiguous()
     page = pool.shape[2]
     group = n_q // n_kv
-    if num_splits is None:
-        num_sms = torch.cuda.get_device_properties(qkv.device).multi_processor_count if qkv.is_cuda else 8
-        num_splits = default_num_splits(batch, n_kv, num_sms=num_sms, block_n=block_n, window=window)
-    if workspace is None:
-        workspace = decode_workspace(batch, n_q, head_dim, num_splits, qkv.device)
-    o_part, lse_part = workspace
-    if lse_part.numel() < batch * n_q * num_splits or o_part.numel() < batch * n_q * num_splits * head_dim:
-        raise ValueError(f"decode workspace of {lse_part.numel()} rows is smaller than batch {batch} x "
-                         f"{n_q} heads x {num_splits} splits")
+    num_splits, (o_part, lse_part) = split_setup(batch, n_q, n_kv, head_dim, window, num_splits, block_n, workspace,
+                                                 qkv.device)
     sp, skv, stok, sh = _pool_strides(pool)
     _sink_decode_rotary_split_kernel[(batch, n_kv, num_splits)](
         qkv, cos, sin, pool, kv_indptr, kv_indices, kv_last_page_len, write_pages, write_offsets, o_part, lse_part,

@@ -120,6 +120,66 @@ def _sink_prefill_kernel(
 
 
 @triton.jit
+def _split_range(kv_indptr, kv_last, b, split, WINDOW, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 NUM_SPLITS: tl.constexpr):
+    # The keys split `split` of NUM_SPLITS covers for the one query of sequence b (at position kv_len - 1):
+    # a BLOCK_N-aligned contiguous chunk [c0, c1) of the visible keys. -> (first page entry, kv_len, c0, c1)
+    p0, kv_len = _kv_len(kv_indptr, kv_last, b, PAGE)
+    lo = 0
+    if WINDOW > 0:
+        lo = tl.maximum(kv_len - WINDOW, 0)
+    n_vis = kv_len - lo
+    chunk = tl.cdiv(tl.cdiv(n_vis, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    c0 = lo + split * chunk
+    return p0, kv_len, c0, tl.minimum(c0 + chunk, kv_len)
+
+
+@triton.jit
+def _split_attend(qv, pool, kv_indices, p0, c0, c1, kvh, offs_d, s_page, s_kv, s_tok, s_head, qk_scale, fresh_pos,
+                  k_new, v_new, FRESH: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr):
+    # Online softmax of the group's query rows qv [BLOCK_H, D] over keys [c0, c1), without the sink:
+    # (running max, running sum, unnormalised output). FRESH: the key at fresh_pos is not read from the pool
+    # but taken from k_new / v_new [1, D] (kernels/decode_rotary.py: the new token, not yet written).
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    for start in range(c0, c1, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        kvalid = kpos < c1
+        read = kvalid
+        if FRESH:
+            read = kvalid & (kpos != fresh_pos)
+        k = _load_kv_tile(pool, kv_indices, p0, kpos, read, kvh, 0, offs_d, s_page, s_kv, s_tok, s_head, PAGE)
+        v = _load_kv_tile(pool, kv_indices, p0, kpos, read, kvh, 1, offs_d, s_page, s_kv, s_tok, s_head, PAGE)
+        if FRESH:
+            k = tl.where((kpos == fresh_pos)[:, None], k_new, k)
+            v = tl.where((kpos == fresh_pos)[:, None], v_new, v)
+        s = _dot(qv, tl.trans(k), F32) * qk_scale
+        s = tl.where(kvalid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # An empty prefix has m_i = -inf; guard exp2(-inf - (-inf)) which would be NaN.
+        alpha = tl.where(m_new == float("-inf"), 0.0, tl.exp2(m_i - m_new))
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _store_partial(o_part, lse_part, m_i, l_i, acc, b, head, row_ok, split, n_heads, offs_d,
+                   HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    # The split's normalised partial output and its log2-sum-exp, WITHOUT the sink (the merge adds it once).
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    base = (b.to(tl.int64) * n_heads + head) * NUM_SPLITS + split
+    tl.store(o_part + base[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None])
+    tl.store(lse_part + base, lse, mask=row_ok)
+
+
+@triton.jit
 def _sink_decode_split_kernel(
     q, pool, kv_indptr, kv_indices, kv_last, o_part, lse_part,
     s_qb, s_qh, s_page, s_kv, s_tok, s_head,
@@ -135,44 +195,16 @@ def _sink_decode_split_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    p0, kv_len = _kv_len(kv_indptr, kv_last, b, PAGE)
-    lo = 0
-    if WINDOW > 0:
-        lo = tl.maximum(kv_len - WINDOW, 0)
-    n_vis = kv_len - lo
-    chunk = tl.cdiv(tl.cdiv(n_vis, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    c0 = lo + split * chunk
-    c1 = tl.minimum(c0 + chunk, kv_len)
-
+    p0, kv_len, c0, c1 = _split_range(kv_indptr, kv_last, b, split, WINDOW, PAGE, BLOCK_N, NUM_SPLITS)
     rows = tl.arange(0, BLOCK_H)
     head = kvh * GROUP + rows
     row_ok = rows < GROUP
     offs_d = tl.arange(0, HEAD_DIM)
     qv = tl.load(q + b.to(tl.int64) * s_qb + head[:, None] * s_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    for start in range(c0, c1, BLOCK_N):
-        kpos = start + tl.arange(0, BLOCK_N)
-        kvalid = kpos < c1
-        k = _load_kv_tile(pool, kv_indices, p0, kpos, kvalid, kvh, 0, offs_d, s_page, s_kv, s_tok, s_head, PAGE)
-        v = _load_kv_tile(pool, kv_indices, p0, kpos, kvalid, kvh, 1, offs_d, s_page, s_kv, s_tok, s_head, PAGE)
-        s = _dot(qv, tl.trans(k), F32) * qk_scale
-        s = tl.where(kvalid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # An empty prefix has m_i = -inf; guard exp2(-inf - (-inf)) which would be NaN.
-        alpha = tl.where(m_new == float("-inf"), 0.0, tl.exp2(m_i - m_new))
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32)
-        m_i = m_new
-    has = l_i > 0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    n_heads = tl.num_programs(1) * GROUP
-    base = (b.to(tl.int64) * n_heads + head) * NUM_SPLITS + split
-    tl.store(o_part + base[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None])
-    tl.store(lse_part + base, lse, mask=row_ok)
+    m_i, l_i, acc = _split_attend(qv, pool, kv_indices, p0, c0, c1, kvh, offs_d, s_page, s_kv, s_tok, s_head,
+                                  qk_scale, 0, qv, qv, False, BLOCK_H, HEAD_DIM, PAGE, BLOCK_N, F32)
+    _store_partial(o_part, lse_part, m_i, l_i, acc, b, head, row_ok, split, tl.num_programs(1) * GROUP, offs_d,
+                   HEAD_DIM, NUM_SPLITS)
 
 
 @triton.jit
@@ -363,17 +395,10 @@ def sink_decode(q: torch.Tensor, pool: torch.Tensor, sinks: torch.Tensor, kv_ind
     batch, n_heads, head_dim = q.shape
     kv_heads, page = pool.shape[3], pool.shape[2]
     group = n_heads // kv_heads
-    if num_splits is None:
-        num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
-        num_splits = default_num_splits(batch, kv_heads, num_sms=num_sms, block_n=block_n, window=window)
     if out is None and merge:
         out = torch.empty_like(q)
-    if workspace is None:
-        workspace = decode_workspace(batch, n_heads, head_dim, num_splits, q.device)
-    o_part, lse_part = workspace
-    if lse_part.numel() < batch * n_heads * num_splits or o_part.numel() < batch * n_heads * num_splits * head_dim:
-        raise ValueError(f"decode workspace of {lse_part.numel()} rows is smaller than batch {batch} x "
-                         f"{n_heads} heads x {num_splits} splits")
+    num_splits, (o_part, lse_part) = split_setup(batch, n_heads, kv_heads, head_dim, window, num_splits, block_n,
+                                                 workspace, q.device)
     sp, skv, stok, sh = _pool_strides(pool)
     _sink_decode_split_kernel[(batch, kv_heads, num_splits)](
         q, pool, kv_indptr, kv_indices, kv_last_page_len, o_part, lse_part,
@@ -386,6 +411,23 @@ def sink_decode(q: torch.Tensor, pool: torch.Tensor, sinks: torch.Tensor, kv_ind
         return pending
     _merge(pending, out)
     return out
+
+
+def split_setup(batch: int, n_heads: int, kv_heads: int, head_dim: int, window: int | None, num_splits: int | None,
+                block_n: int, workspace: tuple[torch.Tensor, torch.Tensor] | None, device):
+    """A split-KV decode launch's split count (None: default_num_splits) and its (o_part, lse_part)
+    workspace (None: a new one; a given one must be big enough)."""
+    if num_splits is None:
+        dev = torch.device(device)
+        num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
+        num_splits = default_num_splits(batch, kv_heads, num_sms=num_sms, block_n=block_n, window=window)
+    if workspace is None:
+        workspace = decode_workspace(batch, n_heads, head_dim, num_splits, device)
+    o_part, lse_part = workspace
+    if lse_part.numel() < batch * n_heads * num_splits or o_part.numel() < batch * n_heads * num_splits * head_dim:
+        raise ValueError(f"decode workspace of {lse_part.numel()} rows is smaller than batch {batch} x "
+                         f"{n_heads} heads x {num_splits} splits")
+    return num_splits, workspace
 
 
 def decode_workspace(batch: int, n_heads: int, head_dim: int, num_splits: int,
