@@ -77,7 +77,7 @@ def sweep_point(ex, tokens: int, top_k: int, cands: list[G.GemvLaunch], args, de
     ids = ids.to(torch.int32).reshape(-1)
     rw = torch.softmax(torch.randn(tokens * top_k, generator=gen, device=dev), -1).bfloat16()
     act = torch.empty(tokens * top_k, inter, dtype=torch.bfloat16, device=dev)
-    y = torch.empty(tokens * top_k, h, dtype=torch.float32, device=dev)
+    y = torch.empty(tokens * top_k, h, dtype=torch.bfloat16, device=dev)  # as moe_gemv stores a bf16 model's pairs
     today = G.gemv_config(h, inter)
     nbytes = {"w1": top_k * tokens * ex.w1[0].numel(), "w2": top_k * tokens * ex.w2[0].numel()}  # fp8: 1 byte each
     G.gemv1(x, ids, top_k, ex, ALPHA, LIMIT, act, today.w1)

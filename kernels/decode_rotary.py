@@ -10,8 +10,8 @@ them into the pool at (write_pages[b], write_offsets[b]), as rotary_kv_write wou
 that slot. The partials and the merge are triton_attention's (MergePending), so the sink, the merge and the
 output projection's quantisation are unchanged.
 
-Used only where GpuAttention decodes a group with the Triton split kernel and KVRELAY_DECODE_ROTARY=1 (off by
-default until an H200 A/B says it pays: engine/layers/attention.GpuAttention.fuses_rotary). Same outputs as
+Used wherever GpuAttention decodes a group with the Triton split kernel, unless KVRELAY_DECODE_ROTARY=0
+(engine/layers/attention.GpuAttention.fuses_rotary, with the H200 A/B). Same outputs as
 rotary_kv_write + triton_attention.sink_decode (tests/cpu/test_decode_rotary.py, bit for bit under the
 interpreter); the range, the loop over keys and the partials are the split kernel's own helpers
 (triton_attention._split_range / _split_attend with FRESH / _store_partial).

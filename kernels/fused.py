@@ -108,7 +108,7 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, rows_ptr, xo_ptr, out_ptr, q_ptr, 
     if DELTA == 1:  # a finished bf16/fp32 delta [T, H]: torch's add (fp32 math, one rounding to x's dtype)
         d = tl.load(d_ptr + src * s_dt + offs, mask=mask, other=0.0).to(tl.float32)
         x = (x + d).to(x_ptr.dtype.element_ty).to(tl.float32)
-    if DELTA == 2:  # the MoE's weighted expert outputs [T, K, H] (fp32, or bf16 from the grouped path):
+    if DELTA == 2:  # the MoE's weighted expert outputs [T, K, H] (bf16 for a bf16 model, fp32 for fp32):
         acc = tl.zeros([BLOCK], tl.float32)  # kernels.moe_gemv's combine (fixed order, fp32, rounded to
         for j in tl.static_range(K_SUM):  # bf16), then the residual add
             acc += tl.load(d_ptr + src * s_dt + j * s_dk + offs, mask=mask, other=0.0).to(tl.float32)

@@ -386,13 +386,14 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, ex: M
                 path: str = "auto", alpha: float = 1.702, limit: float = 7.0, combine: bool = True) -> torch.Tensor:
     """Expert mixture for given routing. x [T, H] bf16; ids [T, k]; route_w [T, k] -> [T, H] bf16.
     combine=False (gemv and grouped paths): the weighted expert outputs [T, k, H] before their sum, for a
-    caller that fuses the combine into its next kernel (kernels.fused.add_rms_norm): fp32 from the gemv path,
-    bf16 from the grouped one for bf16 x (fp32 for fp32 x)."""
+    caller that fuses the combine into its next kernel (kernels.fused.add_rms_norm): bf16 for bf16 x on
+    both paths (fp32 for fp32 x)."""
     if path == "auto":
         path = "gemv" if ids.numel() <= GEMV_MAX_PAIRS else "grouped"
     if x.shape[0] == 0:
         if not combine:
-            return torch.empty(0, ids.shape[1], ex.hidden, dtype=torch.float32, device=x.device)
+            return torch.empty(0, ids.shape[1], ex.hidden, dtype=torch.bfloat16 if x.dtype == torch.bfloat16
+                               else torch.float32, device=x.device)
         return torch.empty(0, ex.hidden, dtype=torch.bfloat16, device=x.device)
     if path == "gemv":
         return moe_gemv(x, ids, route_w, ex, alpha, limit, combine=combine)

@@ -105,7 +105,8 @@ def _gemv2_kernel(act, ids, route_w, w, s, b, y, Kdim, Ndim, s_at, s_we, s_wn, s
                   FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LATE: tl.constexpr = False,
                   EARLY: tl.constexpr = True, USE_PDL: tl.constexpr = False):
     # One program per (pair, N tile): every expert of every token in parallel; y = w_route * (W2 act + b2)
-    # in fp32, summed over the k experts afterwards in a fixed order (no atomics).
+    # computed in fp32 and stored in y's dtype (bf16 for a bf16 model, as the grouped path stores its pairs),
+    # summed in fp32 over the k experts afterwards in a fixed order (no atomics).
     # EARLY (kernels/pdl.py): ids and route_w, the router's outputs TWO kernels back, are read before this
     # kernel's wait, and with them the expert's bias and first weight tile (_gemv_tile), so under PDL the
     # programs resident while GEMV1 still runs already stream W2. Safe: this kernel launches only once every
@@ -126,7 +127,7 @@ def _gemv2_kernel(act, ids, route_w, w, s, b, y, Kdim, Ndim, s_at, s_we, s_wn, s
                      FP8, BLOCK_N, BLOCK_K, LATE, EARLY, USE_PDL)
     acc += bias
     acc *= rw
-    tl.store(y + pair.to(tl.int64) * s_yt + offs_n, acc, mask=n_ok)
+    tl.store(y + pair.to(tl.int64) * s_yt + offs_n, acc.to(y.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
@@ -137,7 +138,7 @@ def combine_kernel(y, out, Ndim, K_TOP: tl.constexpr, BLOCK: tl.constexpr, USE_P
     ok = offs < Ndim
     acc = tl.zeros([BLOCK], tl.float32)
     for j in tl.static_range(K_TOP):
-        acc += tl.load(y + (t.to(tl.int64) * K_TOP + j) * Ndim + offs, mask=ok, other=0.0)
+        acc += tl.load(y + (t.to(tl.int64) * K_TOP + j) * Ndim + offs, mask=ok, other=0.0).to(tl.float32)
     tl.store(out + t.to(tl.int64) * Ndim + offs, acc.to(out.dtype.element_ty), mask=ok)
 
 
@@ -190,7 +191,7 @@ def gemv1(x, ids_flat, k, ex, alpha, limit, act, launch: GemvLaunch) -> None:
 
 
 def gemv2(act, ids_flat, route_w_flat, ex, y, launch: GemvLaunch) -> None:
-    """y [P, H] fp32 = route_w * (W2[e] act + b2[e]) for each pair."""
+    """y [P, H] (fp32 or bf16) = route_w * (W2[e] act + b2[e]) for each pair, computed in fp32."""
     h, inter = ex.hidden, act.shape[1]
     s2 = ex.s2 if ex.fp8 else ex.w2
     _gemv2_kernel[(ids_flat.numel(), triton.cdiv(h, launch.block_n))](
@@ -209,7 +210,9 @@ def gemv2_early() -> bool:
 def moe_gemv(x, ids, route_w, ex, alpha, limit, block_n1=None, block_n2=None, block_k=None, num_warps=None,
              num_stages=None, combine=True, config: GemvConfig | None = None):
     """Experts `ids` [T, k] of x [T, H] weighted by route_w [T, k] (ex: kernels.moe.MoEWeights, bf16 or fp8),
-    -> [T, H] bf16, or with combine=False the weighted outputs fp32 [T, k, H] before their sum. `config`
+    -> [T, H] bf16, or with combine=False the weighted outputs [T, k, H] before their sum (x's dtype: each
+    pair of a bf16 model rounded to bf16 once, as kernels.moe's grouped path and the reference round each
+    expert's output, so decode rows round alike at every batch size and on either path). `config`
     (default: the shape's entry in TUNED) sets both launches; the block_*/num_* arguments override it."""
     t, k = ids.shape
     two_i, h = ex.w1.shape[1], ex.hidden
@@ -225,7 +228,7 @@ def moe_gemv(x, ids, route_w, ex, alpha, limit, block_n1=None, block_n2=None, bl
     ids_flat = ids.reshape(-1)
     act = torch.empty(t * k, inter, dtype=torch.bfloat16, device=x.device)
     gemv1(x, ids_flat, k, ex, alpha, limit, act, l1)
-    y = torch.empty(t * k, h, dtype=torch.float32, device=x.device)
+    y = torch.empty(t * k, h, dtype=torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32, device=x.device)
     gemv2(act, ids_flat, route_w.reshape(-1), ex, y, l2)
     if not combine:
         return y.view(t, k, h)

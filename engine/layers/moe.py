@@ -76,9 +76,9 @@ class MoE:
         return out
 
     def uncombined(self, x: torch.Tensor) -> torch.Tensor:
-        """GPU only: the weighted expert outputs [T, k, hidden] before their sum (fp32; bf16 from the grouped
-        path of a bf16 model); kernels.fused.add_rms_norm sums them (as kernels.moe's combine does) inside
-        the next residual add."""
+        """GPU only: the weighted expert outputs [T, k, hidden] before their sum (in the model's dtype: bf16
+        pairs from either kernel path of a bf16 model); kernels.fused.add_rms_norm sums them in fp32 (as
+        kernels.moe's combine does) inside the next residual add."""
         return self._gpu_forward(x, combine=False)
 
     def fused_route_in(self, x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float):

@@ -156,7 +156,7 @@ KERNELS = [
     # weight tile and scales (EARLY, the default); and the variant that waits first (KVRELAY_MOE_EARLY=0)
     *(_spec(moe_gemv._gemv2_kernel,
             {"act": P["bf16"], "ids": P["i64"], "route_w": P["bf16"], "w": P["fp8"], "s": P["f32"], "b": P["bf16"],
-             "y": P["f32"], **_ints("Kdim", "Ndim", "s_at", "s_we", "s_wn", "s_se", "s_sn", "s_be", "s_yt")},
+             "y": P["bf16"], **_ints("Kdim", "Ndim", "s_at", "s_we", "s_wn", "s_se", "s_sn", "s_be", "s_yt")},
             {"FP8": True, "BLOCK_N": 16, "BLOCK_K": 512, "LATE": late, "EARLY": early},
             early_loads=("ids", "route_w", "w", "s", "b") if early else (), id_keys=("EARLY", "LATE"),
             num_warps=4, num_stages=3)
@@ -172,7 +172,7 @@ KERNELS = [
             early_loads=("b", "sb"), id_keys=("ROWS", "SPLIT_K"), num_warps=warps, num_stages=2,
             divisible=("a", "b", "sa", "sb", "bias", "c", "part", "cnt", "N", "KP", "K_SPLIT", "s_am", "s_bn", "s_cm"))
       for rows, bn, bk, split, warps in ((1, 32, 512, 1, 2), (1, 32, 256, 4, 4), (4, 16, 512, 4, 4))),
-    _spec(moe_gemv.combine_kernel, {"y": P["f32"], "out": P["bf16"], "Ndim": I32}, {"K_TOP": 4, "BLOCK": 256}),
+    _spec(moe_gemv.combine_kernel, {"y": P["bf16"], "out": P["bf16"], "Ndim": I32}, {"K_TOP": 4, "BLOCK": 256}),
     _spec(attention._sink_correction_kernel,
           {"out": P["bf16"], "lse": P["f32"], "sinks": P["f32"], **_ints("n_rows", "n_heads", "s_ob", "s_oh")},
           {"HEAD_DIM": 64, "ROWS": 16}, num_warps=2),

@@ -102,8 +102,15 @@ def test_moe_decode_gemv_interpreted():
     wts = torch.softmax(torch.randn(t, k, generator=g), -1).bfloat16()
     experts = moe.MoEWeights.from_bf16(w1, b1, w2, b2)
     out = moe.moe_experts(x, ids, wts, experts, path="gemv")
-    ref = refs.moe_ref(x, ids, wts, w1, b1, w2, b2)
+    ref = refs.moe_ref(x, ids, wts, w1, b1, w2, b2, round_pairs=True)
     assert refs.rel_err(out, ref) < 2e-2
+    # uncombined, a bf16 model's pairs are bf16 (as the grouped path's), and combine sums those: within one bf16
+    # step of the final rounding (the interpreter's fp32 -> bf16 casts truncate, torch's round to nearest)
+    pairs = moe.moe_experts(x, ids, wts, experts, path="gemv", combine=False)
+    assert pairs.dtype == torch.bfloat16 and pairs.shape == (t, k, hid)
+    summed = pairs.float().sum(1)
+    assert ((summed - out.float()).abs() <= out.float().abs() * 2 ** -7 + 1e-6).all()
+    assert refs.rel_err(pairs.float().sum(1), ref) < 2e-2
     # the LATE reduction variant and narrower K steps (several K iterations), as bench/sweep_gemv.py
     # times them: the same result up to the fp32 summation order
     from kvrelay.kernels.moe_gemv import GemvConfig, GemvLaunch, moe_gemv

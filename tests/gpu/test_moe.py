@@ -63,9 +63,9 @@ def test_moe_experts(quant, tokens, path):
     out = moe_experts(x, ids, rw, ex, path=path)
     torch.cuda.synchronize()
     # the fp8 grouped path feeds the tensor cores fp8 activations (1x128); the gemv path keeps them bf16;
-    # the grouped path rounds each weighted pair output to bf16 before the sum
+    # the gemv and grouped paths round each weighted pair output to bf16 before the sum
     ref = moe_ref(x, ids, rw, w1r, b1, w2r, b2, quant_act=(quant == "fp8" and path == "grouped"),
-                  round_pairs=path == "grouped")
+                  round_pairs=path != "torch")
     assert rel_err(out, ref) < 1.5e-2
     # the +1 on the up half and the interleave are load-bearing: a chunk(2) layout must fail
     bad = moe_ref(x, ids, rw, w1r[:, torch.cat([torch.arange(0, 2 * inter, 2), torch.arange(1, 2 * inter, 2)])],
@@ -142,17 +142,20 @@ def test_grouped_moe_on_the_chunked_sort_matches_reference(monkeypatch):
     assert torch.equal(moe.moe_experts(x, ids, rw, ex, path="grouped"), out)
 
 
-def test_grouped_uncombined_pairs_are_bf16_and_sum_to_the_combined_output():
-    """combine=False on the grouped path of a bf16 model keeps each weighted pair output bf16 (half the bytes
-    the next residual add reads), the pairs the combined path sums: their fp32 sum is the combined output
-    within its final bf16 rounding, and both stay within the float32 reference's bound."""
+@pytest.mark.parametrize("path,tokens", [("grouped", 300), ("gemv", 8)])
+def test_grouped_uncombined_pairs_are_bf16_and_sum_to_the_combined_output(path, tokens):
+    """combine=False of a bf16 model keeps each weighted pair output bf16 on either path (half the bytes the
+    next residual add reads; both paths round alike, so a decode row does not change with the batch that
+    picks the path), the pairs the combined path sums: their fp32 sum is the combined output within its
+    final bf16 rounding, and both stay within the float32 reference's bound."""
     from kvrelay.kernels import moe
 
     dev = _cuda()
-    ex, x, ids, rw, ref = _fp8_setup(32, 512, 256, 300, 23, dev)
-    pairs = moe.moe_experts(x, ids, rw, ex, path="grouped", combine=False)
-    assert pairs.dtype == torch.bfloat16 and pairs.shape == (300, ids.shape[1], 512)
-    out = moe.moe_experts(x, ids, rw, ex, path="grouped")
+    # (the gemv path feeds its GEMMs bf16 activations, the grouped one fp8)
+    ex, x, ids, rw, ref = _fp8_setup(32, 512, 256, tokens, 23, dev, quant_act=path == "grouped")
+    pairs = moe.moe_experts(x, ids, rw, ex, path=path, combine=False)
+    assert pairs.dtype == torch.bfloat16 and pairs.shape == (tokens, ids.shape[1], 512)
+    out = moe.moe_experts(x, ids, rw, ex, path=path)
     summed = pairs.float().sum(1)
     step = out.float().abs() * 2 ** -8 + 1e-6
     assert ((summed - out.float()).abs() <= step).all()
@@ -160,10 +163,10 @@ def test_grouped_uncombined_pairs_are_bf16_and_sum_to_the_combined_output():
     # every pair slot holds a real output (not a zeroed or stale buffer)
     assert (pairs.float().abs().sum(-1) > 0).all()
     # fp32 activations keep fp32 pairs
-    assert moe.moe_experts(x.float(), ids, rw, ex, path="grouped", combine=False).dtype == torch.float32
+    assert moe.moe_experts(x.float(), ids, rw, ex, path=path, combine=False).dtype == torch.float32
 
 
-def _fp8_setup(e, hid, inter, tokens, seed, dev):
+def _fp8_setup(e, hid, inter, tokens, seed, dev, quant_act=True):
     from kvrelay.kernels.fp8 import dequantize_weight_block128, quantize_weight_block128
     from kvrelay.kernels.moe import MoEWeights, route_topk
     g = torch.Generator().manual_seed(seed)
@@ -176,7 +179,7 @@ def _fp8_setup(e, hid, inter, tokens, seed, dev):
     logits = torch.randn(tokens, e, generator=g) + 1.5 * torch.randn(e, generator=g)
     rw, ids = route_topk(logits.bfloat16().to(dev), 4)
     ref = moe_ref(x, ids, rw, dequantize_weight_block128(q1, s1, torch.float32), b1,
-                  dequantize_weight_block128(q2, s2, torch.float32), b2, quant_act=True, round_pairs=True)
+                  dequantize_weight_block128(q2, s2, torch.float32), b2, quant_act=quant_act, round_pairs=True)
     return ex, x, ids, rw, ref
 
 
