@@ -17,8 +17,11 @@
 # Environment it installs from when present: .dev/fi (FlashInfer wheels alone, for calls without the serving
 #   stack), .dev/extra when EXTRA=1, and .fiaot/fi-aot.tgz (modules saved by `aot`, unpacked into
 #   flashinfer/data/aot so the first FlashInfer call does not JIT for ~3 min).
-# `aot` saves only what this machine built: dec*/pre* build no FlashInfer sink-prefill module, prof20 builds two
-#   (batch_prefill_attention_sink_bf16_swa_{False,True}_fa3, ~3 min on 2026-12-02), so run prof20 before `aot` once.
+# `aot` saves only what this machine built. The first step that builds a model with FlashInfer JITs its modules
+#   (2026-12-03 at efee885: dec20 built batch_prefill_attention_sink_bf16_swa_{False,True}_fa3 and a
+#   batch_prefill_with_kv_cache module, ~3.5 min; prof20 the same two sink modules on 2026-12-02), so on a
+#   machine without .fiaot put `aot` right after the first such step, e.g. STEPS="dec20 aot ...", and carry
+#   the returned fi-aot.tgz as .fiaot/ in the later calls (a fresh checkout does not have it).
 set -uo pipefail
 : "${KVRELAY_GIT_COMMIT:?set KVRELAY_GIT_COMMIT to the commit of the carried tree}"
 T0=$(date +%s); LIMIT=${LIMIT:-540}
