@@ -33,7 +33,7 @@ import triton.language as tl
 from . import moe_configs
 from .fp8_gemm import BLOCK, quantize_act_1x128
 from .moe_configs import GemmConfig, GroupedConfig
-from .moe_gemv import moe_gemv
+from .moe_gemv import moe_gemv, pair_dtype
 # the pair sort lives in kernels/moe_sort.py; re-exported here, where its callers (and tests) look for it
 from .moe_sort import SORT_KERNEL_MAX_PAIRS, sort_by_expert  # noqa: F401
 from .moe_gemv import swiglu as _swiglu  # the clamped SwiGLU, fused into both paths' GEMM1
@@ -350,8 +350,7 @@ def _moe_grouped(x, ids, route_w, ex: MoEWeights, alpha, limit, block_m=None, bl
     # expert's output before adding it (in bf16). fp32 pairs were 377 MB written and read again per layer of
     # an 8192-token prefill (2 x ~45 us at the copy ceiling). Both combine modes round alike, so the fused
     # glue and the unfused/multi-rank path (combine=True) differ only in the order of the sum, as before.
-    pair_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
-    y = torch.empty(n_pairs, h, dtype=pair_dtype, device=x.device)
+    y = torch.empty(n_pairs, h, dtype=pair_dtype(x), device=x.device)
     _grouped_gemm(aa, as_, ex.w2, ex.s2, ex.b2, route_w.reshape(-1), y, sorted_ids, block_expert, n_pairs, 1, h,
                   ex.w2.shape[2], ex.fp8, False, alpha, limit, block_m, config.w2, descs=ex.descs)
     return y.view(t, k, h).float().sum(1).to(torch.bfloat16) if combine else y.view(t, k, h)
@@ -386,14 +385,13 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, ex: M
                 path: str = "auto", alpha: float = 1.702, limit: float = 7.0, combine: bool = True) -> torch.Tensor:
     """Expert mixture for given routing. x [T, H] bf16; ids [T, k]; route_w [T, k] -> [T, H] bf16.
     combine=False (gemv and grouped paths): the weighted expert outputs [T, k, H] before their sum, for a
-    caller that fuses the combine into its next kernel (kernels.fused.add_rms_norm): bf16 for bf16 x on
-    both paths (fp32 for fp32 x)."""
+    caller that fuses the combine into its next kernel (kernels.fused.add_rms_norm), in
+    moe_gemv.pair_dtype(x) on both paths."""
     if path == "auto":
         path = "gemv" if ids.numel() <= GEMV_MAX_PAIRS else "grouped"
     if x.shape[0] == 0:
         if not combine:
-            return torch.empty(0, ids.shape[1], ex.hidden, dtype=torch.bfloat16 if x.dtype == torch.bfloat16
-                               else torch.float32, device=x.device)
+            return torch.empty(0, ids.shape[1], ex.hidden, dtype=pair_dtype(x), device=x.device)
         return torch.empty(0, ex.hidden, dtype=torch.bfloat16, device=x.device)
     if path == "gemv":
         return moe_gemv(x, ids, route_w, ex, alpha, limit, combine=combine)

@@ -207,12 +207,17 @@ def gemv2_early() -> bool:
     return os.environ.get("KVRELAY_MOE_EARLY") != "0"
 
 
+def pair_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype both MoE paths store the weighted pair outputs in for activations x: bf16 for a bf16 model
+    (each pair rounded once, as the reference rounds each expert's output; summed in fp32 afterwards), fp32
+    otherwise. One rule for both, so a decode row rounds alike whichever path its batch size picks."""
+    return torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+
+
 def moe_gemv(x, ids, route_w, ex, alpha, limit, block_n1=None, block_n2=None, block_k=None, num_warps=None,
              num_stages=None, combine=True, config: GemvConfig | None = None):
     """Experts `ids` [T, k] of x [T, H] weighted by route_w [T, k] (ex: kernels.moe.MoEWeights, bf16 or fp8),
-    -> [T, H] bf16, or with combine=False the weighted outputs [T, k, H] before their sum (x's dtype: each
-    pair of a bf16 model rounded to bf16 once, as kernels.moe's grouped path and the reference round each
-    expert's output, so decode rows round alike at every batch size and on either path). `config`
+    -> [T, H] bf16, or with combine=False the weighted outputs [T, k, H] before their sum (in pair_dtype(x)). `config`
     (default: the shape's entry in TUNED) sets both launches; the block_*/num_* arguments override it."""
     t, k = ids.shape
     two_i, h = ex.w1.shape[1], ex.hidden
@@ -228,7 +233,7 @@ def moe_gemv(x, ids, route_w, ex, alpha, limit, block_n1=None, block_n2=None, bl
     ids_flat = ids.reshape(-1)
     act = torch.empty(t * k, inter, dtype=torch.bfloat16, device=x.device)
     gemv1(x, ids_flat, k, ex, alpha, limit, act, l1)
-    y = torch.empty(t * k, h, dtype=torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32, device=x.device)
+    y = torch.empty(t * k, h, dtype=pair_dtype(x), device=x.device)
     gemv2(act, ids_flat, route_w.reshape(-1), ex, y, l2)
     if not combine:
         return y.view(t, k, h)
