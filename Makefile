@@ -38,12 +38,15 @@ $(CLIENTS_VENV)/.installed: tests/e2e/clients/requirements.txt
 
 clients-venv: $(CLIENTS_VENV)/.installed
 
+# PYTHONSAFEPATH=1: `python -m` (here and in the tests' child processes) does not put the checkout on sys.path,
+# where its top-level kernels/ (the kvrelay.kernels sources) shadows Hugging Face's `kernels` package, which
+# transformers >= 5.25 imports when installed (its dependency): every HF-reference test failed on 2026-12-03.
 test: $(VENV)/.installed $(CLIENTS_VENV)/.installed
-	$(PY) -m pytest tests/cpu tests/e2e -m "not gpu" -q -p no:cacheprovider $(PYTEST_ARGS)
+	PYTHONSAFEPATH=1 $(PY) -m pytest tests/cpu tests/e2e -m "not gpu" -q -p no:cacheprovider $(PYTEST_ARGS)
 
 # On the H200 machine (see README "GPU tests").
 test-gpu:
-	python3 -m pytest tests/gpu -m gpu -q -p no:cacheprovider $(PYTEST_ARGS)
+	PYTHONSAFEPATH=1 python3 -m pytest tests/gpu -m gpu -q -p no:cacheprovider $(PYTEST_ARGS)
 
 demo: $(VENV)/.installed
 	$(PY) -m kvrelay.cluster.demo configs/cpu-tiny.yaml
