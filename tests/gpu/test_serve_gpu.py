@@ -131,11 +131,11 @@ def near_tie(ref, prompt: list[int], tokens: list[int], step: int) -> bool:
     return bool(top2[0] - top2[1] <= 4 * ulp)
 
 
-def assert_same_or_tie(ref, prompt: list[int], got: list[int], want: list[int]) -> None:
-    assert len(got) == len(want)
+def assert_same_or_tie(ref, prompt: list[int], got: list[int], want: list[int], what: str = "") -> None:
+    assert len(got) == len(want), what
     first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
     if first is not None:
-        assert near_tie(ref, prompt, want, first), f"differs at step {first} without a near-tie: {got} vs {want}"
+        assert near_tie(ref, prompt, want, first), f"{what} differs at step {first} without a near-tie: {got} vs {want}"
 
 
 def check_served(server: Server, reference, *, colocated: bool) -> None:
