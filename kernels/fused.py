@@ -85,6 +85,12 @@ def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q: int,
 # ---------------------------------------------------------------------------------------------------
 FP8_MAX = 448.0
 _AMAX_FLOOR = 1e-12  # kernels.fp8 / fp8_gemm: an all-zero group still gets a finite scale
+# Warps per row program of add_rms_norm: a row is one latency-bound program (loads, a reduction, stores), and
+# more warps keep more of its loads in flight. H200, CUDA-graph replay, the attention-in launch at batch 1
+# (x + 4 bf16 MoE pair rows, norm, 1x128 FP8 quantisation; the same bits whatever the warps): 3.08 us with
+# 4 warps, 2.61 with 8, 1.75 with 16 (bench/results/sweep-glue-*.json). Launches of up to NORM_WIDE_ROWS rows
+# (decode batches) take NORM_WIDE_WARPS; larger ones keep 4.
+NORM_WIDE_WARPS, NORM_WIDE_ROWS = 16, 64
 
 
 @triton.jit
@@ -135,7 +141,8 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, rows_ptr, xo_ptr, out_ptr, q_ptr, 
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None, eps: float, *,
-                 quant_k: int | None = None, rows: torch.Tensor | None = None, store_x: bool = True):
+                 quant_k: int | None = None, rows: torch.Tensor | None = None, store_x: bool = True,
+                 num_warps: int | None = None):
     """The residual stream's glue in one launch. x [T, H] (unit stride in H); delta None, a finished
     [T, H] tensor (added as torch's `x + delta`), or the MoE's weighted expert outputs fp32 or bf16 [T, k, H]
     (summed over k in order in fp32 and rounded to bf16 as kernels.moe_gemv's combine does, then added); then
@@ -146,7 +153,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
       f32 [Mp, Kp/128] M-major, Mp = rows rounded up to 4), bit for bit; None when weight is None.
     `rows` (int64 [R]): only those rows are normed and returned (the head's logit rows); needs
     store_x=False. Each step is the unfused op's exact math; only the fp32 order of the sum of squares
-    may differ from the separate RMSNorm kernel on a GPU (the compiler picks the reduction tree)."""
+    may differ from the separate RMSNorm kernel on a GPU (the compiler picks the reduction tree).
+    num_warps: None for the measured choice (NORM_WIDE_WARPS up to NORM_WIDE_ROWS rows; bench/sweep_glue.py)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     t, h = x.shape
@@ -194,7 +202,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
             q.stride(0) if q is not None else 0, s.stride(0) if s is not None else 0,
             s.stride(1) if s is not None else 0,
             DELTA=kind, K_SUM=k_sum, ROWS=rows is not None, STORE_X=x_new is not None, NORM=norm,
-            QUANT=q is not None, N_GROUPS=(quant_k or 128) // 128, BLOCK=block, **pdl_kwargs(x.device))
+            QUANT=q is not None, N_GROUPS=(quant_k or 128) // 128, BLOCK=block,
+            num_warps=num_warps or (NORM_WIDE_WARPS if grid <= NORM_WIDE_ROWS else 4), **pdl_kwargs(x.device))
     return x_new, ((q, s) if q is not None else out)
 
 

@@ -27,6 +27,10 @@ from .pdl import enter, launch_dependents, pdl_kwargs, wait
 
 ROUTE_MAX_TOKENS = 64  # = kernels.fused.ROUTER_GEMV_MAX_TOKENS: above it cuBLAS's GEMM is the better router
 _BLOCK_E, _BLOCK_K = 4, 1024  # router_logits' tiles: equal sums need equal tiles
+# add_rms_norm_route's warps: H200, batch 1, CUDA-graph replay, 4 experts a program: 2.99 us with 4 warps vs
+# 3.17 with 8 for 32 experts (20b), 3.59 vs 4.41 for 128 (120b); 1-2 experts a program were no faster, 8-16
+# slower (bench/results/sweep-glue-*.json). The logits' fp32 sum order depends on it (see the docstring).
+_ROUTE_WARPS = 4
 
 
 @triton.jit
@@ -140,7 +144,7 @@ def router_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def add_rms_norm_route(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                        weight: torch.Tensor, bias: torch.Tensor | None, k: int, counters: torch.Tensor,
-                       *, logits: torch.Tensor | None = None):
+                       *, logits: torch.Tensor | None = None, block_e: int = _BLOCK_E, num_warps: int = _ROUTE_WARPS):
     """The residual add + RMSNorm before the MoE and its router in one launch (decode sizes):
     x, delta [T, H] -> (x + delta, normed h, route weights bf16 [T, k], expert ids int64 [T, k]).
     x + delta and h are kernels.fused.add_rms_norm(x, delta, norm_weight, eps)'s (the norm's fp32 sum of
@@ -148,7 +152,8 @@ def add_rms_norm_route(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.
     sum (one K step, not router_logits' three), and the routing is exactly route_topk of them. `logits`
     ([T, E], x's dtype) receives them when given (tests). norm_weight, weight and bias must not be written
     during the step (they are the layer's parameters): under PDL (kernels/pdl.py) they are read before the
-    wait, while the kernel before may still run."""
+    wait, while the kernel before may still run. block_e (experts a program) and num_warps: the launch
+    (bench/sweep_glue.py times the alternatives)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     delta = delta if delta.stride(-1) == 1 else delta.contiguous()
@@ -163,9 +168,9 @@ def add_rms_norm_route(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.
     ids = torch.empty(t, k, dtype=torch.int64, device=x.device)
     if t:
         lg = logits if logits is not None else torch.empty(t, e, dtype=x.dtype, device=x.device)
-        _add_norm_route_kernel[(t, triton.cdiv(e, _BLOCK_E))](
+        _add_norm_route_kernel[(t, triton.cdiv(e, block_e))](
             x, delta, norm_weight, x_new, out, weight, bias if bias is not None else weight, lg, counters, w, ids,
             h, e, eps, x.stride(0), delta.stride(0), x_new.stride(0), out.stride(0), weight.stride(0),
             HAS_BIAS=bias is not None, TOP_K=k, E_P2=triton.next_power_of_2(e),
-            BLOCK=triton.next_power_of_2(max(h, 128)), BLOCK_E=_BLOCK_E, num_warps=8, **pdl_kwargs(x.device))
+            BLOCK=triton.next_power_of_2(max(h, 128)), BLOCK_E=block_e, num_warps=num_warps, **pdl_kwargs(x.device))
     return x_new, out, w, ids
