@@ -42,6 +42,10 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 UCX_NET_DEVICES=lo KVRELAY_GIT_COMMIT
 pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$W/site" "$@"; }
 if [ -d .dev/fi ] && ! python3 -c "import flashinfer" 2>/dev/null; then pipi .dev/fi/*.whl; fi
 if [ -d .dev/extra ] && [ -n "${EXTRA:-}" ]; then pipi .dev/extra/*.whl; fi
+# `pip --target --upgrade` replaces $W/site/bin, where the bundles' setup.sh wrote the `kvrelay` command that
+# serve1 runs (2026-12-03: an EXTRA install after .dev/gpu2's setup left "kvrelay: command not found")
+mkdir -p "$W/site/bin" && printf '#!/bin/sh\nexec python3 -m kvrelay.cluster.cli "$@"\n' > "$W/site/bin/kvrelay" \
+  && chmod +x "$W/site/bin/kvrelay" && export PATH="$W/site/bin:$PATH"
 if [ -f .fiaot/fi-aot.tgz ]; then
   fi_dir=$(python3 -c "import flashinfer, os; print(os.path.dirname(flashinfer.__file__))" 2>/dev/null)
   [ -n "$fi_dir" ] && mkdir -p "$fi_dir/data/aot" && tar xzf .fiaot/fi-aot.tgz -C "$fi_dir/data/aot"
