@@ -1,5 +1,5 @@
 """Load on the real cluster (Ray, prefill and decode workers, NIXL over UCX loopback, HTTP router on
-127.0.0.1): 256 concurrent streaming clients for 60 s (KVRELAY_LOAD_S overrides), more streams than decode
+127.0.0.1): 256 concurrent streaming clients for 120 s (KVRELAY_LOAD_S overrides), more streams than decode
 slots so the admission line is in use the whole time. Every stream that runs to the end equals its solo
 greedy run (however its tokens were grouped into chunks; up to bf16 rounding of its batches, judged in
 float32: greedy_judge.py); one in eight clients walks away after its first
@@ -19,7 +19,7 @@ import pytest
 from greedy_judge import assert_same_greedy
 from test_cluster import assert_no_pages_left, prompt_of, solo
 
-LOAD_S = float(os.environ.get("KVRELAY_LOAD_S", "60"))
+LOAD_S = float(os.environ.get("KVRELAY_LOAD_S", "120"))
 pytestmark = [pytest.mark.timeout(int(LOAD_S) + 240), pytest.mark.slow]
 
 CLIENTS = 256
@@ -127,7 +127,7 @@ def test_top_logprobs_across_the_handoff(running, reference):
     assert_no_pages_left(run)
 
 
-def test_256_streams_for_a_minute(running, reference):
+def test_256_streams_for_two_minutes(running, reference):
     run, server = running
     oracle = {i: solo(reference, prompt_of(12 + i % 20, i), MAX_TOKENS) for i in range(PROMPTS)}
     pids = [r["pid"] for r in run.cluster.statuses() if "pid" in r]
@@ -162,6 +162,9 @@ def test_256_streams_for_a_minute(running, reference):
     # most 128 KB (a leak grows in step with the requests). Measured on 2 cores: the prefill worker adds
     # ~600 KB/request at first and 40-70 KB/request after a minute; the same prefills run in one process
     # without Ray stay flat (4,000 requests at 351 MB), so what remains is in the actor's Ray runtime.
+    # 2026-12-03 the rise still tails off after a minute: over 40-60 s 100 KB/request alone and 135 in a full
+    # CI run (over the bound), then 27 KB over 80-120 s and 16-25 KB over 120-180 s (KVRELAY_LOAD_S=180):
+    # hence two minutes, whose last third is past that tail.
     trace = rss["trace"]
     k = len(trace) // 3
     (n0, first), (n1, a_third), (n2, two_thirds), (n3, end) = trace[1], trace[k], trace[-k - 1], trace[-1]
