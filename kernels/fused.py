@@ -87,10 +87,11 @@ FP8_MAX = 448.0
 _AMAX_FLOOR = 1e-12  # kernels.fp8 / fp8_gemm: an all-zero group still gets a finite scale
 # Warps per row program of add_rms_norm: a row is one latency-bound program (loads, a reduction, stores), and
 # more warps keep more of its loads in flight. H200, CUDA-graph replay, the attention-in launch at batch 1
-# (x + 4 bf16 MoE pair rows, norm, 1x128 FP8 quantisation; the same bits whatever the warps): 3.08 us with
-# 4 warps, 2.61 with 8, 1.75 with 16 (bench/results/sweep-glue-*.json). Launches of up to NORM_WIDE_ROWS rows
-# (decode batches) take NORM_WIDE_WARPS; larger ones keep 4.
-NORM_WIDE_WARPS, NORM_WIDE_ROWS = 16, 64
+# (x + 4 bf16 MoE pair rows, norm, 1x128 FP8 quantisation; the same bits whatever the warps): 3.2 us with
+# 4 warps, 2.7 with 8, 1.85 with 16; 16 warps were also the fastest at 4, 16, 64, 128 and 512 rows (3.8 ->
+# 2.35 us at 128, 5.3 -> 4.6 at 512; bench/results/sweep-glue-*.json). Launches of up to NORM_WIDE_ROWS rows
+# (decode batches, small mixed forwards) take NORM_WIDE_WARPS; larger ones (prefill, not swept) keep 4.
+NORM_WIDE_WARPS, NORM_WIDE_ROWS = 16, 512
 
 
 @triton.jit

@@ -28,8 +28,9 @@ from .pdl import enter, launch_dependents, pdl_kwargs, wait
 ROUTE_MAX_TOKENS = 64  # = kernels.fused.ROUTER_GEMV_MAX_TOKENS: above it cuBLAS's GEMM is the better router
 _BLOCK_E, _BLOCK_K = 4, 1024  # router_logits' tiles: equal sums need equal tiles
 # add_rms_norm_route's warps: H200, batch 1, CUDA-graph replay, 4 experts a program: 2.99 us with 4 warps vs
-# 3.17 with 8 for 32 experts (20b), 3.59 vs 4.41 for 128 (120b); 1-2 experts a program were no faster, 8-16
-# slower (bench/results/sweep-glue-*.json). The logits' fp32 sum order depends on it (see the docstring).
+# 3.18 with 8 for 32 experts (20b), 3.78 vs 4.61 for 128 (120b); at 8 and 64 tokens 4 warps were as fast or
+# faster; 2 experts a program gained <= 3% at 1 token and lost 30% at 64, 8 were slower
+# (bench/results/sweep-glue-*.json). The logits' fp32 sum order depends on the launch (see the docstring).
 _ROUTE_WARPS = 4
 
 
