@@ -14,7 +14,7 @@ Used wherever GpuAttention decodes a group with the Triton split kernel, unless 
 (engine/layers/attention.GpuAttention.fuses_rotary, with the H200 A/B). Same outputs as
 rotary_kv_write + triton_attention.sink_decode (tests/cpu/test_decode_rotary.py, bit for bit under the
 interpreter); the range, the loop over keys and the partials are the split kernel's own helpers
-(triton_attention._split_range / _split_attend with FRESH / _store_partial).
+(triton_attention._split_program / _split_attend with FRESH / _store_partial).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .pdl import enter, pdl_kwargs
-from .triton_attention import INTERPRET, LOG2E, MergePending, _merge, _pool_strides, _split_attend, _split_range, \
+from .triton_attention import INTERPRET, LOG2E, MergePending, _merge, _pool_strides, _split_attend, _split_program, \
     _store_partial, _window_arg, split_setup
 
 
@@ -49,17 +49,10 @@ def _sink_decode_rotary_split_kernel(
 ):
     # kernels/pdl.py: before any load (the QKV row is the previous kernel's) or store (the pool write)
     enter(USE_PDL)
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    p0, kv_len, c0, c1 = _split_range(kv_indptr, kv_last, b, split, WINDOW, PAGE, BLOCK_N, NUM_SPLITS)
+    b, kvh, split, p0, kv_len, c0, c1, head, row_ok, offs_d = _split_program(
+        kv_indptr, kv_last, WINDOW, GROUP, BLOCK_H, HEAD_DIM, PAGE, BLOCK_N, NUM_SPLITS)
     new_pos = kv_len - 1
-
     HALF: tl.constexpr = HEAD_DIM // 2
-    rows = tl.arange(0, BLOCK_H)
-    head = kvh * GROUP + rows
-    row_ok = rows < GROUP
-    offs_d = tl.arange(0, HEAD_DIM)
     row = qkv + b.to(tl.int64) * s_qkv
     cs = b.to(tl.int64) * s_cs
     ty = qkv.dtype.element_ty

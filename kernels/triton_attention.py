@@ -135,6 +135,20 @@ def _split_range(kv_indptr, kv_last, b, split, WINDOW, PAGE: tl.constexpr, BLOCK
 
 
 @triton.jit
+def _split_program(kv_indptr, kv_last, WINDOW, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    # What program (sequence b, KV head kvh, split) of a split-KV decode kernel covers: its keys (as
+    # _split_range), its query heads (GROUP rows of a BLOCK_H tile, row_ok masking the padding) and the head
+    # dim's offsets. -> (b, kvh, split, p0, kv_len, c0, c1, head, row_ok, offs_d)
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    p0, kv_len, c0, c1 = _split_range(kv_indptr, kv_last, b, split, WINDOW, PAGE, BLOCK_N, NUM_SPLITS)
+    rows = tl.arange(0, BLOCK_H)
+    return b, kvh, split, p0, kv_len, c0, c1, kvh * GROUP + rows, rows < GROUP, tl.arange(0, HEAD_DIM)
+
+
+@triton.jit
 def _split_attend(qv, pool, kv_indices, p0, c0, c1, kvh, offs_d, s_page, s_kv, s_tok, s_head, qk_scale, fresh_pos,
                   k_new, v_new, FRESH: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
                   PAGE: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr):
@@ -192,14 +206,8 @@ def _sink_decode_split_kernel(
     # One query per sequence at position kv_len - 1. Split s of NUM_SPLITS covers a contiguous chunk of
     # the visible keys and writes its normalised partial output plus its log2-sum-exp WITHOUT the sink:
     # the sink must enter exactly once, so the merge kernel adds it.
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    p0, kv_len, c0, c1 = _split_range(kv_indptr, kv_last, b, split, WINDOW, PAGE, BLOCK_N, NUM_SPLITS)
-    rows = tl.arange(0, BLOCK_H)
-    head = kvh * GROUP + rows
-    row_ok = rows < GROUP
-    offs_d = tl.arange(0, HEAD_DIM)
+    b, kvh, split, p0, kv_len, c0, c1, head, row_ok, offs_d = _split_program(
+        kv_indptr, kv_last, WINDOW, GROUP, BLOCK_H, HEAD_DIM, PAGE, BLOCK_N, NUM_SPLITS)
     qv = tl.load(q + b.to(tl.int64) * s_qb + head[:, None] * s_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     m_i, l_i, acc = _split_attend(qv, pool, kv_indices, p0, c0, c1, kvh, offs_d, s_page, s_kv, s_tok, s_head,
                                   qk_scale, 0, qv, qv, False, BLOCK_H, HEAD_DIM, PAGE, BLOCK_N, F32)
