@@ -2,7 +2,8 @@
 the engine's default: kernels.fused.add_rms_norm as the attention's input (x + the MoE's 4 bf16 pair rows,
 RMSNorm, 1x128 FP8 quantisation for QKV) over row counts and warps, and kernels/router.add_rms_norm_route
 (residual add + the MoE's norm + router + top-4) over experts a program and warps, for 20b's 32 and 120b's
-128 experts. At batch 1 these are latency-bound single-row programs (3-4.5 us each in a 1.9 ms step, one of
+128 experts, beside the two-launch paths it replaced (add_rms_norm, then router_route or cuBLAS + route_topk:
+which is faster at 8-64 tokens decides kernels/router.ROUTE_MAX_TOKENS). At batch 1 these are latency-bound single-row programs (3-4.5 us each in a 1.9 ms step, one of
 each per layer): what they take is mostly loads in flight and reduction steps, which the warps change.
 
 Every variant is checked against the default launch before it is timed: add_rms_norm bit for bit (the
@@ -74,7 +75,7 @@ def sweep_norm(dev, rows: list[int], warps: list[int]) -> list[dict]:
 
 
 def sweep_route(dev, rows: list[int], warps: list[int], block_es: list[int]) -> list[dict]:
-    from kvrelay.kernels import router
+    from kvrelay.kernels import fused as fused_mod, moe, router
 
     out = []
     for e in (32, 128):
@@ -92,6 +93,17 @@ def sweep_route(dev, rows: list[int], warps: list[int], block_es: list[int]) -> 
             base = {"kernel": f"add_rms_norm_route E={e}", "rows": t}
             out.append({**base, "launch": "default",
                         "us": _us(lambda: router.add_rms_norm_route(x, d, nw_, 1e-5, rw, rb, TOP_K, cnt))})
+            # the two-launch paths the fused kernel replaced (add_rms_norm, then the router in one launch as
+            # router_route, or cuBLAS's GEMM + route_topk as above ROUTE_MAX_TOKENS), same ids expected
+            def two_launch(fused_router: bool):
+                _, hn = fused_mod.add_rms_norm(x, d, nw_, 1e-5)
+                if fused_router:
+                    return router.router_route(hn, rw, rb, TOP_K, cnt)[1]
+                return moe.route_topk(torch.nn.functional.linear(hn, rw, rb), TOP_K)[1]
+            for name, fr in (("add_rms_norm + router_route", True), ("add_rms_norm + GEMM + route_topk", False)):
+                # timed whatever the ids: their logits are summed in another order, so a near-tie may differ
+                out.append({**base, "launch": name, "same_ids": torch.equal(two_launch(fr), want_ids),
+                            "us": _us(lambda: two_launch(fr))})
             for be in block_es:
                 for nw in warps:
                     kw = dict(block_e=be, num_warps=nw)

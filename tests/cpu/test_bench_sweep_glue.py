@@ -22,7 +22,8 @@ def test_sweep_checks_and_records_every_launch(tmp_path):
     norm = [p for p in points if p["kernel"] == "add_rms_norm attention-in"]
     assert [(p["rows"], p["launch"]) for p in norm] == [(t, l) for t in (1, 3) for l in ("default", "warps 4", "warps 16")]
     route = [p for p in points if p["kernel"].startswith("add_rms_norm_route")]
-    assert {p["kernel"] for p in route} == {"add_rms_norm_route E=32", "add_rms_norm_route E=128"} and len(route) == 6
+    assert {p["kernel"] for p in route} == {"add_rms_norm_route E=32", "add_rms_norm_route E=128"} and len(route) == 10
+    assert {p["launch"] for p in route} >= {"add_rms_norm + router_route", "add_rms_norm + GEMM + route_topk"}
     for p in points:
         assert p["us"] > 0 and p.get("exact", True) is True, p
     assert "decode glue launches" in res.stdout
