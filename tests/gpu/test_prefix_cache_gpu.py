@@ -32,19 +32,20 @@ def kv_rows(kv, sid, lo: int, hi: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def greedy(r, sid, prompt: list[int], cut: int = 0, kv_upto: int = 0):
+def greedy(r, sid, prompt: list[int], cut: int = 0, kv_upto: int = 0, *, chunk: int = CHUNK, n_decode: int = N_DECODE):
     """Chunked prefill (after a cache hit, if any; chunks restart at `cut` as they do at a hit), then
-    greedy decode: tokens, logits, positions hit, and the KV of positions [0, kv_upto) after the prefill."""
+    greedy decode: tokens, logits, positions hit, and the KV of positions [0, kv_upto) after the prefill.
+    (test_serve_prefix_cache_gpu runs it with the served chunk size as its reference.)"""
     start = r.kv.begin_prefix(sid, prompt) if r.kv.prefix is not None else 0
     at, out = start, None
     while at < len(prompt):
-        end = min(at + CHUNK, cut) if at < cut else at + CHUNK
+        end = min(at + chunk, cut) if at < cut else at + chunk
         out = r.extend(sid, prompt[at: end])
         at = end
     kv = kv_rows(r.kv, sid, 0, kv_upto) if kv_upto else None
     logits = [out.float()]
     toks = [int(out.argmax())]
-    for _ in range(N_DECODE - 1):
+    for _ in range(n_decode - 1):
         logits.append(r.decode([sid], [toks[-1]])[0].float())
         toks.append(int(logits[-1].argmax()))
     r.free(sid)

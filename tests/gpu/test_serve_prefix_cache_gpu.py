@@ -16,6 +16,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from test_prefix_cache_gpu import greedy
 from test_serve_gpu import COMMON, Server, assert_same_or_tie, prompt_of, reference  # noqa: F401
 
 pytestmark = pytest.mark.gpu
@@ -37,16 +38,9 @@ PROMPTS = [
 
 
 def chunked_greedy(ref, prompt: list[int], cut: int, k: int) -> list[int]:
-    """The reference's greedy tokens when its prompt runs in the chunks a worker with a hit at `cut` runs."""
-    r, sid, at = ref.runner, ("chunked", cut, tuple(prompt)), 0
-    while at < len(prompt):
-        end = min(at + CHUNK, cut) if at < cut else min(at + CHUNK, len(prompt))
-        logits, at = r.extend(sid, prompt[at:end]), end
-    toks = [int(logits.argmax())]
-    for _ in range(k - 1):
-        toks.append(int(r.decode([sid], [toks[-1]])[0].argmax()))
-    r.free(sid)
-    return toks
+    """The reference's greedy tokens when its prompt runs in the chunks a worker with a hit at `cut` runs
+    (test_prefix_cache_gpu.greedy: chunks up to `cut`, then from it)."""
+    return greedy(ref.runner, ("chunked", cut, tuple(prompt)), prompt, cut, chunk=CHUNK, n_decode=k)[0]
 
 
 def hit_tokens(server: Server) -> int:
