@@ -9,7 +9,8 @@
 #   KVRELAY_GIT_COMMIT=<sha> STEPS="pre20 pp20 tgpu" LIMIT=540 bash bench/h200_steps.sh
 # Steps: prof20 (batch-1 decode profile, PDL off), dec20/dec120 (batch-1 decode at 8k, pipelined),
 #   decsweep20/decsweep120 (decode curves at 8k and 32k, batch 1..256; LENGTHS/BATCHES override the lists), pp20/pp120 (prefill 8192 profile),
-#   pre20/pre120 (prefill 8192; PRE_LENGTHS overrides), serve1 (bench/serve_h200.sh SOLO_ONLY against $SERVE_CONFIG, default
+#   pre20/pre120 (prefill 8192; PRE_LENGTHS overrides), wall20/wall120 (prefill 8192's wall vs device time per layer,
+#   back to back and with the host queued ahead, with the SM clock and power cap), serve1 (bench/serve_h200.sh SOLO_ONLY against $SERVE_CONFIG, default
 #   configs/h200-1gpu-20b.yaml, labelled $SERVE_LABEL$TAG),
 #   tgpu (pytest $TESTS, default tests/gpu), aot (FlashInfer's JIT-built modules as $OUT/fi-aot.tgz).
 # QUANT (default fp8-block128) is the benchmarks' --quant; TAG (default empty) is appended to each step's result
@@ -64,6 +65,7 @@ for s in ${STEPS:-}; do
     pp20|pp120) mkdir -p "$W/r/$s${TAG:-}"; bench $s kvrelay.bench.profile_prefill --model gpt-oss-${s#pp}b $M --length 8192 \
         --top 30 --host-profile "$W/r/$s${TAG:-}/host.txt" ;;
     pre20|pre120) bench $s kvrelay.bench.prefill --model gpt-oss-${s#pre}b $M --lengths "${PRE_LENGTHS:-8192}" ;;
+    wall20|wall120) bench $s kvrelay.bench.prefill_wall --model gpt-oss-${s#wall}b $M --length 8192 ;;
     serve1) SOLO_ONLY=1 SOLO_WORKLOADS=8k/256,1k/16 RESULTS="$W/r/serve" timeout "$left" \
         bash bench/serve_h200.sh "${SERVE_CONFIG:-configs/h200-1gpu-20b.yaml}" "${SERVE_LABEL:-h200-1gpu-20b}${TAG:-}" ;;
     tgpu) # SIGINT at the limit: pytest then stops as on Ctrl-C and still prints its summary (-rf names each
