@@ -8,10 +8,11 @@ The call of bench/prefill.py (`Runner.prefill`, then `Runner.sample`) runs in tw
 A mark after each layer (a CUDA event on the Runner's stream; a host timestamp on the CPU, where nothing is
 queued and the two modes are one) gives each layer's end on the device's timeline, and the host's time when it
 queued it. On a GPU, with `--clocks` (default on where nvidia-smi exists), SM clock, power and the throttle
-reasons are sampled over each mode. H200, 2026-12-04, 20b at 8192 tokens: plain 106.8 ms, ahead 100.2 ms; the
-host is 40-70 ms ahead of the GPU after the first layer, the gap is ~2.5 ms at layer 0 (host work before the
-first kernel) and then grows ~0.2 ms a layer, with the SM clock at 1815-1905 MHz under the software power cap
-in plain mode and ~1965-1980 MHz ahead.
+reasons are sampled every 20 ms over each mode (the ahead mode's samples include its sleeps). H200 at 9f3b4d2,
+8192 tokens (bench/results/prefill-wall-*): 20b plain 106.0 ms, ahead 100.5 ms; 2.1 ms of the gap is there by the
+end of layer 0 (host work before the first kernels), the rest grows ~0.15 ms a layer although the host is ahead
+of the GPU from layer 1 on: the same kernels at a median SM clock of 1800 MHz back to back against 1965 MHz after
+the idle spell (the software power cap's reason is set in both).
 
     python -m kvrelay.bench.prefill_wall --model gpt-oss-20b --dummy --quant fp8-block128 --device cuda
     python -m kvrelay.bench.prefill_wall --model gpt-oss-tiny --dummy --device cpu --length 64 --iters 2   # plumbing
