@@ -12,8 +12,6 @@ import pytest
 import torch
 from interp_helpers import interpreted
 
-from test_decode_rotary import _slots
-
 _interpreted = interpreted(__file__)
 
 
@@ -23,20 +21,14 @@ def test_one_pass_equals_one_split_decode_then_merge_interpreted():
 
     from kvrelay.kernels import fused, triton_attention as ta
     from kvrelay.kernels.decode_rotary import final_quant_ok, sink_decode_rotary
-    from kvrelay.kernels.reference import rotary_cos_sin, yarn_inv_freq
 
     g = torch.Generator().manual_seed(29)
     # (8 q, 2 kv, D 64): two heads a 128-wide block, two blocks a KV head; (16, 2, 32): four heads a block;
     # (6, 2, 64): three heads a KV head, so its blocks straddle two KV heads: quantised on demand instead
     for nq, nkv, d, page, lens in [(8, 2, 64, 16, [1, 9, 40]), (16, 2, 32, 4, [3, 17, 5, 30, 2]),
                                    (6, 2, 64, 8, [4, 12])]:
-        b = refs.make_paged_batch(lens, [1] * len(lens), nkv, d, page, "cpu", gen=g)
-        pages, offs = _slots(b, page)
-        qkv = torch.randn(len(lens), (nq + 2 * nkv) * d, generator=g).to(torch.bfloat16)
-        inv, conc = yarn_inv_freq(d, 150000.0, 32.0, 4096, beta_fast=32.0, beta_slow=1.0)
-        cos, sin = rotary_cos_sin(torch.tensor(lens) - 1, inv, conc, torch.bfloat16)
-        sinks = (torch.randn(nq, generator=g) + 3).float()
-        b.pool[pages, :, offs] = 1e4  # the new tokens' slots before the write
+        c = refs.decode_rotary_case(lens, nq, nkv, d, page, "cpu", g)  # new tokens' slots: 1e4 before the write
+        b, pages, offs, qkv, cos, sin, sinks = c.b, c.pages, c.offs, c.qkv, c.cos, c.sin, c.sinks
         kp = nq * d
         assert final_quant_ok(nq, nkv, d, torch.bfloat16, kp) == (nq != 6)
         for window in (None, 8):

@@ -13,32 +13,16 @@ from interp_helpers import interpreted, refs
 _interpreted = interpreted(__file__)
 
 
-def _slots(b, page):
-    # the new token's (page, offset): position kv_len - 1 through the page table
-    pages, offs = [], []
-    for s, n in enumerate(b.kv_lens):
-        p0 = int(b.kv_indptr[s])
-        pages.append(int(b.kv_indices[p0 + (n - 1) // page]))
-        offs.append((n - 1) % page)
-    return torch.tensor(pages, dtype=torch.long), torch.tensor(offs, dtype=torch.long)
-
-
 @_interpreted
 def test_decode_rotary_equals_rotary_write_then_split_decode_interpreted():
     from kvrelay.kernels import fused, triton_attention as ta
     from kvrelay.kernels.decode_rotary import sink_decode_rotary
-    from kvrelay.kernels.reference import rotary_cos_sin, yarn_inv_freq
 
     g = torch.Generator().manual_seed(21)
     for nq, nkv, d, page, lens in [(8, 2, 64, 16, [1, 9, 40, 129]), (6, 2, 32, 4, [3, 4, 5, 17])]:
-        b = refs.make_paged_batch(lens, [1] * len(lens), nkv, d, page, "cpu", gen=g)
-        pages, offs = _slots(b, page)
-        qkv = torch.randn(len(lens), (nq + 2 * nkv) * d, generator=g).to(torch.bfloat16)
-        inv, conc = yarn_inv_freq(d, 150000.0, 32.0, 4096, beta_fast=32.0, beta_slow=1.0)
-        cos, sin = rotary_cos_sin(torch.tensor(lens) - 1, inv, conc, torch.bfloat16)
-        sinks = (torch.randn(nq, generator=g) + 3).float()
         # the new tokens' slots hold garbage before the write: a kernel that read them would be far off
-        b.pool[pages, :, offs] = 1e4
+        c = refs.decode_rotary_case(lens, nq, nkv, d, page, "cpu", g)
+        b, pages, offs, qkv, cos, sin, sinks = c.b, c.pages, c.offs, c.qkv, c.cos, c.sin, c.sinks
         for window, splits in ((None, 1), (None, 3), (8, 2)):
             pa, pb = b.pool.clone(), b.pool.clone()
             args = (b.kv_indptr, b.kv_indices, b.kv_last_page_len)

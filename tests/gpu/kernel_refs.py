@@ -44,6 +44,37 @@ def make_paged_batch(kv_lens, q_lens, kv_heads, head_dim, page, device, dtype=to
                       owned.to(**i32), torch.tensor(last, **i32), list(kv_lens), list(q_lens))
 
 
+@dataclass
+class DecodeRotaryCase:
+    """One decode step's inputs for the split-KV decode with the rotary + KV write inside (kernels/decode_rotary.py):
+    the paged batch whose page tables already count the new token, that token's (page, offset) slot (holding
+    garbage, 1e4, so a kernel that read it instead of the fresh row would be far off), its QKV row, the rotary
+    tables of its position and the sinks."""
+
+    b: PagedBatch
+    pages: torch.Tensor   # int64 [B]
+    offs: torch.Tensor    # int64 [B]
+    qkv: torch.Tensor     # bf16 [B, (nq + 2 nkv) D]
+    cos: torch.Tensor
+    sin: torch.Tensor
+    sinks: torch.Tensor   # fp32 [nq]
+
+
+def decode_rotary_case(lens, nq: int, nkv: int, d: int, page: int, device, gen: torch.Generator) -> DecodeRotaryCase:
+    from kvrelay.kernels.reference import rotary_cos_sin, yarn_inv_freq
+
+    b = make_paged_batch(lens, [1] * len(lens), nkv, d, page, device, gen=gen)
+    slot = [int(b.kv_indices[int(b.kv_indptr[s]) + (n - 1) // page]) for s, n in enumerate(lens)]
+    pages = torch.tensor(slot, dtype=torch.long, device=device)
+    offs = torch.tensor([(n - 1) % page for n in lens], dtype=torch.long, device=device)
+    b.pool[pages, :, offs] = 1e4
+    qkv = torch.randn(len(lens), (nq + 2 * nkv) * d, generator=gen).to(torch.bfloat16).to(device)
+    inv, conc = yarn_inv_freq(d, 150000.0, 32.0, 4096, beta_fast=32.0, beta_slow=1.0)
+    cos, sin = (t.to(device) for t in rotary_cos_sin(torch.tensor(lens) - 1, inv, conc, torch.bfloat16))
+    sinks = (torch.randn(nq, generator=gen) + 3).float().to(device)
+    return DecodeRotaryCase(b, pages, offs, qkv, cos, sin, sinks)
+
+
 def gather_kv(b: PagedBatch, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V of one sequence as [kv_len, kv_heads, D] float32."""
     p0, p1 = int(b.kv_indptr[seq]), int(b.kv_indptr[seq + 1])
