@@ -102,7 +102,8 @@ def _store_final(out, q8, sc, sinks, m_i, l_i, acc, b, kvh, head, row_ok, offs_d
                 tl.store(sc + r * s_sm + kb * s_sk, floor, mask=blk_ok)
 
 
-@triton.jit
+# B / BP (a one-pass launch's rows and M-padded rows) are not specialised: one compile serves every batch size.
+@triton.jit(do_not_specialize=["B", "BP"])
 def _sink_decode_rotary_split_kernel(
     qkv, cos, sin, pool, kv_indptr, kv_indices, kv_last, pages, offsets, o_part, lse_part,
     sinks, out, q8, sc, s_ob, s_oh, s_q, s_sm, s_sk, B, BP,
@@ -214,12 +215,14 @@ def sink_decode_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     if quant:
         q8 = torch.empty(bp, quant_k, dtype=FP8, device=qkv.device)
         sc = torch.empty(quant_k // 128, bp, dtype=torch.float32, device=qkv.device).t()
-    o_ = out if out is not None else o_part
-    q_, s_ = (q8, sc) if quant else (o_part, lse_part.view(1, -1))
+    # the one-pass outputs and their strides; unused otherwise (fixed dummies, so the split launch's compile
+    # does not vary with them)
+    o_, q_, s_ = (out if final else o_part), (q8 if quant else o_part), (sc if quant else o_part)
+    strides = ((o_.stride(0), o_.stride(1)) if final else (0, 0)) + \
+        ((q_.stride(0), s_.stride(0), s_.stride(1)) if quant else (0, 0, 0)) + ((batch, bp) if final else (0, 0))
     _sink_decode_rotary_split_kernel[(batch, n_kv, num_splits)](
         qkv, cos, sin, pool, kv_indptr, kv_indices, kv_last_page_len, write_pages, write_offsets, o_part, lse_part,
-        sinks, o_, q_, s_, o_.stride(0), o_.stride(1) if o_.dim() > 1 else 0, q_.stride(0), s_.stride(0),
-        s_.stride(1), batch, bp,
+        sinks, o_, q_, s_, *strides,
         qkv.stride(0), cos.stride(0), sp, skv, stok, sh, sm_scale * LOG2E, _window_arg(window), n_q, n_kv,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, F32=INTERPRET, FINAL=final, QUANT=quant, num_warps=num_warps,
