@@ -37,8 +37,8 @@ import triton.language as tl
 
 from .pdl import enter, pdl_kwargs
 from .fp8_gemm import FP8, quantize_act_1x128
-from .triton_attention import INTERPRET, LOG2E, MergePending, _merge, _pool_strides, _split_attend, _split_program, \
-    _store_partial, _window_arg, split_setup
+from .triton_attention import INTERPRET, LOG2E, MergePending, _merge, _partial, _pool_strides, _split_attend, \
+    _split_program, _store_partial, _window_arg, split_setup
 
 
 def one_pass_enabled() -> bool:
@@ -64,15 +64,13 @@ def _rotate(row, cos, sin, heads, ok, offs_d, HALF: tl.constexpr):
 @triton.jit
 def _store_final(out, q8, sc, sinks, m_i, l_i, acc, b, kvh, head, row_ok, offs_d, s_ob, s_oh, s_q, s_sm, s_sk, B, BP,
                  GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr):
-    # The whole row of the GROUP heads of a one-split decode: _store_partial's partial (o, lse), then
+    # The whole row of the GROUP heads of a one-split decode: _store_partial's partial (o, lse: _partial), then
     # _sink_decode_merge_kernel's arithmetic for one split (its sums over one split are that split's terms), so
     # `out` gets the bits sink_decode's merge would store. QUANT: then _sink_decode_merge_quant_kernel's 1x128
     # quantisation of the output projection's input row b, whose 128-wide blocks hold HPB whole heads each (the
     # group's heads are contiguous columns, GROUP * HEAD_DIM of them); the program of sequence 0 also writes the
     # M padding rows B..BP-1 of its blocks as that kernel does (zeros, floor scale).
-    has = l_i > 0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    o, lse = _partial(m_i, l_i, acc)
     sink = tl.load(sinks + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
     m = tl.maximum(lse, sink)
     w = tl.exp2(lse - m)
@@ -94,11 +92,10 @@ def _store_final(out, q8, sc, sinks, m_i, l_i, acc, b, kvh, head, row_ok, offs_d
         tl.store(q8 + b.to(tl.int64) * s_q + cols, qv.to(q8.dtype.element_ty), mask=blk_ok[:, None])
         tl.store(sc + b * s_sm + kb * s_sk, scale, mask=blk_ok)
         if b == 0:
-            zero = tl.zeros([NB, 128], tl.float32)
-            floor = tl.maximum(tl.max(tl.abs(zero), 1), 1e-12) / 448.0
-            zq = tl.minimum(tl.maximum(zero / floor[:, None], -448.0), 448.0).to(q8.dtype.element_ty)
+            # an all-zero row's: the scale floor (the same fp32 division) and zeros
+            floor = tl.full([NB], 1e-12, tl.float32) / 448.0
             for r in range(B, BP):
-                tl.store(q8 + r * s_q + cols, zq, mask=blk_ok[:, None])
+                tl.store(q8 + r * s_q + cols, tl.zeros([NB, 128], q8.dtype.element_ty), mask=blk_ok[:, None])
                 tl.store(sc + r * s_sm + kb * s_sk, floor, mask=blk_ok)
 
 
