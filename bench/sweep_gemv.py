@@ -13,6 +13,7 @@ distinct random experts per token, the weights (>= 0.6 GB) far larger than L2.
 
     python -m kvrelay.bench.sweep_gemv --budget-s 120 --out bench/results
     python -m kvrelay.bench.sweep_gemv --device cpu --models gpt-oss-tiny --samples 3    # plumbing only
+    python -m kvrelay.bench.sweep_gemv --models gpt-oss-120b --gemms w1 --samples 512   # all of GEMM1's space
     python -m kvrelay.bench.sweep_gemv --dense --out bench/results   # the dense FP8 GEMV vs cuBLAS instead
 
 --dense sweeps kernels/fp8_gemv.py on the attention projections instead (bench/sweep_gemv_dense.py).
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--models", default="gpt-oss-20b,gpt-oss-120b")
     p.add_argument("--tokens", default="1,4", help="decode batch sizes (pairs = tokens x top-k)")
     p.add_argument("--samples", type=int, default=40, help="random launches per GEMM and point, besides today's")
+    p.add_argument("--gemms", default="w1,w2", help="which GEMMs to sweep (w1: GEMM1 + SwiGLU, w2: GEMM2)")
     p.add_argument("--budget-s", type=float, default=None, help="default 150 s, with --dense 75 s")
     p.add_argument("--rep-ms", type=float, default=20.0)
     p.add_argument("--device", default="cuda")
@@ -88,7 +90,7 @@ def sweep_point(ex, tokens: int, top_k: int, cands: list[G.GemvLaunch], args, de
             "w2": lambda l: G.gemv2(ref_act, ids, rw, ex, y, l)}
     outs = {"w1": (act, ref_act), "w2": (y, ref_y)}
     res = {"tokens": tokens, "pairs": tokens * top_k, "today": today.label(), "gemms": {}}
-    for gemm in ("w1", "w2"):
+    for gemm in args.gemms.split(","):
         rows = []
         for launch in [getattr(today, gemm), *cands]:
             if time.monotonic() > deadline and rows:
@@ -144,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
             p["model"] = cfg.name
             payload["points"].append(p)
             n = sum(len(g["measured"]) for g in p["gemms"].values())
-            payload["complete"] &= n == 2 * (len(cands) + 1)
+            payload["complete"] &= n == len(p["gemms"]) * (len(cands) + 1)
             _print(con, p)
         del ex
         if dev.type == "cuda":

@@ -34,6 +34,13 @@ def test_sweep_checks_and_records_every_launch(tmp_path):
             assert g["best"]["us"] == min(r["us"] for r in g["measured"])
 
 
+def test_gemms_restricts_the_sweep_to_one_gemm(tmp_path):
+    # --gemms w1: the whole budget on GEMM1; the run still counts as complete (every launch of what it swept)
+    payload, out = _run(tmp_path, "--gemms", "w1")
+    assert payload["complete"] and all(list(p["gemms"]) == ["w1"] for p in payload["points"])
+    assert all(len(p["gemms"]["w1"]["measured"]) == 4 for p in payload["points"])
+
+
 def test_a_launch_with_other_numbers_is_refused(tmp_path, monkeypatch):
     # A deliberately wrong kernel variant (the SwiGLU limit changed) must fail the check, not be timed.
     env_code = ("import sys; from kvrelay.bench import sweep_gemv as S; import kvrelay.kernels.moe_gemv as G\n"
