@@ -182,19 +182,12 @@ def _split_attend(qv, pool, kv_indices, p0, c0, c1, kvh, offs_d, s_page, s_kv, s
 
 
 @triton.jit
-def _partial(m_i, l_i, acc):
-    # A split's normalised partial output and its log2-sum-exp, WITHOUT the sink (the merge adds it once);
-    # an empty split (l = 0) gives o = 0, lse = -inf.
+def _store_partial(o_part, lse_part, m_i, l_i, acc, b, head, row_ok, split, n_heads, offs_d,
+                   HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    # The split's normalised partial output and its log2-sum-exp, WITHOUT the sink (the merge adds it once).
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    return o, lse
-
-
-@triton.jit
-def _store_partial(o_part, lse_part, m_i, l_i, acc, b, head, row_ok, split, n_heads, offs_d,
-                   HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    o, lse = _partial(m_i, l_i, acc)
     base = (b.to(tl.int64) * n_heads + head) * NUM_SPLITS + split
     tl.store(o_part + base[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None])
     tl.store(lse_part + base, lse, mask=row_ok)

@@ -96,7 +96,7 @@ class Attention:
         """project_in (xq normed, FP8-quantised when sx is given) with the rotary and the KV write left to
         the attention kernel (GpuAttention.run: kernels/decode_rotary.py), or to RotaryPending.apply."""
         qkv = self.qkv(xq) if sx is None else self.qkv.run_quantized(xq, sx, m, dtype)
-        return RotaryPending(self, qkv, cos, sin, pool, write_pages, write_offsets, self.out.quant_k)
+        return RotaryPending(self, qkv, cos, sin, pool, write_pages, write_offsets)
 
     def rotate_and_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: torch.Tensor,
                          write_pages: torch.Tensor, write_offsets: torch.Tensor) -> torch.Tensor:
@@ -131,12 +131,10 @@ class Attention:
 
                 xq, sx = sink_correct_quantize(o.out, o.lse, o.sinks, kp)
                 return self.out.run_quantized(xq, sx, o.out.shape[0], o.out.dtype)
-        from kvrelay.kernels.decode_rotary import MergedOutput
         from kvrelay.kernels.triton_attention import MergePending
 
-        if isinstance(o, (MergePending, MergedOutput)):
-            # a Triton split-KV decode: its merge (with the sink) runs fused with the quantisation (a one-pass
-            # decode's MergedOutput holds that quantised input already)
+        if isinstance(o, MergePending):
+            # a Triton split-KV decode: its merge (with the sink) runs fused with the quantisation
             kp = self.out.quant_k
             if kp is None or o.dtype != torch.bfloat16:
                 o = o.apply()
@@ -159,7 +157,6 @@ class RotaryPending:
     pool: torch.Tensor
     write_pages: torch.Tensor
     write_offsets: torch.Tensor
-    out_quant_k: int | None = None  # the output projection's FP8 K (a one-pass decode writes its input)
 
     def apply(self) -> torch.Tensor:
         return self.attn.rotate_and_write(self.qkv, self.cos, self.sin, self.pool, self.write_pages,
@@ -247,7 +244,6 @@ class GpuAttention(BatchAttention):
         self._num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                          if self.device.type == "cuda" else 8)
         self.decode_splits: dict[str, int] = {}  # Triton-decoded groups: split count of the planned batch
-        self.one_pass = False  # sliding groups decoded in one split that finishes its rows (_triton_decode_setup)
         self._ws: tuple[torch.Tensor, torch.Tensor] | None = None  # their (o_part, lse_part), shared by all layers
         # Decode kernel per group: fixed for a graph size; an eager object decides per planned batch.
         self.decode_kind = self._decode_kinds(graph_batch)
@@ -277,13 +273,9 @@ class GpuAttention(BatchAttention):
         """Split counts of the Triton-decoded groups at `batch` sequences, and a workspace big enough for
         them (grown, never shrunk: an eager object sees many batch sizes; a graph's is sized once)."""
         from kvrelay.kernels import triton_attention as ta
-        from kvrelay.kernels.decode_rotary import one_pass_enabled
 
-        # KVRELAY_DECODE_ONE_PASS=1: a sliding window in one split, finished by its program (no merge launch)
-        self.one_pass = one_pass_enabled()
-        self.decode_splits = {g: 1 if self.one_pass and self.windows[g] else
-                              ta.default_num_splits(batch, self.hkv, num_sms=self._num_sms,
-                                                    block_n=self.DECODE_BLOCK_N, window=self.windows[g])
+        self.decode_splits = {g: ta.default_num_splits(batch, self.hkv, num_sms=self._num_sms,
+                                                       block_n=self.DECODE_BLOCK_N, window=self.windows[g])
                               for g, kind in self.decode_kind.items() if kind == "triton"}
         if not self.decode_splits:
             return
@@ -357,12 +349,10 @@ class GpuAttention(BatchAttention):
                 from kvrelay.kernels.decode_rotary import sink_decode_rotary
 
                 h = q.attn.heads
-                splits = self.decode_splits[group]
                 return sink_decode_rotary(q.qkv, q.cos, q.sin, h.num_q, h.num_kv, pool, q.write_pages,
                                           q.write_offsets, sinks, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len,
-                                          sm_scale=sm_scale, window=window, num_splits=splits,
-                                          block_n=self.DECODE_BLOCK_N, workspace=self._ws, merge=not defer_sink,
-                                          final=self.one_pass and splits == 1, quant_k=q.out_quant_k)
+                                          sm_scale=sm_scale, window=window, num_splits=self.decode_splits[group],
+                                          block_n=self.DECODE_BLOCK_N, workspace=self._ws, merge=not defer_sink)
             q = q.apply()
         if self.batch.is_decode:
             if self.decode_kind[group] == "flashinfer":

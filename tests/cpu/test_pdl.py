@@ -93,8 +93,7 @@ def _spec(kernel, types: dict, consts: dict, *, early_loads: tuple[str, ...] = (
     real one's vector widths."""
     tag = "-".join(f"{k}{v}" for k, v in consts.items() if k in id_keys)
     return pytest.param(kernel, types, consts, early_loads, divisible, options,
-                        id=kernel.__name__ + ("-" + tag if tag and ({"DELTA", "SPLIT_K", "EARLY", "FINAL"} & set(consts))
-                                              else ""))
+                        id=kernel.__name__ + ("-" + tag if tag and ({"DELTA", "SPLIT_K", "EARLY"} & set(consts)) else ""))
 
 
 def _ints(*names):
@@ -185,17 +184,13 @@ KERNELS = [
           {"GROUP": 8, "BLOCK_H": 16, "HEAD_DIM": 64, "PAGE": 16, "BLOCK_N": 64, "NUM_SPLITS": 2, "F32": False},
           num_warps=4, num_stages=2),
     # the same with the layer's rotary and KV write inside (kernels/decode_rotary.py, KVRELAY_DECODE_ROTARY=1)
-    *(_spec(decode_rotary._sink_decode_rotary_split_kernel,
-            {**{k: P["bf16"] for k in ("qkv", "cos", "sin", "pool")}, "kv_indptr": P["i32"], "kv_indices": P["i32"],
-             "kv_last": P["i32"], "pages": P["i64"], "offsets": P["i64"], "o_part": P["f32"], "lse_part": P["f32"],
-             "sinks": P["f32"], "out": P["bf16"], "q8": P["fp8"], "sc": P["f32"],
-             **_ints("s_ob", "s_oh", "s_q", "s_sm", "s_sk", "B", "BP"),
-             **_ints("s_qkv", "s_cs", "s_page", "s_kv", "s_tok", "s_head"), "qk_scale": F32,
-             **_ints("WINDOW", "N_Q", "N_KV")},
-            {"GROUP": 8, "BLOCK_H": 16, "HEAD_DIM": 64, "PAGE": 16, "BLOCK_N": 64, "NUM_SPLITS": 1 if final else 2,
-             "F32": False, "FINAL": final, "QUANT": final}, id_keys=("FINAL",), num_warps=4, num_stages=2)
-      # and its one-pass launch (KVRELAY_DECODE_ONE_PASS=1): one split, the row finished and quantised in place
-      for final in (False, True)),
+    _spec(decode_rotary._sink_decode_rotary_split_kernel,
+          {**{k: P["bf16"] for k in ("qkv", "cos", "sin", "pool")}, "kv_indptr": P["i32"], "kv_indices": P["i32"],
+           "kv_last": P["i32"], "pages": P["i64"], "offsets": P["i64"], "o_part": P["f32"], "lse_part": P["f32"],
+           **_ints("s_qkv", "s_cs", "s_page", "s_kv", "s_tok", "s_head"), "qk_scale": F32,
+           **_ints("WINDOW", "N_Q", "N_KV")},
+          {"GROUP": 8, "BLOCK_H": 16, "HEAD_DIM": 64, "PAGE": 16, "BLOCK_N": 64, "NUM_SPLITS": 2, "F32": False},
+          num_warps=4, num_stages=2),
     _spec(triton_attention._sink_decode_merge_kernel,
           {"o_part": P["f32"], "lse_part": P["f32"], "sinks": P["f32"], "out": P["bf16"], **_ints("s_ob", "s_oh")},
           {"HEAD_DIM": 64, "NUM_SPLITS": 2, "SPLITS_P2": 2}, num_warps=1),
