@@ -170,8 +170,11 @@ DEFAULT_CONFIG = GemvConfig()
 # uses DEFAULT_CONFIG. gpt-oss-20b and -120b share one expert shape (they differ in the number of experts).
 # H200, 2690a31 (bench/results/sweep-gemv-NVIDIA_H200-20261201-170409.json): GEMM1 23.5-23.9 -> 20.7 us
 # (78% of the 4.19 TB/s copy ceiling); GEMM2's default was already the best (9.2 us, 88%).
+# H200, 331ca2c (sweep-gemv-NVIDIA_H200-20261204-151518.json, GEMM1 alone, 141 of its 512 launches in 390 s):
+# n32-k256-w8-s4 19.6 us against the 2690a31 choice's 20.2 (83% of the ceiling); the next best 20.2-20.9 us,
+# so the launch space is worth ~3% at most and the rest of the gap is not a tile choice.
 TUNED: dict[tuple[int, int], GemvConfig] = {
-    (2880, 2880): GemvConfig(w1=GemvLaunch(32, 512, num_warps=2, num_stages=2), w2=GemvLaunch(16)),
+    (2880, 2880): GemvConfig(w1=GemvLaunch(32, 256, num_warps=8, num_stages=4), w2=GemvLaunch(16)),
 }
 
 
