@@ -212,9 +212,22 @@ def _fp8_experts(e, h, i, dev):
     return MoEWeights.from_fp8(w1, s1, b1, w2, s2, b2)
 
 
+def engine_moe_step(res, delta, norm_w, gate_w, gate_b, ex, k: int, counters, eps: float = 1e-5):
+    """One decode MoE layer at batch sizes the fused router takes, launched as engine/layers/moe.py and
+    engine/model.py launch it: the residual add + norm + router + top-k in one kernel (fused_route_in), the
+    expert GEMVs without their combine (routed_uncombined), and the combine inside the next residual add +
+    RMSNorm, which also writes the next attention's 1x128 FP8 QKV input (K padded to 128). Returns that
+    add_rms_norm's (new residual, (fp8 input, scales))."""
+    from kvrelay.kernels import fused, moe, router
+
+    x, h, w, ids = router.add_rms_norm_route(res, delta, norm_w, eps, gate_w, gate_b, k, counters)
+    pairs = moe.moe_experts(h, ids, w, ex, combine=False)
+    return fused.add_rms_norm(x, pairs, norm_w, eps, quant_k=-(-res.shape[1] // 128) * 128)
+
+
 def bench_moe(dev):
     import triton
-    from kvrelay.kernels import moe, moe_gemv
+    from kvrelay.kernels import moe, moe_gemv, router
     E, H, I, K = 128, 2880, 2880, 4
     ex = _fp8_experts(E, H, I, dev)
     gate_w = torch.randn(E, H, device=dev).bfloat16() * 0.02
@@ -238,6 +251,17 @@ def bench_moe(dev):
            triton.testing.do_bench_cudagraph(full, rep=100, return_mode="median"), nbytes=active,
            target=f"<= {1.3 * floor_us:.1f} us (1.3x floor)", note=f"floor {floor_us:.1f} us")
     record("moe", "120b decode full layer (eager)", bench(full), nbytes=active)
+    # The layer as the engine's decode step runs it (engine_moe_step): three launches with PDL instead of
+    # moe_forward's four, the combine inside the next residual add + norm (whose own work is counted too)
+    counters = router.new_counters(dev)
+    res = torch.randn(1, H, device=dev, dtype=torch.bfloat16)
+    delta = torch.randn(1, H, device=dev, dtype=torch.bfloat16)
+    norm_w = (1 + 0.1 * torch.randn(H, device=dev)).bfloat16()
+    step = lambda: engine_moe_step(res, delta, norm_w, gate_w, gate_b, ex, K, counters)
+    step()
+    record("moe", "120b decode layer as the engine runs it (norm+router, 2 GEMVs, combine in next norm; graph)",
+           triton.testing.do_bench_cudagraph(step, rep=100, return_mode="median"), nbytes=active,
+           target="<= 35 us (issue 11)", note=f"floor {floor_us:.1f} us")
     # batch 64 decode and 4096/16384-token prefill through the grouped path: the config the engine uses (the
     # GPU's tuned table when kernels/configs has one, bench/tune_moe.py) beside today's heuristic
     from kvrelay.kernels import moe_configs
