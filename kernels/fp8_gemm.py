@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .fp8_gemv import Fp8GemvLaunch, new_counters, triton_fp8_gemv
+from .fp8_quant import quant_1x128
 from .pdl import enter, pdl_kwargs
 
 BLOCK = 128
@@ -42,8 +43,7 @@ def _quant_act_kernel(x, q, s, M, K, s_xm, s_qm, s_sm, s_sk, BLOCK_K: tl.constex
     offs = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     ok = (offs < K) & (tl.zeros([BLOCK_K], tl.int32) + m < M)
     v = tl.load(x + m.to(tl.int64) * s_xm + offs, mask=ok, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(v), 0), 1e-12) / 448.0
-    qv = tl.minimum(tl.maximum(v / scale, -448.0), 448.0)
+    qv, scale = quant_1x128(v, 0)
     tl.store(q + m.to(tl.int64) * s_qm + offs, qv.to(q.dtype.element_ty))
     tl.store(s + m * s_sm + kb * s_sk, scale)
 
@@ -53,7 +53,7 @@ def _quant_act_tile_kernel(x, q, s, M, MP, K, s_xm, s_qm, s_sm, s_sk, BLOCK_M: t
                            BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
     enter(USE_PDL)  # kernels/pdl.py: before any load or store
     # Prefill sizes: one program per (BLOCK_M rows, 128-wide K block), the same math per 1x128 group as
-    # _quant_act_kernel (max-abs, floor, / 448, divide, clamp, one cast); rows in [M, MP) are padding
+    # _quant_act_kernel (fp8_quant.quant_1x128, one cast); rows in [M, MP) are padding
     # (zeros, floor scale), rows >= MP of the last tile are not stored.
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     kb = tl.program_id(1)
@@ -61,8 +61,7 @@ def _quant_act_tile_kernel(x, q, s, M, MP, K, s_xm, s_qm, s_sm, s_sk, BLOCK_M: t
     ok = (rows[:, None] < M) & (offs[None, :] < K)
     r64 = rows.to(tl.int64)[:, None]
     v = tl.load(x + r64 * s_xm + offs[None, :], mask=ok, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(v), 1), 1e-12) / 448.0
-    qv = tl.minimum(tl.maximum(v / scale[:, None], -448.0), 448.0)
+    qv, scale = quant_1x128(v, 1)
     keep = rows < MP
     tl.store(q + r64 * s_qm + offs[None, :], qv.to(q.dtype.element_ty), mask=keep[:, None])
     tl.store(s + rows * s_sm + kb * s_sk, scale, mask=keep)

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8_quant import quant_1x128
 from .pdl import enter, pdl_kwargs
 
 
@@ -131,8 +132,7 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, rows_ptr, xo_ptr, out_ptr, q_ptr, 
         if QUANT:
             # exactly _quant_act_kernel's math on the rounded normed row, per 128-wide group
             g = tl.reshape(y.to(tl.float32), [BLOCK // 128, 128])
-            scale = tl.maximum(tl.max(tl.abs(g), 1), 1e-12) / 448.0
-            qv = tl.minimum(tl.maximum(g / scale[:, None], -448.0), 448.0)
+            qv, scale = quant_1x128(g, 1)
             gi = tl.arange(0, BLOCK // 128)
             col = gi[:, None] * 128 + tl.arange(0, 128)[None, :]
             tl.store(q_ptr + r.to(tl.int64) * s_q + col, qv.to(q_ptr.dtype.element_ty), mask=col < N_GROUPS * 128)
@@ -358,8 +358,7 @@ def _sink_quant_kernel(out_ptr, lse_ptr, sinks_ptr, q_ptr, s_ptr, B, n_cols, s_o
     f = 1.0 / (1.0 + tl.exp(s - l2 * 0.6931471805599453))
     o = tl.load(out_ptr + b.to(tl.int64) * s_ob + h * s_oh + c % HEAD_DIM, mask=ok, other=0.0).to(tl.float32)
     v = (o * f).to(out_ptr.dtype.element_ty).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(v), 0), 1e-12) / 448.0
-    qv = tl.minimum(tl.maximum(v / scale, -448.0), 448.0)
+    qv, scale = quant_1x128(v, 0)
     tl.store(q_ptr + b.to(tl.int64) * s_q + c, qv.to(q_ptr.dtype.element_ty))
     tl.store(s_ptr + b * s_sm + kb * s_sk, scale)
 

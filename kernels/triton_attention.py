@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8_quant import quant_1x128
 from .pdl import enter, pdl_kwargs
 
 LOG2E = 1.4426950408889634
@@ -261,8 +262,7 @@ def _sink_decode_merge_quant_kernel(o_part, lse_part, sinks, q_ptr, s_ptr, B, n_
     denom = tl.sum(w, 0) + tl.exp2(sink - m)
     o = tl.load(o_part + (row[None, :] + sp[:, None]) * HEAD_DIM + (c % HEAD_DIM)[None, :], mask=ok2, other=0.0)
     v = (tl.sum(o * w, 0) / denom).to(tl.bfloat16).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(v), 0), 1e-12) / 448.0
-    qv = tl.minimum(tl.maximum(v / scale, -448.0), 448.0)
+    qv, scale = quant_1x128(v, 0)
     tl.store(q_ptr + b.to(tl.int64) * s_q + c, qv.to(q_ptr.dtype.element_ty))
     tl.store(s_ptr + b * s_sm + kb * s_sk, scale)
 

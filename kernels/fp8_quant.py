@@ -1,0 +1,22 @@
+"""The 1x128 activation quantiser's arithmetic as one Triton function, inlined by every kernel that writes an
+FP8 GEMM input (fp8_gemm's quantisers, fused.add_rms_norm, the sink correction and the split-KV merge), so all
+of them compute kernels.fp8.quantize_act_1x128's numbers in the same order: scale = max(amax, 1e-12) / 448 (an
+all-zero group still gets a finite scale), the group divided by its scale and clamped to e4m3's finite range.
+The cast to fp8 is the caller's store."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def quant_1x128(v, AXIS: tl.constexpr):
+    """v: fp32 groups of 128 along AXIS (one [128] group with AXIS 0, [R, 128] groups with AXIS 1) ->
+    (the clamped quotients, like v; the fp32 scale of each group)."""
+    scale = tl.maximum(tl.max(tl.abs(v), AXIS), 1e-12) / 448.0
+    if AXIS == 0:
+        qv = v / scale
+    else:
+        qv = v / scale[:, None]
+    return tl.minimum(tl.maximum(qv, -448.0), 448.0), scale
