@@ -140,6 +140,9 @@ def sweep_gemv_section(col: Collection) -> list[str]:
                 best = [f"`{b['label']}`", fmt(b["us"], ".1f"), fmt(b.get("tbs"), ".2f"),
                         fmt(b.get("floor_share"), ".0%")]
                 speed = f"{t['us'] / b['us']:.2f}x" if t.get("us") else "-"
+                rc = e.get("recheck")
+                if rc:  # both timed again, alternately, after the sweep (bench.sweep_gemv.recheck)
+                    speed += f" (rechecked {rc['today_median_us']:.1f} vs {rc['best_median_us']:.1f} us: {rc['speedup']:.2f}x)"
             rows.append([p["model"], p["tokens"], p["pairs"], gemm, f"`{t.get('label', '?')}`", today_us,
                          fmt(t.get("floor_share"), ".0%"), *best, fmt(e.get("floor_us"), ".1f"), speed, r.source])
         out += sub(f"On {gpu}", ["model", "tokens", "pairs", "GEMM", "today", "today us", "today of ceiling",

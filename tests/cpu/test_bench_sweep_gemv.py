@@ -32,6 +32,12 @@ def test_sweep_checks_and_records_every_launch(tmp_path):
             for r in g["measured"]:
                 assert r["us"] is not None and r["rel_err"] < 2e-3, r
             assert g["best"]["us"] == min(r["us"] for r in g["measured"])
+            if g["best"]["label"] != g["today"]["label"]:
+                rc = g["recheck"]  # today's and the best timed again, alternately, after the sweep
+                assert len(rc["today_us"]) == len(rc["best_us"]) == 3
+                assert rc["speedup"] == rc["today_median_us"] / rc["best_median_us"]
+            else:
+                assert "recheck" not in g
 
 
 def test_gemms_restricts_the_sweep_to_one_gemm(tmp_path):
