@@ -12,7 +12,8 @@
 #   pre20/pre120 (prefill 8192; PRE_LENGTHS overrides), wall20/wall120 (prefill 8192's wall vs device time per layer,
 #   back to back and with the host queued ahead, with the SM clock and power cap), serve1 (bench/serve_h200.sh SOLO_ONLY against $SERVE_CONFIG, default
 #   configs/h200-1gpu-20b.yaml, labelled $SERVE_LABEL$TAG),
-#   gemv1 (bench.sweep_gemv: GEMM1 alone at batch 1, SAMPLES random launches of its 512, default all, on 120b's experts),
+#   gemv1/gemv2 (bench.sweep_gemv: GEMM1 / GEMM2 alone at batch 1, SAMPLES random launches of 512, default all, on 120b's
+#   experts; ~3 / ~6 s a launch, mostly its compile), kmoe (bench.kernels --only moe: the MoE rows, the engine's decode layer too),
 #   tgpu (pytest $TESTS, default tests/gpu), aot (FlashInfer's JIT-built modules as $OUT/fi-aot.tgz).
 # QUANT (default fp8-block128) is the benchmarks' --quant; TAG (default empty) is appended to each step's result
 #   folder, so one call can run the script several times with different settings (QUANT=... TAG=-lmhead).
@@ -67,8 +68,9 @@ for s in ${STEPS:-}; do
         --top 30 --host-profile "$W/r/$s${TAG:-}/host.txt" ;;
     pre20|pre120) bench $s kvrelay.bench.prefill --model gpt-oss-${s#pre}b $M --lengths "${PRE_LENGTHS:-8192}" ;;
     wall20|wall120) bench $s kvrelay.bench.prefill_wall --model gpt-oss-${s#wall}b $M --length 8192 ;;
-    gemv1) bench $s kvrelay.bench.sweep_gemv --models gpt-oss-120b --tokens 1 --gemms w1 --samples "${SAMPLES:-512}" \
+    gemv1|gemv2) bench $s kvrelay.bench.sweep_gemv --models gpt-oss-120b --tokens 1 --gemms w${s#gemv} --samples "${SAMPLES:-512}" \
         --budget-s $(( left - 20 )) ;;
+    kmoe) mkdir -p "$W/r/kmoe${TAG:-}"; timeout "$left" python3 -m kvrelay.bench.kernels --only moe --out "$W/r/kmoe${TAG:-}" ;;
     serve1) SOLO_ONLY=1 SOLO_WORKLOADS=8k/256,1k/16 RESULTS="$W/r/serve" timeout "$left" \
         bash bench/serve_h200.sh "${SERVE_CONFIG:-configs/h200-1gpu-20b.yaml}" "${SERVE_LABEL:-h200-1gpu-20b}${TAG:-}" ;;
     tgpu) # SIGINT at the limit: pytest then stops as on Ctrl-C and still prints its summary (-rf names each
