@@ -22,6 +22,7 @@ from kvrelay.router.client import RouterClient
 from kvrelay.router.scripted_engine import ScriptedEngineClient
 from kvrelay.router.server import BackgroundRouter
 from kvrelay.router.types import SamplingOptions
+from waiting import wait_for
 
 harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -130,14 +131,11 @@ def test_errors_counted_by_front_end_and_code(served):
         list(anonymous.generate([5], SamplingOptions(max_tokens=1)))
     # A gRPC error is counted in the server handler's `finally`, which may run after the client already holds
     # the status (seen once under CI load: UNAUTHENTICATED still 0 here), so the counts get a bounded wait.
-    deadline = time.monotonic() + 5.0
-    while True:
-        after = {k: _value("kvrelay_request_errors_total", {"api": k[0], "code": k[1]}) for k in labels}
-        counted = {k: after[k] - before[k] for k in labels}
-        if counted == {k: 1 for k in labels} or time.monotonic() > deadline:
-            break
-        time.sleep(0.02)
-    assert counted == {k: 1 for k in labels}
+    def counted() -> dict:
+        return {k: _value("kvrelay_request_errors_total", {"api": k[0], "code": k[1]}) - before[k] for k in labels}
+
+    wait_for(lambda: counted() == {k: 1 for k in labels})
+    assert counted() == {k: 1 for k in labels}
 
 
 def _scrape(base: str) -> dict:

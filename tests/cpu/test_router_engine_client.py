@@ -16,6 +16,7 @@ import pytest
 from kvrelay.engine.sampling import SamplingParams, TokenOutput
 from kvrelay.router import harmony
 from kvrelay.router.engine_client import EngineClient, InProcessEngineClient
+from waiting import wait_for
 
 harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 
@@ -72,13 +73,6 @@ class SteppingLLM:
         return outs
 
 
-def _wait_for(predicate, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return predicate()
-
-
 async def _collect(client: InProcessEngineClient, rid: str, prompt: list[int], max_tokens: int) -> list[int]:
     return [o.token_id async for o in client.generate(rid, prompt, SamplingParams(max_tokens=max_tokens))]
 
@@ -124,7 +118,7 @@ def test_abort_frees_the_sequence() -> None:
     try:
         got = asyncio.run(run())
         assert 3 <= len(got) < 10 and got[:3] == [1, 2, 3]
-        assert _wait_for(lambda: llm.freed == ["x"]) and not llm.running
+        assert wait_for(lambda: llm.freed == ["x"]) and not llm.running
     finally:
         client.close()
 
@@ -140,7 +134,7 @@ def test_consumer_leaving_early_frees_the_sequence() -> None:
 
     try:
         asyncio.run(run())
-        assert _wait_for(lambda: llm.freed == ["y"]) and not llm.running
+        assert wait_for(lambda: llm.freed == ["y"]) and not llm.running
     finally:
         client.close()
 
@@ -189,7 +183,7 @@ def test_router_over_real_tiny_llm(tiny_llm) -> None:
         stream = rc.generate(prompt, SamplingOptions(max_tokens=200, temperature=0))
         next(stream)
         stream.cancel()
-        assert _wait_for(lambda: not tiny_llm.has_unfinished(), timeout=30)  # its KV was released
+        assert wait_for(lambda: not tiny_llm.has_unfinished(), timeout=30)  # its KV was released
         again = list(rc.generate(prompt, SamplingOptions(max_tokens=n, temperature=0)))
         assert [t for r in again for t in r.token_ids] == direct
         import httpx

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import replace
-import time
 from pathlib import Path
 
 import grpc
@@ -19,6 +18,7 @@ from kvrelay.v1 import router_pb2 as pb
 from kvrelay.v1 import router_pb2_grpc as pb_grpc
 
 from scripted_router import reset, scripted_router_fixtures
+from waiting import wait_for
 
 harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 
@@ -46,15 +46,6 @@ def client(server, engine):
     reset(engine)
     with RouterClient(server.grpc_target, timeout_s=30) as c:
         yield c
-
-
-def _wait_for(predicate, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 def test_health_and_models(client) -> None:
@@ -171,7 +162,7 @@ def test_client_cancel_aborts_engine(server, engine, rpc: str) -> None:
             with pytest.raises(grpc.RpcError) as err:
                 list(stream)
             assert err.value.code() == grpc.StatusCode.CANCELLED
-        assert _wait_for(lambda: f"cancel-{rpc}" in engine.aborted), engine.aborted
+        assert wait_for(lambda: f"cancel-{rpc}" in engine.aborted), engine.aborted
     finally:
         engine.token_delay_s = 0.0
 
@@ -246,4 +237,4 @@ def test_router_stops_on_harmony_stop_and_aborts_engine(output: str, reason: str
         stop_at = ids.index(harmony.RETURN if reason == "stop" else harmony.CALL)
         assert result.token_ids == ids[: stop_at + 1]  # nothing after the stop token reaches the client
         assert "extra" not in result.content and "more" not in result.content
-        assert _wait_for(lambda: "r1" in engine.aborted)
+        assert wait_for(lambda: "r1" in engine.aborted)
