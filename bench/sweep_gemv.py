@@ -118,8 +118,7 @@ def sweep_point(ex, tokens: int, top_k: int, cands: list[G.GemvLaunch], args, de
         res["gemms"][gemm] = {"today": rows[0], "best": best, "measured": rows, "floor_us":
                               nbytes[gemm] / (CEIL_TBS * 1e12) * 1e6}
         if best is not None and best["label"] != rows[0]["label"] and rows[0]["us"] is not None:
-            res["gemms"][gemm]["recheck"] = recheck(lambda l: runs[gemm](l), getattr(today, gemm), best, cuda,
-                                                    args.rep_ms)
+            res["gemms"][gemm]["recheck"] = recheck(runs[gemm], getattr(today, gemm), best, cuda, args.rep_ms)
     return res
 
 
@@ -138,7 +137,10 @@ def recheck(run, today: G.GemvLaunch, best: dict, cuda: bool, rep_ms: float, rou
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.dense and (not args.gemms or set(args.gemms.split(",")) - {"w1", "w2"}):
+        parser.error(f"--gemms {args.gemms!r}: a comma list of w1 (GEMM1 + SwiGLU) and w2 (GEMM2)")
     if args.budget_s is None:
         args.budget_s = 75.0 if args.dense else 150.0
     if args.dense:

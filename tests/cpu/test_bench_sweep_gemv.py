@@ -47,6 +47,14 @@ def test_gemms_restricts_the_sweep_to_one_gemm(tmp_path):
     assert all(len(p["gemms"]["w1"]["measured"]) == 4 for p in payload["points"])
 
 
+def test_an_unknown_gemm_is_refused_by_name(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "kvrelay.bench.sweep_gemv", "--device", "cpu", "--models",
+                          "gpt-oss-tiny", "--gemms", "w1,w3", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "--gemms 'w1,w3'" in res.stderr, res.stderr[-2000:]
+    assert not list(tmp_path.glob("sweep-gemv-*.json"))
+
+
 def test_a_launch_with_other_numbers_is_refused(tmp_path, monkeypatch):
     # A deliberately wrong kernel variant (the SwiGLU limit changed) must fail the check, not be timed.
     env_code = ("import sys; from kvrelay.bench import sweep_gemv as S; import kvrelay.kernels.moe_gemv as G\n"
