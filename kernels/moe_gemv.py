@@ -173,8 +173,12 @@ DEFAULT_CONFIG = GemvConfig()
 # H200, 331ca2c (sweep-gemv-NVIDIA_H200-20261204-151518.json, GEMM1 alone, 141 of its 512 launches in 390 s):
 # n32-k256-w8-s4 19.6 us against the 2690a31 choice's 20.2 (83% of the ceiling); the next best 20.2-20.9 us,
 # so the launch space is worth ~3% at most and the rest of the gap is not a tile choice.
+# H200, 5a1bbd0 (sweep-gemv-NVIDIA_H200-20261204-153529.json, GEMM2 alone, 47 launches): n32-k256-w8-s2-late
+# 8.6 us against the default n16-k512-w4-s3's 10.8 (timed first; 9.2 in the 2690a31 sweep); kept on the
+# in-model A/B in bench/results/ab/README.md.
 TUNED: dict[tuple[int, int], GemvConfig] = {
-    (2880, 2880): GemvConfig(w1=GemvLaunch(32, 256, num_warps=8, num_stages=4), w2=GemvLaunch(16)),
+    (2880, 2880): GemvConfig(w1=GemvLaunch(32, 256, num_warps=8, num_stages=4),
+                             w2=GemvLaunch(32, 256, num_warps=8, num_stages=2, late=True)),
 }
 
 
