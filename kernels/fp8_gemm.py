@@ -224,6 +224,12 @@ class Fp8BlockLinear:
     # Flipping the default after the GPU sweep is this one line ("1"; KVRELAY_FP8_GEMV=0 then opts out).
     GEMV_DEFAULT = "0"
     GEMV_MAX_M = 8
+    # Batch 1 (M bucket 1) per weight shape (N, K): a backend fixed by an in-model A/B instead of `auto`'s
+    # timing of each call alone (do_bench cannot see the PDL overlap of the decode chain, and its pick between
+    # launches within ~0.3 us of each other changes from run to run). KVRELAY_FP8_M1 overrides it for A/B
+    # runs: "NxK=backend,..." (e.g. "2880x4096=gemv-n16-k512-s8-w2-st2,5120x2880=cublas"); "auto" times as
+    # before. A fixed backend is still checked against cuBLAS on a random input before it is kept.
+    M1_PINNED: dict[tuple[int, int], str] = {}
 
     def __init__(self, w_fp8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
                  backend: str = "auto", choice_cache: dict[int, str] | None = None):
@@ -237,8 +243,8 @@ class Fp8BlockLinear:
         self.w_scale = w_scale.float().contiguous()
         self.sb_cols = cublas_column_scales(self.w_scale, n)
         self.bias = bias
-        if backend not in ("auto", "cublas", *self.TRITON_TILES, *self.GEMV_TILES):
-            raise ValueError(f"unknown backend {backend}")
+        if backend != "auto":
+            self._check_backend(backend)
         self.backend = backend
         # split-K GEMV arrival counters (zero between launches), allocated here: never during a graph capture
         self._counters = new_counters(n, self.w.device, self.GEMV_MAX_M)
@@ -246,13 +252,42 @@ class Fp8BlockLinear:
         # 24 identical projections times each bucket once rather than 24 times.
         self._choice: dict[int, str] = {} if choice_cache is None else choice_cache
 
+    @classmethod
+    def _check_backend(cls, backend: str) -> None:
+        """ValueError unless `backend` names one: cublas, a Triton tile, or gemv-<Fp8GemvLaunch label>."""
+        if backend in ("cublas", *cls.TRITON_TILES, *cls.GEMV_TILES):
+            return
+        if not backend.startswith("gemv-"):
+            raise ValueError(f"unknown backend {backend!r}: cublas, {', '.join(cls.TRITON_TILES)} or "
+                             "gemv-<launch label>")
+        Fp8GemvLaunch.parse(backend[len("gemv-"):])
+
+    @staticmethod
+    def _gemv_launch(backend: str) -> Fp8GemvLaunch:
+        return Fp8BlockLinear.GEMV_TILES.get(backend) or Fp8GemvLaunch.parse(backend[len("gemv-"):])
+
+    def _m1_pin(self) -> str | None:
+        """The backend fixed for M bucket 1 of this layer's shape (KVRELAY_FP8_M1 first, then M1_PINNED)."""
+        pins = dict(self.M1_PINNED)
+        for item in filter(None, os.environ.get("KVRELAY_FP8_M1", "").split(",")):
+            shape, sep, backend = item.partition("=")
+            n, x, k = shape.strip().partition("x")
+            if not sep or not x or not n.isdigit() or not k.isdigit():
+                raise ValueError(f"KVRELAY_FP8_M1: {item!r} is not NxK=backend")
+            pins[(int(n), int(k))] = backend.strip()
+        pin = pins.get((self.n, self.k))
+        if pin in (None, "auto"):
+            return None
+        self._check_backend(pin)
+        return pin
+
     def _run(self, backend: str, xq, sx, m: int | None = None):
         """[>= m, N]: the GEMMs compute every (padding) row of xq, the GEMV only the first m."""
         if backend == "cublas":
             return cublas_fp8_gemm(xq, sx, self.w, self.sb_cols, self.bias)
-        if backend in self.GEMV_TILES:
+        if backend.startswith("gemv-"):
             # past GEMV_MAX_M rows (an explicit gemv backend) a split-K launch zeroes counters of its own
-            return triton_fp8_gemv(xq, sx, self.w, self.w_scale, self.bias, m=m, launch=self.GEMV_TILES[backend],
+            return triton_fp8_gemv(xq, sx, self.w, self.w_scale, self.bias, m=m, launch=self._gemv_launch(backend),
                                    counters=self._counters if (m or xq.shape[0]) <= self.GEMV_MAX_M else None)
         bm, bn, nw, ns = self.TRITON_TILES[backend]
         return triton_fp8_gemm(xq, sx, self.w, self.w_scale, self.bias, block_m=bm, block_n=bn, num_warps=nw,
@@ -270,6 +305,9 @@ class Fp8BlockLinear:
         names = self.BACKENDS + (tuple(n for n in self.TRITON_TILES if n != "triton") if bucket <= self.SMALL_M else ())
         if bucket <= self.GEMV_MAX_M and os.environ.get("KVRELAY_FP8_GEMV", self.GEMV_DEFAULT) == "1":
             names += tuple(self.GEMV_TILES)
+        pin = self._m1_pin() if bucket == 1 else None
+        if pin is not None:  # checked against cuBLAS below (first), not timed: kept unless it disagrees
+            names = ("cublas", pin) if pin != "cublas" else ("cublas",)
         # Candidates run on a random input of this size, not the caller's: a warm-up step's activations
         # may be NaN (attention over an uninitialised KV pool), which would make every check fail. The
         # kernels' time does not depend on the values. They run through _run, i.e. launched as they will be
@@ -290,9 +328,15 @@ class Fp8BlockLinear:
                     _log.warning("Fp8BlockLinear [%d, %d] M=%d: backend %s disagrees with %s, not used",
                                  self.n, self.k, m, name, first_name)
                     continue
+                if pin is not None:
+                    times[name] = 0.0 if name == pin else 1.0
+                    continue
                 times[name] = triton.testing.do_bench(lambda: self._run(name, xq, sx, m), warmup=5, rep=20,
                                                       return_mode="median")
             except Exception:  # a backend that cannot run this shape is simply not chosen
+                if name == pin:
+                    _log.warning("Fp8BlockLinear [%d, %d]: pinned M=1 backend %s failed, cuBLAS used",
+                                 self.n, self.k, pin, exc_info=True)
                 continue
         self._choice[bucket] = min(times, key=times.get)
         return self._choice[bucket]

@@ -36,6 +36,7 @@ SASS that nothing else is touched before the wait).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,14 @@ class Fp8GemvLaunch:
 
     def label(self) -> str:
         return f"n{self.block_n}-k{self.block_k}-s{self.split_k}-w{self.num_warps}-st{self.num_stages}"
+
+    @classmethod
+    def parse(cls, label: str) -> Fp8GemvLaunch:
+        """The launch `label()` names (e.g. "n16-k512-s8-w2-st2"); ValueError naming the label otherwise."""
+        m = re.fullmatch(r"n(\d+)-k(\d+)-s(\d+)-w(\d+)-st(\d+)", label)
+        if m is None:
+            raise ValueError(f"not an FP8 GEMV launch label: {label!r} (expected e.g. n16-k512-s8-w2-st2)")
+        return cls(*(int(g) for g in m.groups()))
 
 
 @triton.jit

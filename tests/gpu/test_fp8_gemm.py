@@ -204,3 +204,35 @@ def _quantized(lin, x):
     from kvrelay.kernels.fp8_gemm import quantize_act_1x128
     xq, sx = quantize_act_1x128(x, lin.kp)
     return xq[: x.shape[0], : lin.k], sx[: x.shape[0]]
+
+
+def test_auto_keeps_the_pinned_backend_at_batch_1(caplog, monkeypatch):
+    """A batch-1 pin (KVRELAY_FP8_M1 here; Fp8BlockLinear.M1_PINNED by default) is run beside cuBLAS once, not
+    timed, and kept when it agrees; M=2 is timed as before; a pin whose output disagrees with cuBLAS (made to
+    return zeros) is dropped for cuBLAS with a warning."""
+    from kvrelay.kernels.fp8_gemm import Fp8BlockLinear
+    dev = _cuda()
+    pin = "gemv-n32-k512-s6-w2-st2"  # not one of GEMV_TILES: any launch label can be pinned
+    monkeypatch.setenv("KVRELAY_FP8_M1", f"5120x2880={pin},2880x4096=cublas")
+    x, wq, ws, bias = _operands(4, 2880, 5120, dev, seed=9)
+    choices: dict[int, str] = {}
+    lin = Fp8BlockLinear(wq, ws, bias, backend="auto", choice_cache=choices)
+    ran, timed = [], []
+    orig = lin._run
+    lin._run = lambda name, *a, **kw: (ran.append(name), orig(name, *a, **kw))[1]
+    import triton.testing
+    bench = triton.testing.do_bench
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (timed.append(1), bench(fn, **kw))[1])
+    out = lin(x[:1])
+    assert choices == {1: pin} and ran == ["cublas", pin, pin] and not timed, (choices, ran, timed)
+    assert rel_err(out, _ref(*_quantized(lin, x[:1]), wq, ws, bias.float(), 5120)) < 1e-2
+    lin(x[:2])
+    assert timed and choices[2] != pin  # M=2 is timed; the pin is not a candidate there
+    # a disagreeing pin falls back to cuBLAS
+    choices2: dict[int, str] = {}
+    lin2 = Fp8BlockLinear(wq, ws, bias, backend="auto", choice_cache=choices2)
+    orig2 = lin2._run
+    lin2._run = lambda name, *a, **kw: orig2(name, *a, **kw) * (0 if name == pin else 1)
+    with caplog.at_level("WARNING", logger="kvrelay.kernels.fp8_gemm"):
+        lin2(x[:1])
+    assert choices2 == {1: "cublas"} and f"backend {pin} disagrees with cublas" in caplog.text
