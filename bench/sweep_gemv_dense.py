@@ -41,7 +41,7 @@ L = Fp8GemvLaunch
 # Besides GEMV_TILES: moe_gemv's best (n32-k512-w2-s2) with more splits, narrower and wider tiles, one K step
 # per program (k1024 s3 on 23 K blocks), 1 stage and 8 warps.
 EXTRA = (L(32, 512, 3, 2), L(32, 512, 6, 2), L(32, 1024, 3, 4), L(16, 512, 2, 2), L(16, 512, 8, 2),
-         L(16, 1024, 3, 4), L(32, 256, 8, 4), L(64, 256, 4, 4), L(64, 512, 2, 8), L(32, 512, 4, 2, 1),
+         L(16, 1024, 3, 4), L(64, 256, 4, 4), L(64, 512, 2, 8), L(32, 512, 4, 2, 1),
          L(8, 512, 4, 1), L(16, 256, 4, 2))
 MAX_WEIGHTS_PER_THREAD_ROWS2 = 128
 RESERVE_S = 15.0  # of the budget kept for each later shape (whose compiles are cached by then)

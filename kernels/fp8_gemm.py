@@ -218,7 +218,8 @@ class Fp8BlockLinear:
     GEMV_TILES = {f"gemv-{l.label()}": l for l in (
         Fp8GemvLaunch(32, 512, 1, num_warps=2), Fp8GemvLaunch(32, 512, 2, num_warps=2),
         Fp8GemvLaunch(32, 256, 4, num_warps=4), Fp8GemvLaunch(16, 512, 4, num_warps=4),
-        Fp8GemvLaunch(16, 256, 8, num_warps=2), Fp8GemvLaunch(64, 512, 4, num_warps=8))}
+        Fp8GemvLaunch(16, 256, 8, num_warps=2), Fp8GemvLaunch(64, 512, 4, num_warps=8),
+        Fp8GemvLaunch(32, 256, 8, num_warps=4))}
     # `auto` times the GEMV launches only when KVRELAY_FP8_GEMV (default GEMV_DEFAULT) is "1": their
     # compiles cost a cold server start time for nothing until the sweep shows them faster than cuBLAS.
     # Flipping the default after the GPU sweep is this one line ("1"; KVRELAY_FP8_GEMV=0 then opts out).
@@ -229,7 +230,11 @@ class Fp8BlockLinear:
     # launches within ~0.3 us of each other changes from run to run). KVRELAY_FP8_M1 overrides it for A/B
     # runs: "NxK=backend,..." (e.g. "2880x4096=gemv-n16-k512-s8-w2-st2,5120x2880=cublas"); "auto" times as
     # before. A fixed backend is still checked against cuBLAS on a random input before it is kept.
-    M1_PINNED: dict[tuple[int, int], str] = {}
+    # H200, b69d296, batch-1 decode at 8192 pipelined, back to back on one machine (bench/results/ab/README.md):
+    # O (4096 -> 2880) on gemv-n32-k256-s8-w4-st2 20b 1.743 vs 1.792 ms (cuBLAS), 120b 2.484 vs 2.554 ms;
+    # n16-k512-s8-w2-st2 1.757 / 2.501. QKV (2880 -> 5120) on any of three GEMV launches was slower than
+    # cuBLAS (+0.02..0.04 ms 20b), so it keeps `auto`.
+    M1_PINNED: dict[tuple[int, int], str] = {(2880, 4096): "gemv-n32-k256-s8-w4-st2"}
 
     def __init__(self, w_fp8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
                  backend: str = "auto", choice_cache: dict[int, str] | None = None):
