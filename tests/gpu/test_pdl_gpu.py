@@ -43,7 +43,7 @@ _GEMV = "gemv-n32-k256-s4-w4-st2"
     ("bf16", "triton", False), ("fp8-block128", "flashinfer", True)])
 def test_model_decode_steps_equal_with_and_without_pdl(quant, decode, gemv, monkeypatch):
     from kvrelay.engine.runner import Runner
-    from kvrelay.kernels import fp8_gemv, fused, moe_gemv, pdl, router, triton_attention
+    from kvrelay.kernels import decode_rotary, fp8_gemv, fused, moe_gemv, pdl, router, triton_attention
     from kvrelay.kernels.fp8_gemm import Fp8BlockLinear
 
     dev = _pdl_device()
@@ -62,11 +62,26 @@ def test_model_decode_steps_equal_with_and_without_pdl(quant, decode, gemv, monk
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (9, 150, 40)]
     feed = torch.randint(0, cfg.vocab_size, (10, 3), generator=g).tolist()
+    # the kernels this path launches: decode on FlashInfer writes rotary + KV in its own launch; the Triton
+    # split-KV decode does it inside its split kernel (kernels/decode_rotary.py, the default) and merges fused
+    # with the output projection's FP8 quantisation (MergePending.quantize) or alone for bf16
+    pdl_kernels = [fused._add_rms_norm_kernel, router._add_norm_route_kernel, moe_gemv._gemv1_kernel,
+                   moe_gemv._gemv2_kernel, *((fp8_gemv._fp8_gemv_kernel,) if gemv else ())]
+    if decode == "triton":
+        pdl_kernels += [decode_rotary._sink_decode_rotary_split_kernel,
+                        triton_attention._sink_decode_merge_quant_kernel if quant == "fp8-block128"
+                        else triton_attention._sink_decode_merge_kernel]
+    else:
+        pdl_kernels.append(fused._rotary_kv_write_kernel)
     steps = {}
     for flag in ("0", "1"):
         # read at each launch, so it must hold while the graphs are captured (at the first decode)
         monkeypatch.setenv("KVRELAY_PDL", flag)
         assert pdl.enabled(dev) == (flag == "1")
+        if flag == "1":
+            # compiled variants carrying launch_pdl found below were launched by this run, not an earlier test
+            for k in pdl_kernels:
+                k.device_caches.clear()
         r = Runner(cfg, w, device=dev, quant=quant, page_size=16, kv_tokens=8192, cuda_graph_batch_sizes=(1, 2, 4))
         out = [r.prefill_batch([(i, p) for i, p in enumerate(prompts)])]
         for i, toks in enumerate(feed):
@@ -76,16 +91,10 @@ def test_model_decode_steps_equal_with_and_without_pdl(quant, decode, gemv, monk
         torch.cuda.synchronize()
         steps[flag] = [t.cpu() for t in out]
         if flag == "1":
-            for k in (fused._add_rms_norm_kernel, fused._rotary_kv_write_kernel, router._add_norm_route_kernel,
-                      moe_gemv._gemv1_kernel, moe_gemv._gemv2_kernel, *((fp8_gemv._fp8_gemv_kernel,) if gemv else ())):
-                assert _launched_with_pdl(k), k.__name__
             if decode == "triton":
                 assert r.attn.decode_kind == {"full": "triton", "sliding": "triton"}
-                # the merge runs fused with the output projection's FP8 quantisation (MergePending.quantize)
-                merge = (triton_attention._sink_decode_merge_quant_kernel if quant == "fp8-block128"
-                         else triton_attention._sink_decode_merge_kernel)
-                for k in (triton_attention._sink_decode_split_kernel, merge):
-                    assert _launched_with_pdl(k), k.__name__
+            for k in pdl_kernels:
+                assert _launched_with_pdl(k), k.__name__
     for i, (off, on) in enumerate(zip(steps["0"], steps["1"])):
         assert torch.equal(off, on), f"step {i}: PDL changed the logits ({(off.float() - on.float()).abs().max()})"
         assert torch.equal(off.argmax(-1), on.argmax(-1))
