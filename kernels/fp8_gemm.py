@@ -11,7 +11,8 @@ per K block, scaled, summed, + bias, bf16). Backends:
   batches (M <= 8).
 - "deepgemm": only if `deep_gemm` is importable (it is not on our H200 image).
 `Fp8BlockLinear(backend="auto")` times the available backends once per M bucket on first use and keeps the
-faster one (never while a CUDA graph is being captured).
+faster one (never while a CUDA graph is being captured), except at batch 1 for a shape in M1_PINNED (or
+KVRELAY_FP8_M1), whose backend was chosen by an in-model A/B and is only checked against cuBLAS.
 K is padded to a multiple of 128 once at load time: both kernels consume whole 128-wide K blocks.
 """
 
@@ -214,7 +215,8 @@ class Fp8BlockLinear:
     # ceiling) and split-K enough for N=2880 (90 32-row tiles) to fill 132 SMs several times over; the
     # 4- and 8-split ones hold <= 64 weights a thread (no spills at M=2..8, ptxas on sm_90a; the 256 of
     # n32-k512-w2 spill from M=2 on, fine at M=1).
-    # bench/sweep_gemv.py --dense times these and more against cuBLAS under CUDA graphs.
+    # bench/sweep_gemv.py --dense times these and more against cuBLAS under CUDA graphs. The last one is the
+    # batch-1 O projection's (M1_PINNED), here so that the GEMV tests cover it.
     GEMV_TILES = {f"gemv-{l.label()}": l for l in (
         Fp8GemvLaunch(32, 512, 1, num_warps=2), Fp8GemvLaunch(32, 512, 2, num_warps=2),
         Fp8GemvLaunch(32, 256, 4, num_warps=4), Fp8GemvLaunch(16, 512, 4, num_warps=4),
