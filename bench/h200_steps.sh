@@ -14,6 +14,7 @@
 #   configs/h200-1gpu-20b.yaml, labelled $SERVE_LABEL$TAG),
 #   gemv1/gemv2 (bench.sweep_gemv: GEMM1 / GEMM2 alone at batch 1, SAMPLES random launches of 512, default all, on 120b's
 #   experts; ~3 / ~6 s a launch, mostly its compile), kmoe (bench.kernels --only moe: the MoE rows, the engine's decode layer too),
+#   m1ab (batch-1 decode of both models once per KVRELAY_FP8_M1 value in M1_SET: the dense projections' backends A/B),
 #   tgpu (pytest $TESTS, default tests/gpu), aot (FlashInfer's JIT-built modules as $OUT/fi-aot.tgz).
 # QUANT (default fp8-block128) is the benchmarks' --quant; TAG (default empty) is appended to each step's result
 #   folder, so one call can run the script several times with different settings (QUANT=... TAG=-lmhead).
@@ -70,6 +71,18 @@ for s in ${STEPS:-}; do
     wall20|wall120) bench $s kvrelay.bench.prefill_wall --model gpt-oss-${s#wall}b $M --length 8192 ;;
     gemv1|gemv2) bench $s kvrelay.bench.sweep_gemv --models gpt-oss-120b --tokens 1 --gemms w${s#gemv} --samples "${SAMPLES:-512}" \
         --budget-s $(( left - 20 )) ;;
+    m1ab) # batch-1 FP8 backends per projection, in the model (kernels/fp8_gemm.py M1_PINNED): for the i-th
+        # KVRELAY_FP8_M1 value of M1_SET (space-separated, e.g. "2880x4096=cublas 5120x2880=gemv-n8-k512-s4-w1-st2"),
+        # dec20 and dec120 into dec20-m1ab<i>$TAG / dec120-m1ab<i>$TAG, back to back; $W/r/m1ab.txt maps i to the value
+        i=0
+        for pin in ${M1_SET:-}; do
+          i=$((i + 1)); echo "m1ab$i $pin" >> "$W/r/m1ab.txt"
+          for m in 20 120; do
+            left=$(( LIMIT - ($(date +%s) - T0) )); [ "$left" -lt 30 ] && { echo "== skip m1ab$i dec$m ($left s left)"; break 2; }
+            KVRELAY_FP8_M1=$pin TAG="-m1ab$i${TAG:-}" bench "dec$m" kvrelay.bench.decode --model "gpt-oss-${m}b" $M \
+              --lengths 8192 --batches 1 --mode pipelined
+          done
+        done ;;
     kmoe) mkdir -p "$W/r/kmoe${TAG:-}"; timeout "$left" python3 -m kvrelay.bench.kernels --only moe --out "$W/r/kmoe${TAG:-}" ;;
     serve1) SOLO_ONLY=1 SOLO_WORKLOADS=8k/256,1k/16 RESULTS="$W/r/serve" timeout "$left" \
         bash bench/serve_h200.sh "${SERVE_CONFIG:-configs/h200-1gpu-20b.yaml}" "${SERVE_LABEL:-h200-1gpu-20b}${TAG:-}" ;;

@@ -382,3 +382,37 @@ def test_h200_steps_script_runs_each_benchmark_on_a_real_preset(tmp_path):
         assert argv[argv.index("--out") + 1] == str(tmp_path / "w" / "r" / f"{step}-x")
     assert (tmp_path / "w" / "kvp" / "kvrelay" / "engine").resolve() == root / "engine"
     assert (tmp_path / "r.tgz").is_file()
+
+
+def test_h200_steps_m1ab_runs_both_models_per_backend_set(tmp_path):
+    """The m1ab step of bench/h200_steps.sh runs the batch-1 decode of 20b and 120b once per KVRELAY_FP8_M1 value
+    of M1_SET, with that value in the benchmark's environment (the decode JSON records it) and each run in its
+    own folder, and writes which set each index was. python3 is shimmed as in the test above."""
+    import shlex
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    log = tmp_path / "calls.txt"
+    (shim / "python3").write_text(
+        "#!/usr/bin/env bash\n"
+        f'if [ "$1" = -m ] && [[ "$2" == kvrelay.bench.* ]]; then echo "M1=$KVRELAY_FP8_M1 $*" >> {shlex.quote(str(log))}; exit 0; fi\n'
+        'if [ "$1" = -m ] && [ "$2" = pip ]; then exit 0; fi\n'
+        'if [ "$1" = -c ]; then exit 1; fi\n'
+        f'exec {shlex.quote(sys.executable)} "$@"\n')
+    (shim / "python3").chmod(0o755)
+    sets = ["2880x4096=cublas", "2880x4096=gemv-n32-k256-s8-w4-st2,5120x2880=gemv-n8-k512-s4-w1-st2"]
+    env = {k: v for k, v in os.environ.items() if k not in ("KVRELAY_FP8_M1", "TAG")}
+    env.update(PATH=f"{shim}:{os.environ['PATH']}", OUT=str(tmp_path), STEPS="m1ab", M1_SET=" ".join(sets),
+               KVRELAY_GIT_COMMIT="0" * 40, WORK_DIR=str(tmp_path / "w"))
+    res = subprocess.run(["bash", str(root / "bench" / "h200_steps.sh")], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    calls = [shlex.split(line) for line in log.read_text().splitlines()]
+    want = [(f"M1={pin}", f"gpt-oss-{m}b", f"dec{m}-m1ab{i}") for i, pin in enumerate(sets, 1) for m in (20, 120)]
+    got = [(argv[0], argv[argv.index("--model") + 1], Path(argv[argv.index("--out") + 1]).name) for argv in calls]
+    assert got == want
+    assert all(argv[argv.index("--batches") + 1] == "1" and "kvrelay.bench.decode" in argv for argv in calls)
+    assert (tmp_path / "w" / "r" / "m1ab.txt").read_text().splitlines() == [f"m1ab{i} {p}" for i, p in enumerate(sets, 1)]
