@@ -31,7 +31,6 @@ from .pdl import enter, pdl_kwargs
 
 BLOCK = 128
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
 _log = logging.getLogger(__name__)
 
 

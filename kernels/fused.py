@@ -84,8 +84,6 @@ def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q: int,
 # The residual stream between the big kernels: residual add (+ the MoE's combine) + RMSNorm (+ the 1x128
 # FP8 activation quantisation of the next GEMM's input), one launch instead of three or four.
 # ---------------------------------------------------------------------------------------------------
-FP8_MAX = 448.0
-_AMAX_FLOOR = 1e-12  # kernels.fp8 / fp8_gemm: an all-zero group still gets a finite scale
 # Warps per row program of add_rms_norm: a row is one latency-bound program (loads, a reduction, stores), and
 # more warps keep more of its loads in flight. H200, CUDA-graph replay, the attention-in launch at batch 1
 # (x + 4 bf16 MoE pair rows, norm, 1x128 FP8 quantisation; the same bits whatever the warps): 3.2 us with
