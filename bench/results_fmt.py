@@ -1,5 +1,6 @@
 """The Markdown pieces bench/RESULTS.md is built from (bench/results_md.py, bench/results_tuning.py): a
-figure or '-', a table, a section head, a '### heading + table'."""
+figure or '-', a table, a section head, a '### heading + table'; and the one text for a GEMV sweep's recheck
+(bench.sweep_gemv prints it too; this module imports no torch)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,8 @@ def head(title: str, intro: str) -> list[str]:
 def sub(heading: str, cols: list[str], rows: list[list], note: str | None = None) -> list[str]:
     """One '### heading' table, with an optional paragraph (say, which run) between heading and table."""
     return [f"### {heading}", "", *([note, ""] if note else []), *table(cols, rows)]
+
+
+def recheck_text(rc: dict) -> str:
+    """bench.sweep_gemv.recheck's result: today's and the best launch timed again, alternately, after the sweep."""
+    return f"{rc['today_median_us']:.1f} vs {rc['best_median_us']:.1f} us: {rc['speedup']:.2f}x"

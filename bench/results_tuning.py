@@ -15,7 +15,7 @@ import subprocess
 from kvrelay.bench import common as C
 from kvrelay.bench.profile_prefill import CATEGORIES, OTHER
 from kvrelay.bench.provenance import Collection, Result, newest_per_point
-from kvrelay.bench.results_fmt import fmt, head, sub, table
+from kvrelay.bench.results_fmt import fmt, head, recheck_text, sub, table
 
 TABLED_KINDS = ("tune-moe", "sweep-gemv", "sweep-gemv-dense", "profile", "profile-prefill")
 # Issue 11: the grouped FP8 expert GEMMs (both, one MoE layer) at >= 600 TFLOP/s from 4,096 tokens on.
@@ -142,7 +142,7 @@ def sweep_gemv_section(col: Collection) -> list[str]:
                 speed = f"{t['us'] / b['us']:.2f}x" if t.get("us") else "-"
                 rc = e.get("recheck")
                 if rc:  # both timed again, alternately, after the sweep (bench.sweep_gemv.recheck)
-                    speed += f" (rechecked {rc['today_median_us']:.1f} vs {rc['best_median_us']:.1f} us: {rc['speedup']:.2f}x)"
+                    speed += f" (rechecked {recheck_text(rc)})"
             rows.append([p["model"], p["tokens"], p["pairs"], gemm, f"`{t.get('label', '?')}`", today_us,
                          fmt(t.get("floor_share"), ".0%"), *best, fmt(e.get("floor_us"), ".1f"), speed, r.source])
         out += sub(f"On {gpu}", ["model", "tokens", "pairs", "GEMM", "today", "today us", "today of ceiling",

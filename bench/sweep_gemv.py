@@ -34,6 +34,7 @@ import torch
 from kvrelay.bench import common as C
 from kvrelay.bench import sweep_gemv_dense as D
 from kvrelay.bench import tune_moe_space as S
+from kvrelay.bench.results_fmt import recheck_text
 from kvrelay.kernels import moe_gemv as G
 
 ALPHA, LIMIT = 1.702, 7.0
@@ -194,7 +195,7 @@ def _print(con, p: dict) -> None:
         tab.add_row(gemm, t["label"], f"{t['us']:.1f}" if t["us"] else t.get("error", "-"), b["label"],
                     f"{b['us']:.1f}", f"{b['tbs']:.2f}", f"{b['floor_share']:.0%}", f"{g['floor_us']:.1f}",
                     f"{t['us'] / b['us']:.2f}x" if t["us"] else "-",
-                    f"{rc['today_median_us']:.1f} vs {rc['best_median_us']:.1f} us: {rc['speedup']:.2f}x" if rc else "-")
+                    recheck_text(rc) if rc else "-")
     con.print(tab)
 
 
