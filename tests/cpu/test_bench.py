@@ -344,6 +344,26 @@ def test_h200_steps_script_parses_and_needs_the_commit(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def _shim_python3(tmp_path, prefix: str = ""):
+    """A python3 for bench/h200_steps.sh: benchmark modules are logged (`prefix` + argv, one line each, in the
+    returned log) instead of run, pip installs (a checkout's .dev/ bundles) and `python3 -c` probes do nothing
+    (so `import flashinfer` fails), anything else runs on this interpreter. Returns (its folder, the log)."""
+    import shlex
+    import sys
+
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    log = tmp_path / "calls.txt"
+    (shim / "python3").write_text(
+        "#!/usr/bin/env bash\n"
+        f'if [ "$1" = -m ] && [[ "$2" == kvrelay.bench.* ]]; then echo "{prefix}$*" >> {shlex.quote(str(log))}; exit 0; fi\n'
+        'if [ "$1" = -m ] && [ "$2" = pip ]; then exit 0; fi\n'
+        'if [ "$1" = -c ]; then exit 1; fi\n'
+        f'exec {shlex.quote(sys.executable)} "$@"\n')
+    (shim / "python3").chmod(0o755)
+    return shim, log
+
+
 def test_h200_steps_script_runs_each_benchmark_on_a_real_preset(tmp_path):
     """Each benchmark step of bench/h200_steps.sh names a model preset that exists (a step once asked for
     "gpt-oss-20", which every decode run of a device call rejected) and writes into its TAG-suffixed folder.
@@ -351,22 +371,11 @@ def test_h200_steps_script_runs_each_benchmark_on_a_real_preset(tmp_path):
     nothing; the rest (the package links from pyproject.toml, the result tarball) is real."""
     import shlex
     import subprocess
-    import sys
 
     from kvrelay.engine.config import PRESETS
 
     root = Path(__file__).resolve().parents[2]
-    shim = tmp_path / "bin"
-    shim.mkdir()
-    log = tmp_path / "calls.txt"
-    (shim / "python3").write_text(
-        "#!/usr/bin/env bash\n"
-        f'if [ "$1" = -m ] && [[ "$2" == kvrelay.bench.* ]]; then echo "$*" >> {shlex.quote(str(log))}; exit 0; fi\n'
-        # no wheel installs (a checkout's .dev/ bundles) and no FlashInfer here: `import flashinfer` fails
-        'if [ "$1" = -m ] && [ "$2" = pip ]; then exit 0; fi\n'
-        'if [ "$1" = -c ]; then exit 1; fi\n'
-        f'exec {shlex.quote(sys.executable)} "$@"\n')
-    (shim / "python3").chmod(0o755)
+    shim, log = _shim_python3(tmp_path)
     steps = "dec20 dec120 decsweep20 decsweep120 pp20 pp120 pre20 pre120 prof20 wall20 wall120"
     env = {**os.environ, "PATH": f"{shim}:{os.environ['PATH']}", "OUT": str(tmp_path), "STEPS": steps,
            "KVRELAY_GIT_COMMIT": "0" * 40, "WORK_DIR": str(tmp_path / "w"), "TAG": "-x"}
@@ -387,22 +396,12 @@ def test_h200_steps_script_runs_each_benchmark_on_a_real_preset(tmp_path):
 def test_h200_steps_m1ab_runs_both_models_per_backend_set(tmp_path):
     """The m1ab step of bench/h200_steps.sh runs the batch-1 decode of 20b and 120b once per KVRELAY_FP8_M1 value
     of M1_SET, with that value in the benchmark's environment (the decode JSON records it) and each run in its
-    own folder, and writes which set each index was. python3 is shimmed as in the test above."""
+    own folder, and writes which set each index was. python3 is shimmed (_shim_python3)."""
     import shlex
     import subprocess
-    import sys
 
     root = Path(__file__).resolve().parents[2]
-    shim = tmp_path / "bin"
-    shim.mkdir()
-    log = tmp_path / "calls.txt"
-    (shim / "python3").write_text(
-        "#!/usr/bin/env bash\n"
-        f'if [ "$1" = -m ] && [[ "$2" == kvrelay.bench.* ]]; then echo "M1=$KVRELAY_FP8_M1 $*" >> {shlex.quote(str(log))}; exit 0; fi\n'
-        'if [ "$1" = -m ] && [ "$2" = pip ]; then exit 0; fi\n'
-        'if [ "$1" = -c ]; then exit 1; fi\n'
-        f'exec {shlex.quote(sys.executable)} "$@"\n')
-    (shim / "python3").chmod(0o755)
+    shim, log = _shim_python3(tmp_path, prefix="M1=$KVRELAY_FP8_M1 ")
     sets = ["2880x4096=cublas", "2880x4096=gemv-n32-k256-s8-w4-st2,5120x2880=gemv-n8-k512-s4-w1-st2"]
     env = {k: v for k, v in os.environ.items() if k not in ("KVRELAY_FP8_M1", "TAG")}
     env.update(PATH=f"{shim}:{os.environ['PATH']}", OUT=str(tmp_path), STEPS="m1ab", M1_SET=" ".join(sets),
