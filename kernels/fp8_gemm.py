@@ -18,6 +18,7 @@ K is padded to a multiple of 128 once at load time: both kernels consume whole 1
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -269,6 +270,7 @@ class Fp8BlockLinear:
         Fp8GemvLaunch.parse(backend[len("gemv-"):])
 
     @staticmethod
+    @functools.cache  # _run's lookup on every eager call: a label is parsed once
     def _gemv_launch(backend: str) -> Fp8GemvLaunch:
         return Fp8BlockLinear.GEMV_TILES.get(backend) or Fp8GemvLaunch.parse(backend[len("gemv-"):])
 
@@ -334,17 +336,16 @@ class Fp8BlockLinear:
                     _log.warning("Fp8BlockLinear [%d, %d] M=%d: backend %s disagrees with %s, not used",
                                  self.n, self.k, m, name, first_name)
                     continue
-                if pin is not None:
-                    times[name] = 0.0 if name == pin else 1.0
-                    continue
-                times[name] = triton.testing.do_bench(lambda: self._run(name, xq, sx, m), warmup=5, rep=20,
-                                                      return_mode="median")
+                times[name] = None if pin is not None else triton.testing.do_bench(
+                    lambda: self._run(name, xq, sx, m), warmup=5, rep=20, return_mode="median")
             except Exception:  # a backend that cannot run this shape is simply not chosen
                 if name == pin:
                     _log.warning("Fp8BlockLinear [%d, %d]: pinned M=1 backend %s failed, cuBLAS used",
                                  self.n, self.k, pin, exc_info=True)
                 continue
-        self._choice[bucket] = min(times, key=times.get)
+        # `times` holds the backends that ran and agreed (untimed when pinned)
+        self._choice[bucket] = ((pin if pin in times else "cublas") if pin is not None
+                                else min(times, key=times.get))
         return self._choice[bucket]
 
     def run_quantized(self, xq: torch.Tensor, sx: torch.Tensor, m: int) -> torch.Tensor:

@@ -53,3 +53,40 @@ def test_m1_pin_from_env_and_table(monkeypatch):
         monkeypatch.setenv("KVRELAY_FP8_M1", bad)
         with pytest.raises(ValueError, match=match):
             lin._m1_pin()
+
+
+@pytest.mark.parametrize("pin_out,want", [("same", "pin"), ("zeros", "cublas"), ("raise", "cublas")])
+def test_pick_keeps_a_pin_that_agrees_with_cublas(pin_out, want, monkeypatch, caplog):
+    """_pick's batch-1 pin, with the kernels replaced by stand-ins (the real ones: tests/gpu/test_fp8_gemm.py):
+    the pin and cuBLAS run once each, nothing is timed, and the pin is kept only if it ran and agreed; M=2 is
+    timed as before and the fastest backend kept."""
+    import triton.testing
+
+    from kvrelay.kernels import fp8_gemm
+
+    pin = "gemv-n16-k256-s2-w2-st2"
+    monkeypatch.setenv("KVRELAY_FP8_M1", f"96x300={pin}")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(fp8_gemm, "quantize_act_1x128", lambda x, kp: (torch.zeros(x.shape[0], kp), None))
+    timed = []
+    speed = {"cublas": 3.0, "triton": 1.0}
+    ran = []  # every backend _run ran, in order; do_bench's stand-in times the one its fn runs
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), timed.append(ran[-1]),
+                                                                       speed.get(ran[-1], 2.0))[2])
+    lin = _lin(96, 300)
+    dev_probe = torch.zeros(1)  # _pick reads only its device
+    ref = torch.randn(4, 96, generator=torch.Generator().manual_seed(1))
+
+    def run(name, xq, sx, m=None):
+        ran.append(name)
+        if name == pin and pin_out == "raise":
+            raise RuntimeError("no launch")
+        return torch.zeros_like(ref) if name == pin and pin_out == "zeros" else ref
+
+    lin._run = run
+    with caplog.at_level("WARNING", logger="kvrelay.kernels.fp8_gemm"):
+        assert lin._pick(1, dev_probe, None) == (pin if want == "pin" else "cublas")
+    assert ran == ["cublas", pin] and not timed, (ran, timed)
+    assert ("disagrees" in caplog.text) == (pin_out == "zeros") and ("failed" in caplog.text) == (pin_out == "raise")
+    picked = lin._pick(2, dev_probe, None)
+    assert picked == "triton" and "cublas" in timed and pin not in timed, (picked, timed)
