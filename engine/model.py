@@ -51,9 +51,11 @@ class Block:
     # block as residual_attention_in -> attend -> attention_out_deferred; `add_delta` finishes a pair.
     def attend(self, q: torch.Tensor, cache: KVCache, attn: BatchAttention):
         """The attention kernel of this layer on q; on the fused path a FlashInfer decode leaves the sink
-        to the output projection's quantisation kernel (a SinkPending)."""
+        to the output projection's quantisation kernel (a SinkPending), a Triton split-KV decode its merge
+        (a MergePending, or a MergedQuant already quantised for the FP8 output projection's quant_k)."""
         return attn.run(q, cache.layer_pool(self.layer), cache.layer_group(self.layer), self.attn.sinks,
-                        self.attn.sm_scale, self.attn.window, defer_sink=self.fused)
+                        self.attn.sm_scale, self.attn.window, defer_sink=self.fused,
+                        quant_k=self.attn.out.quant_k if self.fused else None)
 
     # The two halves around the attention kernel (a piecewise CUDA graph replays them, engine/cuda_graph.py).
     def attention_in(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,

@@ -15,6 +15,14 @@ Used wherever GpuAttention decodes a group with the Triton split kernel, unless 
 rotary_kv_write + triton_attention.sink_decode (tests/cpu/test_decode_rotary.py, bit for bit under the
 interpreter); the range, the loop over keys and the partials are the split kernel's own helpers
 (triton_attention._split_program / _split_attend with FRESH / _store_partial).
+
+The merge can run inside this launch too (`merge_counters`, for the output projection's FP8 input): the
+split programs of one (sequence, KV head) count themselves in an arrival counter after storing their
+partials, and the last to arrive merges that KV head's GROUP query heads (GROUP * D / 128 whole 128-wide
+blocks) and quantises them, with triton_attention._merge_quant_block, the merge-quantise kernel's own code:
+the same numbers, one launch fewer a layer (kernels/fp8_gemv.py's last-program pattern; no float atomics,
+so a replay is bit-exact). The last program of the last row also writes the FP8 input's M-padding rows.
+KVRELAY_DECODE_MERGE_FUSE=0 leaves the merge to its own launch (A/B runs).
 """
 
 from __future__ import annotations
@@ -24,8 +32,12 @@ import triton
 import triton.language as tl
 
 from .pdl import enter, pdl_kwargs
-from .triton_attention import INTERPRET, LOG2E, MergePending, _merge, _pool_strides, _split_attend, _split_program, \
-    _store_partial, _window_arg, split_setup
+import os
+from dataclasses import dataclass
+
+from .fp8_quant import quant_1x128
+from .triton_attention import INTERPRET, LOG2E, MergePending, _merge, _merge_quant_block, _pool_strides, \
+    _split_attend, _split_program, _store_partial, _window_arg, split_setup
 
 
 @triton.jit
@@ -43,9 +55,11 @@ def _rotate(row, cos, sin, heads, ok, offs_d, HALF: tl.constexpr):
 @triton.jit
 def _sink_decode_rotary_split_kernel(
     qkv, cos, sin, pool, kv_indptr, kv_indices, kv_last, pages, offsets, o_part, lse_part,
+    sinks, cnt, q_ptr, s_ptr, BP, s_q, s_sm, s_sk,
     s_qkv, s_cs, s_page, s_kv, s_tok, s_head, qk_scale, WINDOW, N_Q, N_KV,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, F32: tl.constexpr, USE_PDL: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, F32: tl.constexpr, MERGE: tl.constexpr = False,
+    SPLITS_P2: tl.constexpr = 1, QK_P2: tl.constexpr = 128, USE_PDL: tl.constexpr = False,
 ):
     # kernels/pdl.py: before any load (the QKV row is the previous kernel's) or store (the pool write)
     enter(USE_PDL)
@@ -70,6 +84,51 @@ def _sink_decode_rotary_split_kernel(
                                   qk_scale, new_pos, k_new, v_new, True, BLOCK_H, HEAD_DIM, PAGE, BLOCK_N, F32)
     _store_partial(o_part, lse_part, m_i, l_i, acc, b, head, row_ok, split, tl.num_programs(1) * GROUP, offs_d,
                    HEAD_DIM, NUM_SPLITS)
+    if MERGE:
+        # every thread's partial stores happen before the one release below (barrier, then a gpu-scope
+        # acq_rel atomic); the acquire of the KV head's last arrival then sees all NUM_SPLITS partials. All
+        # of it follows the PDL wait (enter, above), so the counters' previous user (the layer before: all
+        # layers share them) has completed and left them zero; the output projection waits for this launch.
+        tl.debug_barrier()
+        slot = cnt + b * N_KV + kvh
+        if tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+            BLOCKS: tl.constexpr = GROUP * HEAD_DIM // 128  # this KV head's query heads: whole 128-blocks
+            n_cols = N_Q * HEAD_DIM
+            n_rows = tl.num_programs(0)
+            for j in tl.static_range(BLOCKS):
+                _merge_quant_block(o_part, lse_part, sinks, q_ptr, s_ptr, b, kvh * BLOCKS + j, n_rows, n_cols,
+                                   s_q, s_sm, s_sk, HEAD_DIM, NUM_SPLITS, SPLITS_P2, True)
+            if (b == n_rows - 1) & (kvh == N_KV - 1):
+                # the M-padding rows, as _merge_quant_block writes rows >= B: zeros with the floor scale
+                zq, floor = quant_1x128(tl.zeros([128], tl.float32), 0)
+                cols = tl.arange(0, QK_P2)
+                blk = tl.arange(0, QK_P2 // 128)
+                for r in range(n_rows, BP):
+                    tl.store(q_ptr + r * s_q + cols, (cols * 0.0).to(q_ptr.dtype.element_ty),
+                             mask=cols < n_cols)
+                    tl.store(s_ptr + r * s_sm + blk * s_sk, blk * 0.0 + floor, mask=blk * 128 < n_cols)
+            tl.atomic_xchg(slot, 0, sem="relaxed", scope="gpu")
+
+
+@dataclass
+class MergedQuant(MergePending):
+    """A split-KV decode whose merge already ran inside its kernel, straight into the output projection's
+    FP8 input (q, s) for quant_k = the heads' width; the partials stay valid, so `apply` and `quantize`
+    for another width still work as MergePending's."""
+
+    q: torch.Tensor | None = None
+    s: torch.Tensor | None = None
+
+    def quantize(self, quant_k: int):
+        if self.q is not None and quant_k == self.q.shape[1]:
+            return self.q, self.s
+        return super().quantize(quant_k)
+
+
+def merge_fuse_enabled() -> bool:
+    """The merge inside the decode kernel (MergedQuant): on unless KVRELAY_DECODE_MERGE_FUSE=0 (A/B runs; read
+    at each launch, so a CUDA graph keeps the setting it was captured with). Same results either way."""
+    return os.environ.get("KVRELAY_DECODE_MERGE_FUSE") != "0"
 
 
 def sink_decode_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q: int, n_kv: int,
@@ -77,11 +136,15 @@ def sink_decode_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
                        sinks: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                        kv_last_page_len: torch.Tensor, *, sm_scale: float, window: int | None,
                        num_splits: int | None = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
-                       workspace: tuple[torch.Tensor, torch.Tensor] | None = None, merge: bool = True):
+                       workspace: tuple[torch.Tensor, torch.Tensor] | None = None, merge: bool = True,
+                       merge_counters: torch.Tensor | None = None):
     """kernels.fused.rotary_kv_write(qkv, cos, sin, n_q, n_kv, D, pool, write_pages, write_offsets) then
     triton_attention.sink_decode(q, pool, sinks, ...) in one launch (+ the merge unless merge=False, which
     returns the MergePending as sink_decode does). qkv [B, (n_q + 2 n_kv) D], one new token per sequence,
-    whose position the page table already counts (kv_len - 1) but whose K/V are not in the pool yet."""
+    whose position the page table already counts (kv_len - 1) but whose K/V are not in the pool yet.
+    merge=False with `merge_counters` (int32 zeros, >= B * n_kv, allocated before any CUDA-graph capture; each
+    launch leaves them zero): a bf16 decode whose GROUP * D is a multiple of 128 merges inside the kernel and
+    returns a MergedQuant holding MergePending.quantize(n_q * D)'s result (unless merge_fuse_enabled() is off)."""
     batch = qkv.shape[0]
     head_dim = pool.shape[4]
     if pool.dim() != 5 or pool.shape[1] != 2 or pool.shape[3] != n_kv or pool.stride(-1) != 1:
@@ -94,12 +157,29 @@ def sink_decode_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     num_splits, (o_part, lse_part) = split_setup(batch, n_q, n_kv, head_dim, window, num_splits, block_n, workspace,
                                                  qkv.device)
     sp, skv, stok, sh = _pool_strides(pool)
+    fuse = (not merge and merge_counters is not None and batch > 0 and qkv.dtype == torch.bfloat16
+            and (group * head_dim) % 128 == 0 and merge_fuse_enabled())
+    n_cols = n_q * head_dim
+    q8 = s8 = None
+    fused_args = (sinks, lse_part, o_part, o_part, 0, 0, 0, 0)  # unused without MERGE
+    if fuse:
+        if merge_counters.numel() < batch * n_kv or merge_counters.dtype != torch.int32:
+            raise ValueError(f"sink_decode_rotary: {batch * n_kv} int32 merge counters needed, got "
+                             f"{merge_counters.numel()} {merge_counters.dtype}")
+        bp = -(-batch // 4) * 4  # MergePending.quantize's layout: rows rounded up to 4, scales M-major
+        q8 = torch.empty(bp, n_cols, dtype=torch.float8_e4m3fn, device=qkv.device)
+        s8 = torch.empty(n_cols // 128, bp, dtype=torch.float32, device=qkv.device).t()
+        fused_args = (sinks, merge_counters, q8, s8, bp, q8.stride(0), s8.stride(0), s8.stride(1))
     _sink_decode_rotary_split_kernel[(batch, n_kv, num_splits)](
         qkv, cos, sin, pool, kv_indptr, kv_indices, kv_last_page_len, write_pages, write_offsets, o_part, lse_part,
+        *fused_args,
         qkv.stride(0), cos.stride(0), sp, skv, stok, sh, sm_scale * LOG2E, _window_arg(window), n_q, n_kv,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page,
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, F32=INTERPRET, num_warps=num_warps, num_stages=num_stages,
-        **pdl_kwargs(qkv.device))
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, F32=INTERPRET, MERGE=fuse,
+        SPLITS_P2=triton.next_power_of_2(num_splits), QK_P2=triton.next_power_of_2(max(n_cols, 128)),
+        num_warps=num_warps, num_stages=num_stages, **pdl_kwargs(qkv.device))
+    if fuse:
+        return MergedQuant(o_part, lse_part, sinks, batch, n_q, head_dim, num_splits, qkv.dtype, q8, s8)
     pending = MergePending(o_part, lse_part, sinks, batch, n_q, head_dim, num_splits, qkv.dtype)
     if not merge:
         return pending

@@ -238,16 +238,14 @@ def _sink_decode_merge_kernel(o_part, lse_part, sinks, out, s_ob, s_oh,
 
 
 @triton.jit
-def _sink_decode_merge_quant_kernel(o_part, lse_part, sinks, q_ptr, s_ptr, B, n_cols, s_q, s_sm, s_sk,
-                                    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
-                                    USE_PDL: tl.constexpr = False):
-    enter(USE_PDL)  # kernels/pdl.py: the partials are the split kernel's, just written
-    # _sink_decode_merge_kernel's math for the heads of one 128-wide block of the flattened output row b,
+def _merge_quant_block(o_part, lse_part, sinks, q_ptr, s_ptr, b, kb, B, n_cols, s_q, s_sm, s_sk,
+                       HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+                       CG: tl.constexpr = False):
+    # _sink_decode_merge_kernel's math for the heads of one 128-wide block kb of the flattened output row b,
     # rounded to bf16 as its store rounds, then kernels/fp8_gemm.py _quant_act_kernel's 1x128 quantisation
-    # for the output projection: one launch instead of two. Rows >= B (M padding) come out as zeros with
-    # the floor scale, as quantize_act_1x128 writes them.
-    b = tl.program_id(0)
-    kb = tl.program_id(1)
+    # for the output projection. Rows >= B (M padding) come out as zeros with the floor scale, as
+    # quantize_act_1x128 writes them. CG: read the partials from L2 (.cg), for a caller in the kernel that
+    # wrote them (kernels/decode_rotary.py's last program of a KV head), never a stale L1 line.
     c = kb * 128 + tl.arange(0, 128)
     ok = (c < n_cols) & (c * 0 + b < B)
     h = c // HEAD_DIM
@@ -255,16 +253,33 @@ def _sink_decode_merge_quant_kernel(o_part, lse_part, sinks, q_ptr, s_ptr, B, n_
     sp = tl.arange(0, SPLITS_P2)
     row = (b.to(tl.int64) * n_heads + h) * NUM_SPLITS  # [128]: each column's head's first partial
     ok2 = (sp[:, None] < NUM_SPLITS) & ok[None, :]
-    lse = tl.load(lse_part + row[None, :] + sp[:, None], mask=ok2, other=float("-inf"))
+    if CG:
+        lse = tl.load(lse_part + row[None, :] + sp[:, None], mask=ok2, other=float("-inf"), cache_modifier=".cg")
+    else:
+        lse = tl.load(lse_part + row[None, :] + sp[:, None], mask=ok2, other=float("-inf"))
     sink = tl.load(sinks + h, mask=ok, other=0.0).to(tl.float32) * 1.4426950408889634
     m = tl.maximum(tl.max(lse, 0), sink)  # finite: the sink is always there
     w = tl.exp2(lse - m[None, :])
     denom = tl.sum(w, 0) + tl.exp2(sink - m)
-    o = tl.load(o_part + (row[None, :] + sp[:, None]) * HEAD_DIM + (c % HEAD_DIM)[None, :], mask=ok2, other=0.0)
+    o_ptr = o_part + (row[None, :] + sp[:, None]) * HEAD_DIM + (c % HEAD_DIM)[None, :]
+    if CG:
+        o = tl.load(o_ptr, mask=ok2, other=0.0, cache_modifier=".cg")
+    else:
+        o = tl.load(o_ptr, mask=ok2, other=0.0)
     v = (tl.sum(o * w, 0) / denom).to(tl.bfloat16).to(tl.float32)
     qv, scale = quant_1x128(v, 0)
     tl.store(q_ptr + b.to(tl.int64) * s_q + c, qv.to(q_ptr.dtype.element_ty))
     tl.store(s_ptr + b * s_sm + kb * s_sk, scale)
+
+
+@triton.jit
+def _sink_decode_merge_quant_kernel(o_part, lse_part, sinks, q_ptr, s_ptr, B, n_cols, s_q, s_sm, s_sk,
+                                    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+                                    USE_PDL: tl.constexpr = False):
+    enter(USE_PDL)  # kernels/pdl.py: the partials are the split kernel's, just written
+    # one program per (row incl. M padding, 128-wide block): the merge and the quantisation in one launch
+    _merge_quant_block(o_part, lse_part, sinks, q_ptr, s_ptr, tl.program_id(0), tl.program_id(1), B, n_cols,
+                       s_q, s_sm, s_sk, HEAD_DIM, NUM_SPLITS, SPLITS_P2)
 
 
 @dataclass

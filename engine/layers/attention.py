@@ -198,9 +198,10 @@ class BatchAttention:
         """A graph-size batch refilled in place (engine/cuda_graph.DecodeGraphBuffers): nothing to plan."""
         self.batch = batch
 
-    def run(self, q, pool, group, sinks, sm_scale, window, defer_sink: bool = False):
+    def run(self, q, pool, group, sinks, sm_scale, window, defer_sink: bool = False, quant_k: int | None = None):
         """-> the attention output [T, Hq, D]; a backend may answer defer_sink=True with a SinkPending
-        (the output projection applies the sink then), this one never does. q may be a RotaryPending."""
+        (the output projection applies the sink then), this one never does. q may be a RotaryPending.
+        quant_k: the FP8 output projection's input width (None: not FP8), which a deferred merge may target."""
         if isinstance(q, RotaryPending):
             q = q.apply()
         return self.fn(q, pool, self.batch.qo_indptr, self.batch.kv[group], sinks, sm_scale, window)
@@ -245,6 +246,9 @@ class GpuAttention(BatchAttention):
                          if self.device.type == "cuda" else 8)
         self.decode_splits: dict[str, int] = {}  # Triton-decoded groups: split count of the planned batch
         self._ws: tuple[torch.Tensor, torch.Tensor] | None = None  # their (o_part, lse_part), shared by all layers
+        # the decode kernel's merge arrival counters (kernels/decode_rotary.py), one per (sequence, KV head),
+        # shared by all layers, zero between launches; grown with _ws, before any graph capture
+        self._merge_cnt: torch.Tensor | None = None
         # Decode kernel per group: fixed for a graph size; an eager object decides per planned batch.
         self.decode_kind = self._decode_kinds(graph_batch)
         self.fi = {}
@@ -282,6 +286,8 @@ class GpuAttention(BatchAttention):
         need = batch * self.hq * max(self.decode_splits.values())
         if self._ws is None or self._ws[1].numel() < need:
             self._ws = ta.decode_workspace(batch, self.hq, self.d, max(self.decode_splits.values()), self.device)
+        if self._merge_cnt is None or self._merge_cnt.numel() < batch * self.hkv:
+            self._merge_cnt = torch.zeros(batch * self.hkv, dtype=torch.int32, device=self.device)
 
     def plan(self, batch) -> None:
         self.batch = batch
@@ -338,9 +344,11 @@ class GpuAttention(BatchAttention):
                 fi.plan_decode(batch.host["kv_indptr"][g], batch.kv[g].kv_indices[: used[g]],
                                batch.host["kv_last_page_len"][g])
 
-    def run(self, q, pool, group, sinks, sm_scale, window, defer_sink: bool = False):
+    def run(self, q, pool, group, sinks, sm_scale, window, defer_sink: bool = False, quant_k: int | None = None):
         """-> [T, Hq, D]; a decode asked for defer_sink returns a SinkPending (FlashInfer) or a MergePending
-        (Triton split-KV: its merge, which applies the sink, is left to the output projection) instead."""
+        (Triton split-KV: its merge, which applies the sink, is left to the output projection) instead; the
+        rotary-fused Triton decode merges inside its kernel when quant_k is the heads' width (a MergedQuant
+        holding the FP8 output projection's input, kernels/decode_rotary.py)."""
         from kvrelay.kernels import triton_attention as ta
 
         kv = self.batch.kv[group]
@@ -352,7 +360,8 @@ class GpuAttention(BatchAttention):
                 return sink_decode_rotary(q.qkv, q.cos, q.sin, h.num_q, h.num_kv, pool, q.write_pages,
                                           q.write_offsets, sinks, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len,
                                           sm_scale=sm_scale, window=window, num_splits=self.decode_splits[group],
-                                          block_n=self.DECODE_BLOCK_N, workspace=self._ws, merge=not defer_sink)
+                                          block_n=self.DECODE_BLOCK_N, workspace=self._ws, merge=not defer_sink,
+                                          merge_counters=self._merge_cnt if quant_k == self.hq * self.d else None)
             q = q.apply()
         if self.batch.is_decode:
             if self.decode_kind[group] == "flashinfer":

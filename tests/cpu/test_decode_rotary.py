@@ -89,3 +89,56 @@ def test_model_decode_with_rotary_in_the_attention_kernel_equals_without_interpr
         decode_rotary.sink_decode_rotary = orig
     assert len(calls) == 3 * cfg.num_hidden_layers  # every decode step's every layer, never the prefill
     assert torch.equal(on, off)
+
+
+@_interpreted
+def test_merge_inside_the_decode_kernel_equals_the_merge_quant_launch_interpreted():
+    # merge_counters: the last split program of each (sequence, KV head) merges and quantises that head
+    # group's columns: bit for bit MergePending.quantize's launch (rows, M-padding rows and scales), the
+    # counters left zero, the partials intact (apply still works), and KVRELAY_DECODE_MERGE_FUSE=0 or a
+    # group narrower than 128 columns falls back to the MergePending.
+    from kvrelay.kernels import fused, triton_attention as ta
+    from kvrelay.kernels.decode_rotary import MergedQuant, sink_decode_rotary
+
+    g = torch.Generator().manual_seed(5)
+    # (8, 2, 32): 4 heads of 32 = one 128-block per KV head; (16, 2, 64): four; batches 1, 3, 4 -> 3, 1, 0 pad rows
+    for nq, nkv, d, page, lens in [(8, 2, 32, 4, [9]), (16, 2, 64, 16, [1, 40, 129]), (8, 2, 32, 4, [3, 4, 5, 17])]:
+        c = refs.decode_rotary_case(lens, nq, nkv, d, page, "cpu", g)
+        b, pages, offs, qkv, cos, sin, sinks = c.b, c.pages, c.offs, c.qkv, c.cos, c.sin, c.sinks
+        args = (b.kv_indptr, b.kv_indices, b.kv_last_page_len)
+        for window, splits in ((None, 1), (None, 3), (8, 2)):
+            kw = dict(sm_scale=0.125, window=window, num_splits=splits, block_n=16)
+            pa, pb = b.pool.clone(), b.pool.clone()
+            q = fused.rotary_kv_write(qkv, cos, sin, nq, nkv, d, pa, pages, offs)
+            wq, ws = ta.sink_decode(q, pa, sinks, *args, **kw, merge=False).quantize(nq * d)
+            cnt = torch.zeros(len(lens) * nkv + 3, dtype=torch.int32)
+            got = sink_decode_rotary(qkv, cos, sin, nq, nkv, pb, pages, offs, sinks, *args, **kw, merge=False,
+                                     merge_counters=cnt)
+            assert isinstance(got, MergedQuant)
+            assert got.q.shape == wq.shape and got.s.stride() == ws.stride()
+            gq, gs = got.quantize(nq * d)
+            assert torch.equal(gq.view(torch.uint8), wq.view(torch.uint8)), (nq, lens, window, splits)
+            assert torch.equal(gs, ws), (nq, lens, window, splits)
+            assert not cnt.any()
+            assert torch.equal(pb, pa)
+            assert torch.equal(got.apply(), ta.sink_decode(q, pa, sinks, *args, **kw))
+            # another width re-merges from the partials
+            wq2, ws2 = ta.sink_decode(q, pa, sinks, *args, **kw, merge=False).quantize(nq * d + 128)
+            gq2, gs2 = got.quantize(nq * d + 128)
+            assert torch.equal(gq2.view(torch.uint8), wq2.view(torch.uint8)) and torch.equal(gs2, ws2)
+    c = refs.decode_rotary_case([5, 9], 8, 2, 32, 4, "cpu", g)
+    args = (c.b.kv_indptr, c.b.kv_indices, c.b.kv_last_page_len)
+    kw = dict(sm_scale=0.125, window=None, num_splits=2, block_n=16, merge=False)
+    cnt = torch.zeros(4, dtype=torch.int32)
+    os.environ["KVRELAY_DECODE_MERGE_FUSE"] = "0"
+    try:
+        off = sink_decode_rotary(c.qkv, c.cos, c.sin, 8, 2, c.b.pool.clone(), c.pages, c.offs, c.sinks, *args, **kw,
+                                 merge_counters=cnt)
+    finally:
+        os.environ.pop("KVRELAY_DECODE_MERGE_FUSE")
+    assert type(off) is ta.MergePending
+    c = refs.decode_rotary_case([5, 9], 4, 2, 32, 4, "cpu", g)  # 2 heads of 32 a KV head: 64 columns
+    args = (c.b.kv_indptr, c.b.kv_indices, c.b.kv_last_page_len)
+    narrow = sink_decode_rotary(c.qkv, c.cos, c.sin, 4, 2, c.b.pool.clone(), c.pages, c.offs, c.sinks, *args, **kw,
+                                merge_counters=cnt)
+    assert type(narrow) is ta.MergePending

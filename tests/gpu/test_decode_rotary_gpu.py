@@ -58,3 +58,71 @@ def test_model_decode_with_rotary_in_attention_equals_without(monkeypatch):
         steps += [r.decode([0, 1], toks) for toks in feed]
         logits[on] = torch.stack([s.float() for s in steps])
     assert torch.equal(logits[True], logits[False])
+
+
+@pytest.mark.parametrize("lens", [[8192], [1, 17, 8192], [1, 17, 300, 8192, 5, 6, 7, 64]])
+@pytest.mark.parametrize("window", [None, 128])
+def test_merge_inside_decode_kernel_equals_merge_quant_launch(lens, window):
+    # merge_counters: each KV head's last split program merges and quantises its heads' 512 columns, with the
+    # merge-quantise launch's own code: bit for bit its output (M-padding rows included), counters left zero.
+    from kvrelay.kernels import fused, triton_attention as ta
+    from kvrelay.kernels.decode_rotary import MergedQuant, sink_decode_rotary
+
+    dev = _cuda()
+    g = torch.Generator().manual_seed(7)
+    nq, nkv, d, page = 64, 8, 64, 16
+    c = decode_rotary_case(lens, nq, nkv, d, page, dev, g)
+    b, pages, offs, qkv, cos, sin, sinks = c.b, c.pages, c.offs, c.qkv, c.cos, c.sin, c.sinks
+    splits = ta.default_num_splits(len(lens), nkv, window=window)
+    args = (b.kv_indptr, b.kv_indices, b.kv_last_page_len)
+    kw = dict(sm_scale=0.125, window=window, num_splits=splits, merge=False)
+    pa = b.pool.clone()
+    q = fused.rotary_kv_write(qkv, cos, sin, nq, nkv, d, pa, pages, offs)
+    wq, ws = ta.sink_decode(q, pa, sinks, *args, **kw).quantize(nq * d)
+    cnt = torch.zeros(len(lens) * nkv, dtype=torch.int32, device=dev)
+    for _ in range(3):  # the counters reset themselves: the same result each launch
+        got = sink_decode_rotary(qkv, cos, sin, nq, nkv, b.pool.clone(), pages, offs, sinks, *args, **kw,
+                                 merge_counters=cnt)
+        assert isinstance(got, MergedQuant)
+        gq, gs = got.quantize(nq * d)
+        assert torch.equal(gq.view(torch.uint8), wq.view(torch.uint8))
+        assert torch.equal(gs, ws)
+        assert not cnt.any()
+
+
+@pytest.mark.parametrize("quant", ["fp8-block128"])
+def test_model_decode_with_merge_in_attention_equals_without(monkeypatch, quant):
+    # the FP8 model (its output projection takes the merged heads quantised): graph-replayed and eager decode
+    # steps with the merge inside the decode kernel give the same logits, bit for bit, as the separate launch
+    from kvrelay.engine.runner import Runner
+    from kvrelay.kernels import decode_rotary
+
+    dev = _cuda()
+    cfg = attn64_cfg()
+    w = dummy_weights(cfg, seed=12)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (7, 150, 300)]
+    feed = torch.randint(0, cfg.vocab_size, (6, 3), generator=g).tolist()
+    made = []
+    orig = decode_rotary.MergedQuant.__init__
+
+    def counted(self, *a, **k):
+        made.append(1)
+        orig(self, *a, **k)
+
+    monkeypatch.setattr(decode_rotary.MergedQuant, "__init__", counted)
+    logits = {}
+    for on in (False, True):
+        monkeypatch.setenv("KVRELAY_DECODE_MERGE_FUSE", "1" if on else "0")
+        for graphs in (True, False):
+            made.clear()
+            r = Runner(cfg, w, device=dev, page_size=16, kv_tokens=8192, quant=quant, cuda_graphs=graphs,
+                       cuda_graph_batch_sizes=(1, 2, 4))
+            steps = [r.prefill_batch([(i, p) for i, p in enumerate(prompts)])]
+            steps += [r.decode([0, 1, 2], toks) for toks in feed]
+            steps += [r.decode([1], [toks[0]]) for toks in feed[:2]]  # batch 1: three M-padding rows
+            logits[on, graphs] = [s.float() for s in steps]
+            assert bool(made) == on  # the fused kernel ran (graph capture or eager) exactly when switched on
+    for graphs in (True, False):
+        for a, b in zip(logits[True, graphs], logits[False, graphs], strict=True):
+            assert torch.equal(a, b), graphs
