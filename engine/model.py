@@ -10,10 +10,14 @@ of new tokens is appended to the paged KV cache and attends over it, as `BatchLa
 Weights come only through `WeightGetter.get`, sliced by `Shard`, so TP/EP need no changes here.
 On the GPU the glue between the big kernels runs fused (kernels/fused.py; KVRELAY_FUSED=0 turns it off):
 the MoE's combine, the residual add, RMSNorm and the next FP8 GEMM's activation quantisation are one
-launch, so a block hands the next one (x, delta) with its MoE outputs not yet summed.
+launch, so a block hands the next one (x, delta) with its MoE outputs not yet summed; at the smallest decode
+batches not even computed: the MoE's second expert GEMV is left to the next block, which fuses its residual
+add + norm into that launch (kernels.moe_gemv.MoePending).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +30,9 @@ from kvrelay.engine.layers.moe import MoE
 from kvrelay.engine.layers.norm import RMSNorm
 from kvrelay.engine.layers.rotary import YarnRotary
 from kvrelay.kernels import select
+
+if TYPE_CHECKING:  # imported where used: kernels.moe_gemv imports triton, which a CPU reference run never needs
+    from kvrelay.kernels.moe_gemv import MoePending
 
 
 class Block:
@@ -47,8 +54,9 @@ class Block:
         self.eps = eps
 
     # The residual stream between blocks is a pair (x, delta): x plus a `delta` still to be added (the
-    # previous block's MoE outputs, uncombined, on the fused path; None otherwise). GptOss.forward runs a
-    # block as residual_attention_in -> attend -> attention_out_deferred; `add_delta` finishes a pair.
+    # previous block's MoE outputs, uncombined, on the fused path: a tensor, or a MoePending whose last GEMV
+    # is still to launch; None otherwise). GptOss.forward runs a block as residual_attention_in -> attend ->
+    # attention_out_deferred; `add_delta` finishes a pair.
     def attend(self, q: torch.Tensor, cache: KVCache, attn: BatchAttention):
         """The attention kernel of this layer on q; on the fused path a FlashInfer decode leaves the sink
         to the output projection's quantisation kernel (a SinkPending), a Triton split-KV decode its merge
@@ -67,20 +75,24 @@ class Block:
         """Output projection, residual, then the MoE half of the block: the block's output."""
         return self.add_delta(*self.attention_out_deferred(x, o))
 
-    def residual_attention_in(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor,
+    def residual_attention_in(self, x: torch.Tensor, delta: torch.Tensor | MoePending | None, cos: torch.Tensor,
                               sin: torch.Tensor, cache: KVCache, batch: BatchLayout, *, defer_rotary: bool = False):
         """(x + delta, q): the residual stream finished, then attention_in on it. defer_rotary (the fused
         path, for an attention that fuses_rotary): q is a RotaryPending, the rotary and KV write left to the
-        attention kernel."""
+        attention kernel. A MoePending delta launches its GEMV2 with the add + norm (+ quantisation) fused."""
         group = cache.layer_group(self.layer)
         pool, pages, offsets = cache.layer_pool(self.layer), batch.write_pages[group], batch.write_offsets[group]
         if not self.fused:
             x = self.add_delta(x, delta)
             return x, self.attn.project_in(self.attn_norm(x), cos, sin, pool, pages, offsets)
         from kvrelay.kernels.fused import add_rms_norm
+        from kvrelay.kernels.moe_gemv import MoePending
 
         kp = self.attn.qkv.quant_k
-        x_new, h = add_rms_norm(x, delta, self.attn_norm.scale, self.eps, quant_k=kp)
+        if isinstance(delta, MoePending):
+            x_new, h = delta.finish_norm(x, self.attn_norm.scale, self.eps, quant_k=kp)
+        else:
+            x_new, h = add_rms_norm(x, delta, self.attn_norm.scale, self.eps, quant_k=kp)
         x = x if x_new is None else x_new
         if defer_rotary:
             hq, sx = (h, None) if kp is None else h
@@ -91,8 +103,9 @@ class Block:
 
     def attention_out_deferred(self, x: torch.Tensor, o):
         """attention_out as (x, delta) with the MoE's outputs left uncombined in delta where the next
-        kernel can sum them (fused path, one rank); (block output, None) otherwise. `o`: the attention
-        output, or its SinkPending (Attention.project_out)."""
+        kernel can sum them (fused path, one rank; at the smallest decode batches a MoePending, their last
+        GEMV not launched yet); (block output, None) otherwise. `o`: the attention output, or its SinkPending
+        (Attention.project_out)."""
         a = self.shard.all_reduce(self.attn.project_out(o))
         if not self.fused:
             x = x + a
@@ -110,14 +123,22 @@ class Block:
             return x, self.mlp.uncombined(h)
         return x, self.shard.all_reduce(self.mlp(h))
 
-    def add_delta(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+    def add_delta(self, x: torch.Tensor, delta: torch.Tensor | MoePending | None) -> torch.Tensor:
         if delta is None:
             return x
-        if delta.dim() == 2 and not self.fused:
+        if not self.fused and delta.dim() == 2:
             return x + delta
         from kvrelay.kernels.fused import add_rms_norm
 
-        return add_rms_norm(x, delta, None, self.eps)[0]
+        return add_rms_norm(x, moe_outputs(delta), None, self.eps)[0]
+
+
+def moe_outputs(delta: torch.Tensor | MoePending | None) -> torch.Tensor | None:
+    """A residual delta as a tensor (or None): a MoePending's GEMV2 launched alone, for the consumers that fuse
+    no norm into it (the head's rows, the piecewise graphs' add_delta)."""
+    from kvrelay.kernels.moe_gemv import MoePending
+
+    return delta.outputs() if isinstance(delta, MoePending) else delta
 
 
 class GptOss:
@@ -194,7 +215,8 @@ class GptOss:
         cos, sin = self.rotary(positions)
         return self.embedding(ids), cos, sin
 
-    def head(self, x: torch.Tensor, logit_rows: torch.Tensor | None, delta: torch.Tensor | None = None) -> torch.Tensor:
+    def head(self, x: torch.Tensor, logit_rows: torch.Tensor | None,
+             delta: torch.Tensor | MoePending | None = None) -> torch.Tensor:
         """Final norm and unembedding of `logit_rows` of x + delta (every row when None): fp32 logits.
         On the fused path one kernel adds the last block's MoE outputs and norms only the logit rows."""
         if self.fused_head:
@@ -202,8 +224,8 @@ class GptOss:
 
             # an FP8 head takes the normed rows already quantised (its 1x128 scales) from the same launch
             kq = self.unembedding.quant_k
-            h = add_rms_norm(x, delta, self.norm.scale, self.norm.eps, rows=logit_rows, store_x=False,
-                             quant_k=kq)[1]
+            h = add_rms_norm(x, moe_outputs(delta), self.norm.scale, self.norm.eps, rows=logit_rows,
+                             store_x=False, quant_k=kq)[1]
             if kq is None:
                 return self.unembedding(h).float()
             rows = x.shape[0] if logit_rows is None else logit_rows.shape[0]

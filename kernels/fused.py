@@ -94,30 +94,27 @@ NORM_WIDE_WARPS, NORM_WIDE_ROWS = 16, 512
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, rows_ptr, xo_ptr, out_ptr, q_ptr, s_ptr, T, H, eps,
-                         s_x, s_dt, s_dk, s_xo, s_o, s_q, s_sm, s_sk,
-                         DELTA: tl.constexpr, K_SUM: tl.constexpr, ROWS: tl.constexpr, STORE_X: tl.constexpr,
-                         NORM: tl.constexpr, QUANT: tl.constexpr, N_GROUPS: tl.constexpr, BLOCK: tl.constexpr,
-                         USE_PDL: tl.constexpr = False):
-    enter(USE_PDL)  # kernels/pdl.py: before any load (rows, x, delta are the previous kernels') or store
-    # One program per output row r (rows >= T only in QUANT mode: the GEMM's M padding, written as zeros
-    # with the floor scale, as kernels.fp8_gemm.quantize_act_1x128 writes them).
-    r = tl.program_id(0)
-    src = r
-    if ROWS:
-        src = tl.load(rows_ptr + tl.minimum(r, T - 1))
-    src = src.to(tl.int64)
+def add_rms_norm_row(x_ptr, d_ptr, w_ptr, xo_ptr, out_ptr, q_ptr, s_ptr, r, src, T, H, eps,
+                     s_x, s_dt, s_dk, s_xo, s_o, s_q, s_sm, s_sk,
+                     DELTA: tl.constexpr, K_SUM: tl.constexpr, STORE_X: tl.constexpr, NORM: tl.constexpr,
+                     QUANT: tl.constexpr, N_GROUPS: tl.constexpr, BLOCK: tl.constexpr, D_CACHE: tl.constexpr = ""):
+    """Output row r of add_rms_norm, read from input row src (int64): the whole row body of
+    _add_rms_norm_kernel, which kernels/moe_gemv.py's norm-fused GEMV2 runs too (the same code, so the same
+    bits). Rows r >= T only in QUANT mode: the GEMM's M padding, written as zeros with the floor scale, as
+    kernels.fp8_gemm.quantize_act_1x128 writes them. D_CACHE: the delta loads' cache modifier (".cg" where
+    other programs of the same launch wrote the delta)."""
     offs = tl.arange(0, BLOCK)
     # (offs * 0 + r): a vector row test; Triton's interpreter rejects a vector mask & a scalar condition
     mask = (offs < H) & (offs * 0 + r < T)
     x = tl.load(x_ptr + src * s_x + offs, mask=mask, other=0.0).to(tl.float32)
     if DELTA == 1:  # a finished bf16/fp32 delta [T, H]: torch's add (fp32 math, one rounding to x's dtype)
-        d = tl.load(d_ptr + src * s_dt + offs, mask=mask, other=0.0).to(tl.float32)
+        d = tl.load(d_ptr + src * s_dt + offs, mask=mask, other=0.0, cache_modifier=D_CACHE).to(tl.float32)
         x = (x + d).to(x_ptr.dtype.element_ty).to(tl.float32)
     if DELTA == 2:  # the MoE's weighted expert outputs [T, K, H] (bf16 for a bf16 model, fp32 for fp32):
         acc = tl.zeros([BLOCK], tl.float32)  # kernels.moe_gemv's combine (fixed order, fp32, rounded to
         for j in tl.static_range(K_SUM):  # bf16), then the residual add
-            acc += tl.load(d_ptr + src * s_dt + j * s_dk + offs, mask=mask, other=0.0).to(tl.float32)
+            acc += tl.load(d_ptr + src * s_dt + j * s_dk + offs, mask=mask, other=0.0,
+                           cache_modifier=D_CACHE).to(tl.float32)
         d = acc.to(tl.bfloat16).to(tl.float32)
         x = (x + d).to(x_ptr.dtype.element_ty).to(tl.float32)
     if STORE_X:
@@ -137,6 +134,42 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, rows_ptr, xo_ptr, out_ptr, q_ptr, 
             tl.store(s_ptr + r * s_sm + gi * s_sk, scale, mask=gi < N_GROUPS)
         else:
             tl.store(out_ptr + r.to(tl.int64) * s_o + offs, y, mask=mask)
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, rows_ptr, xo_ptr, out_ptr, q_ptr, s_ptr, T, H, eps,
+                         s_x, s_dt, s_dk, s_xo, s_o, s_q, s_sm, s_sk,
+                         DELTA: tl.constexpr, K_SUM: tl.constexpr, ROWS: tl.constexpr, STORE_X: tl.constexpr,
+                         NORM: tl.constexpr, QUANT: tl.constexpr, N_GROUPS: tl.constexpr, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
+    enter(USE_PDL)  # kernels/pdl.py: before any load (rows, x, delta are the previous kernels') or store
+    # One program per output row r (rows >= T only in QUANT mode: the GEMM's M padding).
+    r = tl.program_id(0)
+    src = r
+    if ROWS:
+        src = tl.load(rows_ptr + tl.minimum(r, T - 1))
+    add_rms_norm_row(x_ptr, d_ptr, w_ptr, xo_ptr, out_ptr, q_ptr, s_ptr, r, src.to(tl.int64), T, H, eps,
+                     s_x, s_dt, s_dk, s_xo, s_o, s_q, s_sm, s_sk, DELTA, K_SUM, STORE_X, NORM, QUANT, N_GROUPS, BLOCK)
+
+
+def norm_block(h: int, quant_k: int | None) -> int:
+    """add_rms_norm_row's BLOCK for rows of h (and quant_k, the GEMM's K padded to 128, when quantising):
+    add_rms_norm's and the norm-fused GEMV2's, so both lay out (and reduce) a row alike."""
+    block = triton.next_power_of_2(max(h, 128))
+    if quant_k is None:
+        return block
+    if quant_k % 128 or quant_k < h:
+        raise ValueError(f"add_rms_norm: quant_k {quant_k} must be a multiple of 128 and >= {h}")
+    # at least two 128-wide groups per row: a [1, 128] group tile is a shape not worth risking
+    return max(block, triton.next_power_of_2(quant_k), 256)
+
+
+def quant_buffers(n: int, quant_k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised (fp8 [Mp, quant_k], scale f32 [Mp, quant_k/128] M-major) for n rows quantised 1x128,
+    Mp = n rounded up to 4: kernels.fp8_gemm.quantize_act_1x128's layout, as add_rms_norm_row fills it."""
+    mp = -(-n // 4) * 4
+    return (torch.empty(mp, quant_k, dtype=torch.float8_e4m3fn, device=device),
+            torch.empty(quant_k // 128, mp, dtype=torch.float32, device=device).t())
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None, eps: float, *,
@@ -176,18 +209,12 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     n_out = t if rows is None else rows.shape[0]
     x_new = torch.empty_like(x) if store_x else None
     norm = weight is not None
-    block = triton.next_power_of_2(max(h, 128))
+    block = norm_block(h, quant_k if norm else None)
     out = q = s = None
     grid = n_out
     if norm and quant_k is not None:
-        kp = quant_k
-        if kp % 128 or kp < h:
-            raise ValueError(f"add_rms_norm: quant_k {kp} must be a multiple of 128 and >= {h}")
-        # at least two 128-wide groups per row: a [1, 128] group tile is a shape not worth risking
-        block = max(block, triton.next_power_of_2(kp), 256)
-        grid = -(-n_out // 4) * 4
-        q = torch.empty(grid, kp, dtype=torch.float8_e4m3fn, device=x.device)
-        s = torch.empty(kp // 128, grid, dtype=torch.float32, device=x.device).t()
+        q, s = quant_buffers(n_out, quant_k, x.device)
+        grid = q.shape[0]
     elif norm:
         out = torch.empty(n_out, h, dtype=x.dtype, device=x.device)
     if grid:

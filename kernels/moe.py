@@ -33,7 +33,7 @@ import triton.language as tl
 from . import moe_configs
 from .fp8_gemm import BLOCK, quantize_act_1x128
 from .moe_configs import GemmConfig, GroupedConfig
-from .moe_gemv import moe_gemv, pair_dtype
+from .moe_gemv import MoePending, moe_gemv, pair_dtype
 # the pair sort lives in kernels/moe_sort.py; re-exported here, where its callers (and tests) look for it
 from .moe_sort import SORT_KERNEL_MAX_PAIRS, sort_by_expert  # noqa: F401
 from .moe_gemv import swiglu as _swiglu  # the clamped SwiGLU, fused into both paths' GEMM1
@@ -382,11 +382,14 @@ GEMV_MAX_PAIRS = 32
 
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, ex: MoEWeights, *,
-                path: str = "auto", alpha: float = 1.702, limit: float = 7.0, combine: bool = True) -> torch.Tensor:
+                path: str = "auto", alpha: float = 1.702, limit: float = 7.0, combine: bool = True,
+                norm_counters: torch.Tensor | None = None) -> torch.Tensor | MoePending:
     """Expert mixture for given routing. x [T, H] bf16; ids [T, k]; route_w [T, k] -> [T, H] bf16.
     combine=False (gemv and grouped paths): the weighted expert outputs [T, k, H] before their sum, for a
     caller that fuses the combine into its next kernel (kernels.fused.add_rms_norm), in
-    moe_gemv.pair_dtype(x) on both paths."""
+    moe_gemv.pair_dtype(x) on both paths. With norm_counters (moe_gemv.new_norm_counters(), combine=False; the
+    engine's decode step) the gemv path may instead return a moe_gemv.MoePending: GEMV2 left to the consumer,
+    which fuses the next residual add + norm into it (moe_gemv.moe_gemv says when)."""
     if path == "auto":
         path = "gemv" if ids.numel() <= GEMV_MAX_PAIRS else "grouped"
     if x.shape[0] == 0:
@@ -394,7 +397,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, ex: M
             return torch.empty(0, ids.shape[1], ex.hidden, dtype=pair_dtype(x), device=x.device)
         return torch.empty(0, ex.hidden, dtype=torch.bfloat16, device=x.device)
     if path == "gemv":
-        return moe_gemv(x, ids, route_w, ex, alpha, limit, combine=combine)
+        return moe_gemv(x, ids, route_w, ex, alpha, limit, combine=combine, norm_counters=norm_counters)
     if path == "grouped":
         return _moe_grouped(x, ids, route_w, ex, alpha, limit, combine=combine)
     if not combine:

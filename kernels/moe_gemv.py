@@ -3,8 +3,10 @@
 One program per (pair, N tile) streams that expert's weight rows once and never sorts tokens. GEMM1 fuses
 bias + clamped SwiGLU (`swiglu`, which the grouped GEMM's epilogue in kernels/moe.py uses too); GEMM2
 fuses bias and routing weight; `combine_kernel` sums the k experts in a fixed order (no atomics: replay is
-bit-exact). Memory-bound: its floor is the bytes of the active experts. (A first version looped over the
-k experts inside GEMM2 with 128-wide K steps: 105 us for 120b batch 1, latency-bound; measured 2026-11-29.)
+bit-exact), or the next block's residual add + RMSNorm does (kernels.fused.add_rms_norm), at decode batches of
+up to NORM_FUSE_MAX_TOKENS tokens inside GEMV2's own launch (MoePending.finish_norm). Memory-bound: its floor
+is the bytes of the active experts. (A first version looped over the k experts inside GEMM2 with 128-wide K
+steps: 105 us for 120b batch 1, latency-bound; measured 2026-11-29.)
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fused import add_rms_norm_row, norm_block, quant_buffers
 from .pdl import enter, pdl_kwargs
 
 
@@ -101,9 +104,9 @@ def _gemv1_kernel(x, ids, w, s, b, act, K_TOP, Kdim, s_xt, s_we, s_wn, s_se, s_s
 
 
 @triton.jit
-def _gemv2_kernel(act, ids, route_w, w, s, b, y, Kdim, Ndim, s_at, s_we, s_wn, s_se, s_sn, s_be, s_yt,
-                  FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LATE: tl.constexpr = False,
-                  EARLY: tl.constexpr = True, USE_PDL: tl.constexpr = False):
+def _gemv2_pair(act, ids, route_w, w, s, b, y, Kdim, Ndim, s_at, s_we, s_wn, s_se, s_sn, s_be, s_yt,
+                FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LATE: tl.constexpr,
+                EARLY: tl.constexpr, USE_PDL: tl.constexpr):
     # One program per (pair, N tile): every expert of every token in parallel; y = w_route * (W2 act + b2)
     # computed in fp32 and stored in y's dtype (bf16 for a bf16 model, as the grouped path stores its pairs),
     # summed in fp32 over the k experts afterwards in a fixed order (no atomics).
@@ -128,6 +131,52 @@ def _gemv2_kernel(act, ids, route_w, w, s, b, y, Kdim, Ndim, s_at, s_we, s_wn, s
     acc += bias
     acc *= rw
     tl.store(y + pair.to(tl.int64) * s_yt + offs_n, acc.to(y.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _gemv2_kernel(act, ids, route_w, w, s, b, y, Kdim, Ndim, s_at, s_we, s_wn, s_se, s_sn, s_be, s_yt,
+                  FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LATE: tl.constexpr = False,
+                  EARLY: tl.constexpr = True, USE_PDL: tl.constexpr = False):
+    _gemv2_pair(act, ids, route_w, w, s, b, y, Kdim, Ndim, s_at, s_we, s_wn, s_se, s_sn, s_be, s_yt,
+                FP8, BLOCK_N, BLOCK_K, LATE, EARLY, USE_PDL)
+
+
+@triton.jit
+def _gemv2_norm_kernel(act, ids, route_w, w, s, b, y, x, nw, xo, out, q, sq, cnt, Kdim, Ndim, T, MP, eps,
+                       s_at, s_we, s_wn, s_se, s_sn, s_be, s_yt, s_x, s_xo, s_o, s_q, s_sm, s_sk,
+                       K_TOP: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       QUANT: tl.constexpr, N_GROUPS: tl.constexpr, BLOCK: tl.constexpr, LATE: tl.constexpr = False,
+                       EARLY: tl.constexpr = True, USE_PDL: tl.constexpr = False):
+    # _gemv2_kernel, then kernels.fused.add_rms_norm(x, y [T, K_TOP, H], nw, eps, quant_k) in the same launch:
+    # each program stores its y tile and counts itself in its token's arrival counter; the token's last
+    # program (kernels/router.py's last-block pattern) runs add_rms_norm's row body (fused.add_rms_norm_row,
+    # the same code, so the same bits) on the token's K_TOP pair rows, read back from L2 (.cg), and zeroes
+    # the counter for the next launch; the last program of token T-1 also writes the GEMM's M-padding rows
+    # T..MP-1. The pairs are summed in their fixed order whichever program arrives last: replay is bit-exact.
+    # PDL (kernels/pdl.py): everything after _gemv2_pair follows this program's wait (in _gemv_tile, or at
+    # the top without EARLY), so the previous kernel has completed, and, every kernel since waiting for its
+    # own predecessor, so has each one before it: x (the residual, written by the router's add + norm two
+    # kernels back), the previous launch on these counters (its reset included) and the previous readers of
+    # the buffers written here (x_new, out, q, sq are fresh allocations, which a graph's pool may reuse). The
+    # next kernel, launched once every program here passed its wait, reads x_new / q / sq only after its own
+    # wait, i.e. after this launch (the epilogues included) has completed.
+    _gemv2_pair(act, ids, route_w, w, s, b, y, Kdim, Ndim, s_at, s_we, s_wn, s_se, s_sn, s_be, s_yt,
+                FP8, BLOCK_N, BLOCK_K, LATE, EARLY, USE_PDL)
+    tok = tl.program_id(0) // K_TOP
+    # every thread's y store is done before the one release below (barrier, then a gpu-scope acq_rel
+    # atomic); the last arrival's acquire then sees the token's every y tile
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt + tok, 1, sem="acq_rel", scope="gpu")
+    if arrived == K_TOP * tl.num_programs(1) - 1:
+        add_rms_norm_row(x, y, nw, xo, out, q, sq, tok, tok.to(tl.int64), T, Ndim, eps, s_x, K_TOP * s_yt, s_yt,
+                         s_xo, s_o, s_q, s_sm, s_sk, 2, K_TOP, True, True, QUANT, N_GROUPS, BLOCK, ".cg")
+        if tok == T - 1:
+            for i in range(0, MP - T):
+                r = tok + 1 + i
+                add_rms_norm_row(x, y, nw, xo, out, q, sq, r, r.to(tl.int64), T, Ndim, eps, s_x, K_TOP * s_yt,
+                                 s_yt, s_xo, s_o, s_q, s_sm, s_sk, 2, K_TOP, True, True, QUANT, N_GROUPS, BLOCK,
+                                 ".cg")
+        tl.atomic_xchg(cnt + tok, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -214,6 +263,91 @@ def gemv2_early() -> bool:
     return os.environ.get("KVRELAY_MOE_EARLY") != "0"
 
 
+# Token counts up to which the engine's decode MoE leaves GEMV2 to the next block, which launches it with its
+# residual add + RMSNorm (+ FP8 quantisation) fused (MoePending.finish_norm): one launch fewer a layer, ~1.5-2.5
+# us each on the H200 even under PDL, which matters where a step is launch-bound (batch 1-4, the smallest
+# decode graphs). The epilogue is one program per token row, so it stays short; larger batches keep the
+# separate add_rms_norm launch (16 warps a row, bench/sweep_glue.py), which then weighs less.
+NORM_FUSE_MAX_TOKENS = 4
+
+
+def norm_fuse() -> bool:
+    """GEMV2 fused with the next residual add + norm (MoePending): on unless KVRELAY_MOE_NORM_FUSE=0 (A/B runs;
+    read at each launch, so a CUDA graph keeps the setting it was captured with)."""
+    return os.environ.get("KVRELAY_MOE_NORM_FUSE") != "0"
+
+
+def new_norm_counters(device) -> torch.Tensor:
+    """Arrival counters of the norm-fused GEMV2, one per token (zero; each launch leaves them zero). Allocate
+    before any CUDA-graph capture (engine/layers/moe.py: one set per layer)."""
+    return torch.zeros(NORM_FUSE_MAX_TOKENS, dtype=torch.int32, device=device)
+
+
+def gemv2_norm(act, ids_flat, route_w_flat, ex, k: int, launch: GemvLaunch, counters: torch.Tensor, y: torch.Tensor,
+               x: torch.Tensor, weight: torch.Tensor, eps: float, quant_k: int | None):
+    """gemv2 into y [T*k, H], then kernels.fused.add_rms_norm(x, y.view(T, k, H), weight, eps, quant_k=quant_k)
+    in the same launch, bit for bit where the norm's launch has the same warps (the RMSNorm's fp32 sum order
+    depends on them on a GPU; the interpreter sums in one order): -> (x_new [T, H] in x's dtype, normed [T, H],
+    or with quant_k (fp8 [Mp, quant_k], scale f32 [Mp, quant_k/128] M-major, Mp = T rounded up to 4))."""
+    t, h = x.shape
+    if t * k != ids_flat.numel() or h != ex.hidden or t > counters.numel() or counters.dtype != torch.int32:
+        raise ValueError(f"gemv2_norm: x {list(x.shape)} for {ids_flat.numel()} pairs of {k} a token and hidden "
+                         f"{ex.hidden}, int32 counters for {t} tokens (got {counters.numel()} {counters.dtype})")
+    x_new = torch.empty_like(x)
+    if quant_k is None:
+        out = torch.empty_like(x)
+        q = sq = x
+        mp = t
+    else:
+        out = x
+        q, sq = quant_buffers(t, quant_k, x.device)
+        mp = q.shape[0]
+    inter = act.shape[1]
+    s2 = ex.s2 if ex.fp8 else ex.w2
+    _gemv2_norm_kernel[(ids_flat.numel(), triton.cdiv(h, launch.block_n))](
+        act, ids_flat, route_w_flat, ex.w2, s2, ex.b2, y, x, weight, x_new, out, q, sq, counters, inter, h, t, mp,
+        eps, act.stride(0), ex.w2.stride(0), ex.w2.stride(1), s2.stride(0), s2.stride(1), ex.b2.stride(0),
+        y.stride(0), x.stride(0), x_new.stride(0), out.stride(0), q.stride(0), sq.stride(0), sq.stride(1),
+        K_TOP=k, FP8=ex.fp8, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, QUANT=quant_k is not None,
+        N_GROUPS=(quant_k or 128) // 128, BLOCK=norm_block(h, quant_k), LATE=launch.late, EARLY=gemv2_early(),
+        num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_kwargs(act.device))
+    return x_new, (out if quant_k is None else (q, sq))
+
+
+@dataclass(frozen=True)
+class MoePending:
+    """The decode MoE's experts with GEMV1 run and GEMV2 not yet launched (moe_gemv with norm_counters): whoever
+    consumes the weighted expert outputs launches GEMV2, with the next residual add + RMSNorm (+ the QKV GEMM's
+    FP8 quantisation) fused into it (finish_norm: engine/model.py's Block.residual_attention_in), or plainly
+    (outputs: every other consumer). Launch exactly one of them, once."""
+
+    act: torch.Tensor  # [T*k, I] bf16: GEMV1's clamped SwiGLU
+    ids_flat: torch.Tensor  # [T*k] expert ids
+    route_w_flat: torch.Tensor  # [T*k] routing weights
+    ex: object  # kernels.moe.MoEWeights (not imported: kernels/moe.py imports this module)
+    launch: GemvLaunch  # GEMV2's
+    tokens: int
+    k: int
+    y_dtype: torch.dtype  # pair_dtype() of the MoE's input
+    counters: torch.Tensor  # new_norm_counters(), owned by the caller
+
+    def _y(self) -> torch.Tensor:
+        return torch.empty(self.tokens * self.k, self.ex.hidden, dtype=self.y_dtype, device=self.act.device)
+
+    def outputs(self) -> torch.Tensor:
+        """GEMV2 alone: the weighted expert outputs [T, k, H], as moe_gemv(combine=False) returns them."""
+        y = self._y()
+        gemv2(self.act, self.ids_flat, self.route_w_flat, self.ex, y, self.launch)
+        return y.view(self.tokens, self.k, -1)
+
+    def finish_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, quant_k: int | None = None):
+        """kernels.fused.add_rms_norm(x, self.outputs(), weight, eps, quant_k=quant_k) in one launch (gemv2_norm):
+        (x_new, normed or (fp8, scales)). x [T, H], the residual; x_new is a new tensor."""
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        return gemv2_norm(self.act, self.ids_flat, self.route_w_flat, self.ex, self.k, self.launch, self.counters,
+                          self._y(), x, weight, eps, quant_k)
+
+
 def pair_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype both MoE paths store the weighted pair outputs in for activations x: bf16 for a bf16 model
     (each pair rounded once, as the reference rounds each expert's output; summed in fp32 afterwards), fp32
@@ -222,11 +356,16 @@ def pair_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def moe_gemv(x, ids, route_w, ex, alpha, limit, block_n1=None, block_n2=None, block_k=None, num_warps=None,
-             num_stages=None, combine=True, config: GemvConfig | None = None):
+             num_stages=None, combine=True, config: GemvConfig | None = None,
+             norm_counters: torch.Tensor | None = None):
     """Experts `ids` [T, k] of x [T, H] weighted by route_w [T, k] (ex: kernels.moe.MoEWeights, bf16 or fp8),
     -> [T, H] bf16, or with combine=False the weighted outputs [T, k, H] before their sum (in pair_dtype(x)). `config`
-    (default: the shape's entry in TUNED) sets both launches; the block_*/num_* arguments override it."""
+    (default: the shape's entry in TUNED) sets both launches; the block_*/num_* arguments override it.
+    norm_counters (new_norm_counters(); combine=False only): up to NORM_FUSE_MAX_TOKENS tokens, and unless
+    KVRELAY_MOE_NORM_FUSE=0, GEMV2 is left to the caller: a MoePending instead of the outputs."""
     t, k = ids.shape
+    if norm_counters is not None and combine:
+        raise ValueError("moe_gemv: norm_counters defer the uncombined outputs; combine must be False")
     two_i, h = ex.w1.shape[1], ex.hidden
     inter = two_i // 2
     cfg = config or gemv_config(h, inter)
@@ -240,6 +379,8 @@ def moe_gemv(x, ids, route_w, ex, alpha, limit, block_n1=None, block_n2=None, bl
     ids_flat = ids.reshape(-1)
     act = torch.empty(t * k, inter, dtype=torch.bfloat16, device=x.device)
     gemv1(x, ids_flat, k, ex, alpha, limit, act, l1)
+    if norm_counters is not None and t <= NORM_FUSE_MAX_TOKENS and norm_fuse():
+        return MoePending(act, ids_flat, route_w.reshape(-1), ex, l2, t, k, pair_dtype(x), norm_counters)
     y = torch.empty(t * k, h, dtype=pair_dtype(x), device=x.device)
     gemv2(act, ids_flat, route_w.reshape(-1), ex, y, l2)
     if not combine:

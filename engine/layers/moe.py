@@ -4,11 +4,16 @@ contiguous range; the inputs are replicated and one all-reduce combines)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kvrelay.engine.layers.linear import ExpertLinears, Linear, Shard, WeightGetter
 from kvrelay.kernels import select
 from kvrelay.kernels.reference import clamped_swiglu, route_topk
+
+if TYPE_CHECKING:  # imported where used (the GPU path): kernels.moe_gemv imports triton
+    from kvrelay.kernels.moe_gemv import MoePending
 
 
 class MoE:
@@ -50,10 +55,12 @@ class MoE:
                 self.gpu = _gpu_experts_fp8_chunked(get, self.e0, self.e1, rows1, cols2,
                                                     get("mlp1_bias", (experts, rows1)), bias2)
             if self.fused_router:
-                from kvrelay.kernels import router as kroute
+                from kvrelay.kernels import moe_gemv, router as kroute
 
-                # the fused router's arrival counters: allocated here, before any CUDA-graph capture
+                # the fused router's and the norm-fused GEMV2's (routed_uncombined) arrival counters: allocated
+                # here, before any CUDA-graph capture; each launch leaves its counters zero
                 self._route_counters = kroute.new_counters(device)
+                self._norm_counters = moe_gemv.new_norm_counters(device)
             return
         self.mlp1 = ExpertLinears(get("mlp1_weight", (experts, rows1)), get("mlp1_bias", (experts, rows1)), quant)
         self.mlp2 = ExpertLinears(get("mlp2_weight", (experts, slice(None), cols2)), bias2, quant)
@@ -91,9 +98,12 @@ class MoE:
         return kroute.add_rms_norm_route(x, delta, norm_weight, eps, self.router.weight, self.router.bias,
                                          self.top_k, self._route_counters)
 
-    def routed_uncombined(self, x: torch.Tensor, gate: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """`uncombined` with the routing already done (fused_route_in)."""
-        return self._experts(x, gate, experts, combine=False)
+    def routed_uncombined(self, x: torch.Tensor, gate: torch.Tensor,
+                          experts: torch.Tensor) -> torch.Tensor | MoePending:
+        """`uncombined` with the routing already done (fused_route_in), or at the smallest decode batches a
+        kernels.moe_gemv.MoePending: the experts' second GEMV left to the consumer, which fuses the next
+        residual add + RMSNorm into it (engine/model.py's Block.residual_attention_in) or launches it alone."""
+        return self._experts(x, gate, experts, combine=False, norm_counters=self._norm_counters)
 
     def _gpu_forward(self, x: torch.Tensor, combine: bool = True) -> torch.Tensor:
         """Routing and experts on the GPU kernels: no host sync, so a decode step can be graph-captured."""
@@ -107,7 +117,8 @@ class MoE:
             gate, experts = kmoe.route_topk(self.router(x), self.top_k)
         return self._experts(x, gate, experts, combine)
 
-    def _experts(self, x: torch.Tensor, gate: torch.Tensor, experts: torch.Tensor, combine: bool) -> torch.Tensor:
+    def _experts(self, x: torch.Tensor, gate: torch.Tensor, experts: torch.Tensor, combine: bool,
+                 norm_counters: torch.Tensor | None = None) -> torch.Tensor | MoePending:
         from kvrelay.kernels import moe as kmoe
 
         n_local = self.e1 - self.e0
@@ -118,7 +129,8 @@ class MoE:
             mine = (local >= 0) & (local < n_local)
             experts = torch.where(mine, local, torch.zeros_like(local))
             gate = torch.where(mine, gate, torch.zeros_like(gate))
-        return kmoe.moe_experts(x, experts, gate, self.gpu, alpha=self.alpha, limit=self.limit, combine=combine)
+        return kmoe.moe_experts(x, experts, gate, self.gpu, alpha=self.alpha, limit=self.limit, combine=combine,
+                                norm_counters=norm_counters)
 
 
 def _gpu_experts(w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, quant: str):
