@@ -97,24 +97,31 @@ NORM_WIDE_WARPS, NORM_WIDE_ROWS = 16, 512
 def add_rms_norm_row(x_ptr, d_ptr, w_ptr, xo_ptr, out_ptr, q_ptr, s_ptr, r, src, T, H, eps,
                      s_x, s_dt, s_dk, s_xo, s_o, s_q, s_sm, s_sk,
                      DELTA: tl.constexpr, K_SUM: tl.constexpr, STORE_X: tl.constexpr, NORM: tl.constexpr,
-                     QUANT: tl.constexpr, N_GROUPS: tl.constexpr, BLOCK: tl.constexpr, D_CACHE: tl.constexpr = ""):
+                     QUANT: tl.constexpr, N_GROUPS: tl.constexpr, BLOCK: tl.constexpr, CG: tl.constexpr = False):
     """Output row r of add_rms_norm, read from input row src (int64): the whole row body of
     _add_rms_norm_kernel, which kernels/moe_gemv.py's norm-fused GEMV2 runs too (the same code, so the same
     bits). Rows r >= T only in QUANT mode: the GEMM's M padding, written as zeros with the floor scale, as
-    kernels.fp8_gemm.quantize_act_1x128 writes them. D_CACHE: the delta loads' cache modifier (".cg" where
-    other programs of the same launch wrote the delta)."""
+    kernels.fp8_gemm.quantize_act_1x128 writes them. CG: the delta loads read from L2 (.cg: other programs of
+    the same launch wrote the delta, which a stale L1 line must not shadow). A bool, not the modifier string:
+    triton 3.6 (the H200 image's) does not take a str constexpr default in a nested jit call."""
     offs = tl.arange(0, BLOCK)
     # (offs * 0 + r): a vector row test; Triton's interpreter rejects a vector mask & a scalar condition
     mask = (offs < H) & (offs * 0 + r < T)
     x = tl.load(x_ptr + src * s_x + offs, mask=mask, other=0.0).to(tl.float32)
     if DELTA == 1:  # a finished bf16/fp32 delta [T, H]: torch's add (fp32 math, one rounding to x's dtype)
-        d = tl.load(d_ptr + src * s_dt + offs, mask=mask, other=0.0, cache_modifier=D_CACHE).to(tl.float32)
+        if CG:
+            d = tl.load(d_ptr + src * s_dt + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        else:
+            d = tl.load(d_ptr + src * s_dt + offs, mask=mask, other=0.0).to(tl.float32)
         x = (x + d).to(x_ptr.dtype.element_ty).to(tl.float32)
     if DELTA == 2:  # the MoE's weighted expert outputs [T, K, H] (bf16 for a bf16 model, fp32 for fp32):
         acc = tl.zeros([BLOCK], tl.float32)  # kernels.moe_gemv's combine (fixed order, fp32, rounded to
         for j in tl.static_range(K_SUM):  # bf16), then the residual add
-            acc += tl.load(d_ptr + src * s_dt + j * s_dk + offs, mask=mask, other=0.0,
-                           cache_modifier=D_CACHE).to(tl.float32)
+            if CG:
+                acc += tl.load(d_ptr + src * s_dt + j * s_dk + offs, mask=mask, other=0.0,
+                               cache_modifier=".cg").to(tl.float32)
+            else:
+                acc += tl.load(d_ptr + src * s_dt + j * s_dk + offs, mask=mask, other=0.0).to(tl.float32)
         d = acc.to(tl.bfloat16).to(tl.float32)
         x = (x + d).to(x_ptr.dtype.element_ty).to(tl.float32)
     if STORE_X:

@@ -169,13 +169,13 @@ def _gemv2_norm_kernel(act, ids, route_w, w, s, b, y, x, nw, xo, out, q, sq, cnt
     arrived = tl.atomic_add(cnt + tok, 1, sem="acq_rel", scope="gpu")
     if arrived == K_TOP * tl.num_programs(1) - 1:
         add_rms_norm_row(x, y, nw, xo, out, q, sq, tok, tok.to(tl.int64), T, Ndim, eps, s_x, K_TOP * s_yt, s_yt,
-                         s_xo, s_o, s_q, s_sm, s_sk, 2, K_TOP, True, True, QUANT, N_GROUPS, BLOCK, ".cg")
+                         s_xo, s_o, s_q, s_sm, s_sk, 2, K_TOP, True, True, QUANT, N_GROUPS, BLOCK, True)
         if tok == T - 1:
             for i in range(0, MP - T):
                 r = tok + 1 + i
                 add_rms_norm_row(x, y, nw, xo, out, q, sq, r, r.to(tl.int64), T, Ndim, eps, s_x, K_TOP * s_yt,
                                  s_yt, s_xo, s_o, s_q, s_sm, s_sk, 2, K_TOP, True, True, QUANT, N_GROUPS, BLOCK,
-                                 ".cg")
+                                 True)
         tl.atomic_xchg(cnt + tok, 0, sem="relaxed", scope="gpu")
 
 
