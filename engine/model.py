@@ -10,9 +10,9 @@ of new tokens is appended to the paged KV cache and attends over it, as `BatchLa
 Weights come only through `WeightGetter.get`, sliced by `Shard`, so TP/EP need no changes here.
 On the GPU the glue between the big kernels runs fused (kernels/fused.py; KVRELAY_FUSED=0 turns it off):
 the MoE's combine, the residual add, RMSNorm and the next FP8 GEMM's activation quantisation are one
-launch, so a block hands the next one (x, delta) with its MoE outputs not yet summed; at the smallest decode
-batches not even computed: the MoE's second expert GEMV is left to the next block, which fuses its residual
-add + norm into that launch (kernels.moe_gemv.MoePending).
+launch, so a block hands the next one (x, delta) with its MoE outputs not yet summed; with
+KVRELAY_MOE_NORM_FUSE=1, at the smallest decode batches not even computed: the MoE's second expert GEMV is left
+to the next block, which fuses its residual add + norm into that launch (kernels.moe_gemv.MoePending).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ partials, and the last to arrive merges that KV head's GROUP query heads (GROUP 
 blocks) and quantises them, with triton_attention._merge_quant_block, the merge-quantise kernel's own code:
 the same numbers, one launch fewer a layer (kernels/fp8_gemv.py's last-program pattern; no float atomics,
 so a replay is bit-exact). The last program of the last row also writes the FP8 input's M-padding rows.
-KVRELAY_DECODE_MERGE_FUSE=0 leaves the merge to its own launch (A/B runs).
+The engine asks for it only with KVRELAY_DECODE_MERGE_FUSE=1 (merge_fuse_enabled) until an H200 A/B has measured it.
 """
 
 from __future__ import annotations
@@ -126,9 +126,12 @@ class MergedQuant(MergePending):
 
 
 def merge_fuse_enabled() -> bool:
-    """The merge inside the decode kernel (MergedQuant): on unless KVRELAY_DECODE_MERGE_FUSE=0 (A/B runs; read
-    at each launch, so a CUDA graph keeps the setting it was captured with). Same results either way."""
-    return os.environ.get("KVRELAY_DECODE_MERGE_FUSE") != "0"
+    """Whether the engine's decode asks for the merge inside the decode kernel (MergedQuant): only with
+    KVRELAY_DECODE_MERGE_FUSE=1 until an H200 A/B has measured it in the model (written 2026-12-04 when the
+    session's device time ran out: the kernel ran there, bit for bit the separate launch's output; the model's
+    decode with it did not). Read at each forward, so a CUDA graph keeps the setting it was captured with.
+    Same results either way."""
+    return os.environ.get("KVRELAY_DECODE_MERGE_FUSE") == "1"
 
 
 def sink_decode_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q: int, n_kv: int,
@@ -144,7 +147,7 @@ def sink_decode_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     whose position the page table already counts (kv_len - 1) but whose K/V are not in the pool yet.
     merge=False with `merge_counters` (int32 zeros, >= B * n_kv, allocated before any CUDA-graph capture; each
     launch leaves them zero): a bf16 decode whose GROUP * D is a multiple of 128 merges inside the kernel and
-    returns a MergedQuant holding MergePending.quantize(n_q * D)'s result (unless merge_fuse_enabled() is off)."""
+    returns a MergedQuant holding MergePending.quantize(n_q * D)'s result."""
     batch = qkv.shape[0]
     head_dim = pool.shape[4]
     if pool.dim() != 5 or pool.shape[1] != 2 or pool.shape[3] != n_kv or pool.stride(-1) != 1:
@@ -158,7 +161,7 @@ def sink_decode_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
                                                  qkv.device)
     sp, skv, stok, sh = _pool_strides(pool)
     fuse = (not merge and merge_counters is not None and batch > 0 and qkv.dtype == torch.bfloat16
-            and (group * head_dim) % 128 == 0 and merge_fuse_enabled())
+            and (group * head_dim) % 128 == 0)
     n_cols = n_q * head_dim
     q8 = s8 = None
     fused_args = (sinks, lse_part, o_part, o_part, 0, 0, 0, 0)  # unused without MERGE

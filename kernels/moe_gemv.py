@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8_quant import quant_1x128
 from .fused import add_rms_norm_row, norm_block, quant_buffers
 from .pdl import enter, pdl_kwargs
 
@@ -152,7 +153,8 @@ def _gemv2_norm_kernel(act, ids, route_w, w, s, b, y, x, nw, xo, out, q, sq, cnt
     # program (kernels/router.py's last-block pattern) runs add_rms_norm's row body (fused.add_rms_norm_row,
     # the same code, so the same bits) on the token's K_TOP pair rows, read back from L2 (.cg), and zeroes
     # the counter for the next launch; the last program of token T-1 also writes the GEMM's M-padding rows
-    # T..MP-1. The pairs are summed in their fixed order whichever program arrives last: replay is bit-exact.
+    # T..MP-1 (zeros, the floor scale). The pairs are summed in their fixed order whichever program arrives
+    # last: replay is bit-exact.
     # PDL (kernels/pdl.py): everything after _gemv2_pair follows this program's wait (in _gemv_tile, or at
     # the top without EARLY), so the previous kernel has completed, and, every kernel since waiting for its
     # own predecessor, so has each one before it: x (the residual, written by the router's add + norm two
@@ -170,12 +172,17 @@ def _gemv2_norm_kernel(act, ids, route_w, w, s, b, y, x, nw, xo, out, q, sq, cnt
     if arrived == K_TOP * tl.num_programs(1) - 1:
         add_rms_norm_row(x, y, nw, xo, out, q, sq, tok, tok.to(tl.int64), T, Ndim, eps, s_x, K_TOP * s_yt, s_yt,
                          s_xo, s_o, s_q, s_sm, s_sk, 2, K_TOP, True, True, QUANT, N_GROUPS, BLOCK, True)
-        if tok == T - 1:
-            for i in range(0, MP - T):
-                r = tok + 1 + i
-                add_rms_norm_row(x, y, nw, xo, out, q, sq, r, r.to(tl.int64), T, Ndim, eps, s_x, K_TOP * s_yt,
-                                 s_yt, s_xo, s_o, s_q, s_sm, s_sk, 2, K_TOP, True, True, QUANT, N_GROUPS, BLOCK,
-                                 True)
+        if QUANT:
+            if tok == T - 1:
+                # the M-padding rows T..MP-1: zeros with the floor scale stored directly (the row body would
+                # norm and quantise MP - T rows of nothing: ~3 rows of tail at batch 1). add_rms_norm's own pad
+                # rows hold the same values, up to the sign of a zero (w * +0 keeps w's sign).
+                zq, floor = quant_1x128(tl.zeros([128], tl.float32), 0)
+                cols = tl.arange(0, BLOCK)
+                gi = tl.arange(0, BLOCK // 128)
+                for r in range(T, MP):
+                    tl.store(q + r * s_q + cols, (cols * 0.0).to(q.dtype.element_ty), mask=cols < N_GROUPS * 128)
+                    tl.store(sq + r * s_sm + gi * s_sk, gi * 0.0 + floor, mask=gi < N_GROUPS)
         tl.atomic_xchg(cnt + tok, 0, sem="relaxed", scope="gpu")
 
 
@@ -272,9 +279,11 @@ NORM_FUSE_MAX_TOKENS = 4
 
 
 def norm_fuse() -> bool:
-    """GEMV2 fused with the next residual add + norm (MoePending): on unless KVRELAY_MOE_NORM_FUSE=0 (A/B runs;
-    read at each launch, so a CUDA graph keeps the setting it was captured with)."""
-    return os.environ.get("KVRELAY_MOE_NORM_FUSE") != "0"
+    """Whether the engine's decode MoE leaves GEMV2 to the next block's fused add + norm (MoePending): only with
+    KVRELAY_MOE_NORM_FUSE=1 until an H200 A/B has measured it in the model (written 2026-12-04 when the session's
+    device time ran out: the kernel ran there, the model's decode with it did not). Read at each forward, so a
+    CUDA graph keeps the setting it was captured with."""
+    return os.environ.get("KVRELAY_MOE_NORM_FUSE") == "1"
 
 
 def new_norm_counters(device) -> torch.Tensor:
@@ -361,8 +370,8 @@ def moe_gemv(x, ids, route_w, ex, alpha, limit, block_n1=None, block_n2=None, bl
     """Experts `ids` [T, k] of x [T, H] weighted by route_w [T, k] (ex: kernels.moe.MoEWeights, bf16 or fp8),
     -> [T, H] bf16, or with combine=False the weighted outputs [T, k, H] before their sum (in pair_dtype(x)). `config`
     (default: the shape's entry in TUNED) sets both launches; the block_*/num_* arguments override it.
-    norm_counters (new_norm_counters(); combine=False only): up to NORM_FUSE_MAX_TOKENS tokens, and unless
-    KVRELAY_MOE_NORM_FUSE=0, GEMV2 is left to the caller: a MoePending instead of the outputs."""
+    norm_counters (new_norm_counters(); combine=False only): up to NORM_FUSE_MAX_TOKENS tokens GEMV2 is left to
+    the caller: a MoePending instead of the outputs (the engine passes them where norm_fuse() is on)."""
     t, k = ids.shape
     if norm_counters is not None and combine:
         raise ValueError("moe_gemv: norm_counters defer the uncombined outputs; combine must be False")
@@ -379,7 +388,7 @@ def moe_gemv(x, ids, route_w, ex, alpha, limit, block_n1=None, block_n2=None, bl
     ids_flat = ids.reshape(-1)
     act = torch.empty(t * k, inter, dtype=torch.bfloat16, device=x.device)
     gemv1(x, ids_flat, k, ex, alpha, limit, act, l1)
-    if norm_counters is not None and t <= NORM_FUSE_MAX_TOKENS and norm_fuse():
+    if norm_counters is not None and t <= NORM_FUSE_MAX_TOKENS:
         return MoePending(act, ids_flat, route_w.reshape(-1), ex, l2, t, k, pair_dtype(x), norm_counters)
     y = torch.empty(t * k, h, dtype=pair_dtype(x), device=x.device)
     gemv2(act, ids_flat, route_w.reshape(-1), ex, y, l2)

@@ -333,6 +333,13 @@ class GpuAttention(BatchAttention):
         return (os.environ.get("KVRELAY_DECODE_ROTARY") != "0" and self.batch is not None
                 and self.batch.is_decode and self.decode_kind[group] != "flashinfer")
 
+    def _merge_here(self, quant_k: int | None) -> bool:
+        """A deferred Triton decode merges inside its kernel (kernels/decode_rotary.py): the output projection
+        takes the heads' full width in FP8 and KVRELAY_DECODE_MERGE_FUSE=1 (decode_rotary.merge_fuse_enabled)."""
+        from kvrelay.kernels.decode_rotary import merge_fuse_enabled
+
+        return quant_k == self.hq * self.d and merge_fuse_enabled()
+
     def plan_replay(self, batch, used: dict[str, int]) -> None:
         """The replay hook of a CUDA-graph decode batch (engine/cuda_graph.DecodeGraphBuffers.prepare):
         `batch` is the graph's BatchLayout of fixed buffers, just refilled, with `used[g]` page indices
@@ -361,7 +368,7 @@ class GpuAttention(BatchAttention):
                                           q.write_offsets, sinks, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len,
                                           sm_scale=sm_scale, window=window, num_splits=self.decode_splits[group],
                                           block_n=self.DECODE_BLOCK_N, workspace=self._ws, merge=not defer_sink,
-                                          merge_counters=self._merge_cnt if quant_k == self.hq * self.d else None)
+                                          merge_counters=self._merge_cnt if self._merge_here(quant_k) else None)
             q = q.apply()
         if self.batch.is_decode:
             if self.decode_kind[group] == "flashinfer":

@@ -100,10 +100,14 @@ class MoE:
 
     def routed_uncombined(self, x: torch.Tensor, gate: torch.Tensor,
                           experts: torch.Tensor) -> torch.Tensor | MoePending:
-        """`uncombined` with the routing already done (fused_route_in), or at the smallest decode batches a
-        kernels.moe_gemv.MoePending: the experts' second GEMV left to the consumer, which fuses the next
-        residual add + RMSNorm into it (engine/model.py's Block.residual_attention_in) or launches it alone."""
-        return self._experts(x, gate, experts, combine=False, norm_counters=self._norm_counters)
+        """`uncombined` with the routing already done (fused_route_in), or at the smallest decode batches (with
+        KVRELAY_MOE_NORM_FUSE=1, kernels.moe_gemv.norm_fuse) a kernels.moe_gemv.MoePending: the experts' second
+        GEMV left to the consumer, which fuses the next residual add + RMSNorm into it (engine/model.py's
+        Block.residual_attention_in) or launches it alone."""
+        from kvrelay.kernels.moe_gemv import norm_fuse
+
+        counters = self._norm_counters if norm_fuse() else None
+        return self._experts(x, gate, experts, combine=False, norm_counters=counters)
 
     def _gpu_forward(self, x: torch.Tensor, combine: bool = True) -> torch.Tensor:
         """Routing and experts on the GPU kernels: no host sync, so a decode step can be graph-captured."""

@@ -95,10 +95,10 @@ def test_model_decode_with_rotary_in_the_attention_kernel_equals_without_interpr
 def test_merge_inside_the_decode_kernel_equals_the_merge_quant_launch_interpreted():
     # merge_counters: the last split program of each (sequence, KV head) merges and quantises that head
     # group's columns: bit for bit MergePending.quantize's launch (rows, M-padding rows and scales), the
-    # counters left zero, the partials intact (apply still works), and KVRELAY_DECODE_MERGE_FUSE=0 or a
-    # group narrower than 128 columns falls back to the MergePending.
+    # counters left zero, the partials intact (apply still works); without counters, or for a group narrower
+    # than 128 columns, the MergePending as before. The engine asks for it only with KVRELAY_DECODE_MERGE_FUSE=1.
     from kvrelay.kernels import fused, triton_attention as ta
-    from kvrelay.kernels.decode_rotary import MergedQuant, sink_decode_rotary
+    from kvrelay.kernels.decode_rotary import MergedQuant, merge_fuse_enabled, sink_decode_rotary
 
     g = torch.Generator().manual_seed(5)
     # (8, 2, 32): 4 heads of 32 = one 128-block per KV head; (16, 2, 64): four; batches 1, 3, 4 -> 3, 1, 0 pad rows
@@ -130,13 +130,17 @@ def test_merge_inside_the_decode_kernel_equals_the_merge_quant_launch_interprete
     args = (c.b.kv_indptr, c.b.kv_indices, c.b.kv_last_page_len)
     kw = dict(sm_scale=0.125, window=None, num_splits=2, block_n=16, merge=False)
     cnt = torch.zeros(4, dtype=torch.int32)
-    os.environ["KVRELAY_DECODE_MERGE_FUSE"] = "0"
-    try:
-        off = sink_decode_rotary(c.qkv, c.cos, c.sin, 8, 2, c.b.pool.clone(), c.pages, c.offs, c.sinks, *args, **kw,
-                                 merge_counters=cnt)
-    finally:
-        os.environ.pop("KVRELAY_DECODE_MERGE_FUSE")
+    off = sink_decode_rotary(c.qkv, c.cos, c.sin, 8, 2, c.b.pool.clone(), c.pages, c.offs, c.sinks, *args, **kw)
     assert type(off) is ta.MergePending
+    saved = os.environ.pop("KVRELAY_DECODE_MERGE_FUSE", None)
+    try:
+        assert not merge_fuse_enabled()  # opt-in until measured in the model on the H200
+        os.environ["KVRELAY_DECODE_MERGE_FUSE"] = "1"
+        assert merge_fuse_enabled()
+    finally:
+        os.environ.pop("KVRELAY_DECODE_MERGE_FUSE", None)
+        if saved is not None:
+            os.environ["KVRELAY_DECODE_MERGE_FUSE"] = saved
     c = refs.decode_rotary_case([5, 9], 4, 2, 32, 4, "cpu", g)  # 2 heads of 32 a KV head: 64 columns
     args = (c.b.kv_indptr, c.b.kv_indices, c.b.kv_last_page_len)
     narrow = sink_decode_rotary(c.qkv, c.cos, c.sin, 4, 2, c.b.pool.clone(), c.pages, c.offs, c.sinks, *args, **kw,

@@ -3,7 +3,7 @@
 by kernels.fused.add_rms_norm launched with the same warps (the RMSNorm's fp32 sum of squares is reduced in an
 order that depends on the warps; add_rms_norm's own launch takes 16), within one bf16 step of add_rms_norm's
 default launch (the new residual exactly); replayed from a CUDA graph with PDL on one counter set, launch after
-launch; and the model with the fusion on (the default) against KVRELAY_MOE_NORM_FUSE=0.
+launch; and the model with KVRELAY_MOE_NORM_FUSE=1 against 0 (off by default until measured in the model).
 (The same bits as the unfused chain under the Triton interpreter, and the wait placement from the SASS:
 tests/cpu/test_moe_norm_fuse.py.)
 """
