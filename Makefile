@@ -30,6 +30,15 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
+# The H200 image's triton (3.6; the venv's is newer), beside the venv: tests/cpu/test_h200_triton.py compiles the
+# decode kernels for sm_90 with it, so a kernel the device's compiler rejects fails here, not in a device call
+# (2026-12-04: a str constexpr default that triton 3.9 takes and 3.6 does not cost one).
+H200_TRITON ?= triton==3.6.0
+export KVRELAY_H200_TRITON_DIR := $(abspath $(VENV)/h200-triton)
+$(VENV)/h200-triton/.installed: $(VENV)/.installed
+	$(PY) -m pip install -q --no-deps --target $(VENV)/h200-triton "$(H200_TRITON)"
+	touch $@
+
 $(CLIENTS_VENV)/.installed: tests/e2e/clients/requirements.txt
 	test -x $(CLIENTS_VENV)/bin/python || python3 -m venv $(CLIENTS_VENV)
 	$(CLIENTS_VENV)/bin/python -m pip install -q --upgrade pip
@@ -41,7 +50,7 @@ clients-venv: $(CLIENTS_VENV)/.installed
 # PYTHONSAFEPATH=1: `python -m` (here and in the tests' child processes) does not put the checkout on sys.path,
 # where its top-level kernels/ (the kvrelay.kernels sources) shadows Hugging Face's `kernels` package, which
 # transformers >= 5.25 imports when installed (its dependency): every HF-reference test failed on 2026-12-03.
-test: $(VENV)/.installed $(CLIENTS_VENV)/.installed
+test: $(VENV)/.installed $(VENV)/h200-triton/.installed $(CLIENTS_VENV)/.installed
 	PYTHONSAFEPATH=1 $(PY) -m pytest tests/cpu tests/e2e -m "not gpu" -q -p no:cacheprovider $(PYTEST_ARGS)
 
 # On the H200 machine (see README "GPU tests").
