@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import enter, pdl_kwargs
+from .pdl import launch_dependents, late_trigger, pdl_kwargs, wait
 import os
 from dataclasses import dataclass
 
@@ -59,10 +59,13 @@ def _sink_decode_rotary_split_kernel(
     s_qkv, s_cs, s_page, s_kv, s_tok, s_head, qk_scale, WINDOW, N_Q, N_KV,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, F32: tl.constexpr, MERGE: tl.constexpr = False,
-    SPLITS_P2: tl.constexpr = 1, QK_P2: tl.constexpr = 128, USE_PDL: tl.constexpr = False,
+    SPLITS_P2: tl.constexpr = 1, QK_P2: tl.constexpr = 128, LATE_TRIGGER: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):
     # kernels/pdl.py: before any load (the QKV row is the previous kernel's) or store (the pool write)
-    enter(USE_PDL)
+    wait(USE_PDL)
+    if not LATE_TRIGGER:  # else after the keys' loop (kernels/pdl.py, KVRELAY_PDL_LATE_TRIGGER)
+        launch_dependents(USE_PDL)
     b, kvh, split, p0, kv_len, c0, c1, head, row_ok, offs_d = _split_program(
         kv_indptr, kv_last, WINDOW, GROUP, BLOCK_H, HEAD_DIM, PAGE, BLOCK_N, NUM_SPLITS)
     new_pos = kv_len - 1
@@ -82,6 +85,8 @@ def _sink_decode_rotary_split_kernel(
         tl.store(dst + s_kv, v_new)
     m_i, l_i, acc = _split_attend(qv, pool, kv_indices, p0, c0, c1, kvh, offs_d, s_page, s_kv, s_tok, s_head,
                                   qk_scale, new_pos, k_new, v_new, True, BLOCK_H, HEAD_DIM, PAGE, BLOCK_N, F32)
+    if LATE_TRIGGER:
+        launch_dependents(USE_PDL)
     _store_partial(o_part, lse_part, m_i, l_i, acc, b, head, row_ok, split, tl.num_programs(1) * GROUP, offs_d,
                    HEAD_DIM, NUM_SPLITS)
     if MERGE:
@@ -180,7 +185,7 @@ def sink_decode_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, F32=INTERPRET, MERGE=fuse,
         SPLITS_P2=triton.next_power_of_2(num_splits), QK_P2=triton.next_power_of_2(max(n_cols, 128)),
-        num_warps=num_warps, num_stages=num_stages, **pdl_kwargs(qkv.device))
+        LATE_TRIGGER=late_trigger("decode"), num_warps=num_warps, num_stages=num_stages, **pdl_kwargs(qkv.device))
     if fuse:
         return MergedQuant(o_part, lse_part, sinks, batch, n_q, head_dim, num_splits, qkv.dtype, q8, s8)
     pending = MergePending(o_part, lse_part, sinks, batch, n_q, head_dim, num_splits, qkv.dtype)

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import enter, pdl_kwargs
+from .pdl import launch_dependents, late_trigger, pdl_kwargs, wait
 
 MAX_BLOCK_M = 8  # rows per program; more rows run as more row groups (weights re-read per group)
 MIN_BLOCK_N = 8
@@ -92,7 +92,8 @@ def _rows_step(acc, wt, s_b, a_ptr, s_am, sa_ptr, s_sam, s_sak, k, k_ok, rows_le
 
 @triton.jit
 def _rows_tile(a_ptr, s_am, sa_ptr, s_sam, s_sak, w_ptr, sb_ptr, s_sbk, klen, rows_left, n_ok,
-               ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+               ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+               LATE_TRIGGER: tl.constexpr):
     # acc[r, n] = sum_{k < klen} W[n, k] * x[r, k] * sa[r, k // 128] * sb[k // 128] over one K chunk (klen > 0).
     # The first K step's weight tile and weight scales are loaded before the PDL wait (kernels/pdl.py): their
     # addresses need only the program ids, and no decode kernel writes weights, so under PDL the first tile
@@ -102,7 +103,9 @@ def _rows_tile(a_ptr, s_am, sa_ptr, s_sam, s_sak, w_ptr, sb_ptr, s_sbk, klen, ro
     k_ok = offs_k < klen
     s_b = tl.load(sb_ptr + (offs_k // 128) * s_sbk, mask=k_ok, other=0.0)
     w0 = tl.load(w_ptr + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-    enter(USE_PDL)
+    wait(USE_PDL)
+    if not LATE_TRIGGER:  # else the caller triggers after the loop (kernels/pdl.py, KVRELAY_PDL_LATE_TRIGGER)
+        launch_dependents(USE_PDL)
     acc = _rows_step(tl.zeros([ROWS, BLOCK_N], tl.float32), w0.to(tl.float32), s_b, a_ptr, s_am, sa_ptr, s_sam, s_sak,
                      offs_k, k_ok, rows_left, ROWS, BLOCK_K)
     for k0 in range(BLOCK_K, klen, BLOCK_K):
@@ -120,7 +123,7 @@ def _rows_tile(a_ptr, s_am, sa_ptr, s_sam, s_sak, w_ptr, sb_ptr, s_sbk, klen, ro
 def _fp8_gemv_kernel(a, b, sa, sb, bias, c, part, cnt, M, N, KP, K_SPLIT,
                      s_am, s_bn, s_sam, s_sak, s_sbn, s_sbk, s_cm,
                      HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+                     SPLIT_K: tl.constexpr, LATE_TRIGGER: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     # Program (N tile, K split, row group): rows m0 .. m0 + ROWS of outputs n0 .. n0 + BLOCK_N over the
     # K chunk [k_lo, k_lo + K_SPLIT) (K_SPLIT a multiple of 128: whole scale blocks). Under PDL
     # (kernels/pdl.py) _rows_tile waits after its first weight tile; every store and counter atomic below
@@ -138,7 +141,10 @@ def _fp8_gemv_kernel(a, b, sa, sb, bias, c, part, cnt, M, N, KP, K_SPLIT,
     # BLOCK_N divides 128 and tiles start at multiples of BLOCK_N: the whole tile has one row block.
     acc = _rows_tile(a + m0.to(tl.int64) * s_am + k_lo, s_am, sa + m0 * s_sam + (k_lo // 128) * s_sak, s_sam, s_sak,
                      b + offs_n.to(tl.int64)[:, None] * s_bn + k_lo, sb + (n0 // 128) * s_sbn + (k_lo // 128) * s_sbk,
-                     s_sbk, tl.minimum(KP - k_lo, K_SPLIT), M - m0, n_ok, ROWS, BLOCK_N, BLOCK_K, USE_PDL)
+                     s_sbk, tl.minimum(KP - k_lo, K_SPLIT), M - m0, n_ok, ROWS, BLOCK_N, BLOCK_K, USE_PDL,
+                     LATE_TRIGGER)
+    if LATE_TRIGGER:
+        launch_dependents(USE_PDL)
     rows = m0 + tl.arange(0, ROWS)
     out_ok = (rows[:, None] < M) & n_ok[None, :]
     o_off = rows.to(tl.int64)[:, None] * s_cm + offs_n[None, :]
@@ -221,6 +227,7 @@ def triton_fp8_gemv(a_fp8, sa, w_fp8, w_scale, bias=None, out=None, *, m: int | 
                            m, n, kp, k_split, a_fp8.stride(0), w_fp8.stride(0), sa.stride(0), sa.stride(1),
                            w_scale.stride(0), w_scale.stride(1), out.stride(0),
                            HAS_BIAS=bias is not None, ROWS=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                           SPLIT_K=split_k, num_warps=num_warps, num_stages=num_stages,
+                           SPLIT_K=split_k, LATE_TRIGGER=late_trigger("fp8_gemv"), num_warps=num_warps,
+                           num_stages=num_stages,
                            **pdl_kwargs(a_fp8.device))
     return out

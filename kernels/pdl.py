@@ -32,6 +32,14 @@ PDL kernel after one of them simply waits for it.
 
 `KVRELAY_PDL=0` turns it off (A/B runs); it is read at each launch, so a CUDA graph holds the setting
 of the moment it was captured. Default: on wherever supported.
+
+`KVRELAY_PDL_LATE_TRIGGER` (a comma list of the names `late_trigger` is asked for, e.g. "fp8_gemv,decode"; A/B
+runs, default none) moves that kernel's launch_dependents from right after its wait to after its main loop: the
+next kernel then launches as this one's last programs finish their work instead of as they start. Why it may
+matter (a hypothesis, 2026-12-04): an early-launched kernel of many heavy programs is placed on whichever SMs free
+up first while this one still runs, so its programs can pile onto few SMs (the split-KV decode after the QKV
+GEMV, bench/results/ab: every GEMV tiling of the QKV projection lost ~3.5 us a layer against cuBLAS, after which
+the decode kernel launches unoverlapped). The same bits either way; only launch timing moves.
 """
 
 from __future__ import annotations
@@ -100,6 +108,11 @@ def launch_dependents(USE_PDL: tl.constexpr):
     """griddepcontrol.launch_dependents: the next kernel may launch once every program got here."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+def late_trigger(name: str) -> bool:
+    """Whether kernel `name` triggers its dependents after its main loop (KVRELAY_PDL_LATE_TRIGGER, above)."""
+    return name in {n.strip() for n in os.environ.get("KVRELAY_PDL_LATE_TRIGGER", "").split(",")}
 
 
 @triton.jit

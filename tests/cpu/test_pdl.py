@@ -168,10 +168,12 @@ KERNELS = [
             {"a": P["fp8"], "b": P["fp8"], "sa": P["f32"], "sb": P["f32"], "bias": P["bf16"], "c": P["bf16"],
              "part": P["f32"], "cnt": P["i32"],
              **_ints("M", "N", "KP", "K_SPLIT", "s_am", "s_bn", "s_sam", "s_sak", "s_sbn", "s_sbk", "s_cm")},
-            {"HAS_BIAS": True, "ROWS": rows, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split},
-            early_loads=("b", "sb"), id_keys=("ROWS", "SPLIT_K"), num_warps=warps, num_stages=2,
+            {"HAS_BIAS": True, "ROWS": rows, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "LATE_TRIGGER": late},
+            early_loads=("b", "sb"), id_keys=("ROWS", "SPLIT_K", "LATE_TRIGGER"), num_warps=warps, num_stages=2,
             divisible=("a", "b", "sa", "sb", "bias", "c", "part", "cnt", "N", "KP", "K_SPLIT", "s_am", "s_bn", "s_cm"))
-      for rows, bn, bk, split, warps in ((1, 32, 512, 1, 2), (1, 32, 256, 4, 4), (4, 16, 512, 4, 4))),
+      # the last: KVRELAY_PDL_LATE_TRIGGER=fp8_gemv (launch_dependents after the K loop, still after the wait)
+      for rows, bn, bk, split, warps, late in ((1, 32, 512, 1, 2, False), (1, 32, 256, 4, 4, False),
+                                               (4, 16, 512, 4, 4, False), (1, 32, 256, 8, 4, True))),
     _spec(moe_gemv.combine_kernel, {"y": P["bf16"], "out": P["bf16"], "Ndim": I32}, {"K_TOP": 4, "BLOCK": 256}),
     _spec(attention._sink_correction_kernel,
           {"out": P["bf16"], "lse": P["f32"], "sinks": P["f32"], **_ints("n_rows", "n_heads", "s_ob", "s_oh")},
@@ -191,7 +193,7 @@ KERNELS = [
            **_ints("s_qkv", "s_cs", "s_page", "s_kv", "s_tok", "s_head"), "qk_scale": F32,
            **_ints("WINDOW", "N_Q", "N_KV")},
           {"GROUP": 8, "BLOCK_H": 16, "HEAD_DIM": 64, "PAGE": 16, "BLOCK_N": 64, "NUM_SPLITS": 2, "F32": False,
-           "MERGE": False, "SPLITS_P2": 1, "QK_P2": 128},
+           "MERGE": False, "SPLITS_P2": 1, "QK_P2": 128, "LATE_TRIGGER": False},
           num_warps=4, num_stages=2),
     # ... and with the merge + the output projection's quantisation inside (its last split program a KV head)
     _spec(decode_rotary._sink_decode_rotary_split_kernel,
@@ -201,7 +203,7 @@ KERNELS = [
            **_ints("s_qkv", "s_cs", "s_page", "s_kv", "s_tok", "s_head"), "qk_scale": F32,
            **_ints("WINDOW", "N_Q", "N_KV")},
           {"GROUP": 8, "BLOCK_H": 16, "HEAD_DIM": 64, "PAGE": 16, "BLOCK_N": 64, "NUM_SPLITS": 64, "F32": False,
-           "MERGE": True, "SPLITS_P2": 64, "QK_P2": 4096},
+           "MERGE": True, "SPLITS_P2": 64, "QK_P2": 4096, "LATE_TRIGGER": True},
           num_warps=4, num_stages=2),
     _spec(triton_attention._sink_decode_merge_kernel,
           {"o_part": P["f32"], "lse_part": P["f32"], "sinks": P["f32"], "out": P["bf16"], **_ints("s_ob", "s_oh")},
@@ -317,6 +319,8 @@ def test_kernel_waits_before_touching_memory(kernel, types, consts, early_loads,
     touched = set(before) & (_GLOBAL_MEM - _LOADS if early_loads else _GLOBAL_MEM)
     assert not touched, f"{kernel.__name__}: {sorted(touched)} before griddepcontrol.wait"
     assert ops.index("PREEXIT") > first_wait
+    if consts.get("LATE_TRIGGER"):  # the trigger after the main loop: the kernel's own loads come before it
+        assert set(ops[first_wait:ops.index("PREEXIT")]) & _LOADS, f"{kernel.__name__}: no load before the trigger"
     assert set(ops[first_wait:]) & _LOADS, "the kernel's own loads should follow the wait"
     if early_loads:
         params = [n for n in names if signature[n] != "constexpr"]
@@ -329,3 +333,12 @@ def test_kernel_waits_before_touching_memory(kernel, types, consts, early_loads,
                 f"{kernel.__name__}: a load before the wait reads {sorted(reads & pointers - set(early_loads))}"
         sass_early = sum(op in _LOADS for op in before)
         assert 0 < sass_early <= len(early), (sass_early, len(early))
+
+
+def test_late_trigger_switch_names_kernels(monkeypatch):
+    from kvrelay.kernels.pdl import late_trigger
+
+    monkeypatch.delenv("KVRELAY_PDL_LATE_TRIGGER", raising=False)
+    assert not late_trigger("fp8_gemv") and not late_trigger("decode")
+    monkeypatch.setenv("KVRELAY_PDL_LATE_TRIGGER", "fp8_gemv, decode")
+    assert late_trigger("fp8_gemv") and late_trigger("decode") and not late_trigger("fp8")
