@@ -15,6 +15,8 @@
 #   gemv1/gemv2 (bench.sweep_gemv: GEMM1 / GEMM2 alone at batch 1, SAMPLES random launches of 512, default all, on 120b's
 #   experts; ~3 / ~6 s a launch, mostly its compile), kmoe (bench.kernels --only moe: the MoE rows, the engine's decode layer too),
 #   m1ab (batch-1 decode of both models once per KVRELAY_FP8_M1 value in M1_SET: the dense projections' backends A/B),
+#   envab (the same once per item of ENV_SET: "+"-joined VAR=VALUE settings, "-" for none; e.g. the opt-in decode
+#   fusions: ENV_SET="- KVRELAY_DECODE_MERGE_FUSE=1 KVRELAY_DECODE_MERGE_FUSE=1+KVRELAY_MOE_NORM_FUSE=1"),
 #   tgpu (pytest $TESTS, default tests/gpu), aot (FlashInfer's JIT-built modules as $OUT/fi-aot.tgz).
 # QUANT (default fp8-block128) is the benchmarks' --quant; TAG (default empty) is appended to each step's result
 #   folder, so one call can run the script several times with different settings (QUANT=... TAG=-lmhead).
@@ -81,6 +83,19 @@ for s in ${STEPS:-}; do
             left=$(( LIMIT - ($(date +%s) - T0) )); [ "$left" -lt 30 ] && { echo "== skip m1ab$i dec$m ($left s left)"; break 2; }
             KVRELAY_FP8_M1=$pin TAG="-m1ab$i${TAG:-}" bench "dec$m" kvrelay.bench.decode --model "gpt-oss-${m}b" $M \
               --lengths 8192 --batches 1 --mode pipelined
+          done
+        done ;;
+    envab) # the i-th item of ENV_SET (space-separated; each "+"-joined VAR=VALUE assignments, "-" for none) in the
+        # environment of dec20 and dec120, into dec20-envab<i>$TAG / dec120-envab<i>$TAG; $W/r/envab.txt maps i to it
+        i=0
+        for item in ${ENV_SET:-}; do
+          i=$((i + 1)); echo "envab$i $item" >> "$W/r/envab.txt"
+          assigns=(); [ "$item" != "-" ] && IFS=+ read -ra assigns <<< "$item"
+          for m in 20 120; do
+            left=$(( LIMIT - ($(date +%s) - T0) )); [ "$left" -lt 30 ] && { echo "== skip envab$i dec$m ($left s left)"; break 2; }
+            # a subshell: the settings and the tag end with the run
+            ( [ ${#assigns[@]} -gt 0 ] && export "${assigns[@]}"; TAG="-envab$i${TAG:-}" bench "dec$m" kvrelay.bench.decode \
+              --model "gpt-oss-${m}b" $M --lengths 8192 --batches 1 --mode pipelined )
           done
         done ;;
     kmoe) mkdir -p "$W/r/kmoe${TAG:-}"; timeout "$left" python3 -m kvrelay.bench.kernels --only moe --out "$W/r/kmoe${TAG:-}" ;;
