@@ -393,27 +393,37 @@ def test_h200_steps_script_runs_each_benchmark_on_a_real_preset(tmp_path):
     assert (tmp_path / "r.tgz").is_file()
 
 
-def test_h200_steps_m1ab_runs_both_models_per_backend_set(tmp_path):
-    """The m1ab step of bench/h200_steps.sh runs the batch-1 decode of 20b and 120b once per KVRELAY_FP8_M1 value
-    of M1_SET, with that value in the benchmark's environment (the decode JSON records it) and each run in its
-    own folder, and writes which set each index was. python3 is shimmed (_shim_python3)."""
+def _run_steps(tmp_path, prefix: str, clear: tuple[str, ...], **settings) -> list[list[str]]:
+    """bench/h200_steps.sh with `settings` (STEPS, M1_SET, ...) and the shimmed python3 (_shim_python3, each
+    benchmark call logged behind `prefix`), `clear`ed of the caller's environment: the logged argv lists."""
     import shlex
     import subprocess
 
     root = Path(__file__).resolve().parents[2]
-    shim, log = _shim_python3(tmp_path, prefix="M1=$KVRELAY_FP8_M1 ")
-    sets = ["2880x4096=cublas", "2880x4096=gemv-n32-k256-s8-w4-st2,5120x2880=gemv-n8-k512-s4-w1-st2"]
-    env = {k: v for k, v in os.environ.items() if k not in ("KVRELAY_FP8_M1", "TAG")}
-    env.update(PATH=f"{shim}:{os.environ['PATH']}", OUT=str(tmp_path), STEPS="m1ab", M1_SET=" ".join(sets),
-               KVRELAY_GIT_COMMIT="0" * 40, WORK_DIR=str(tmp_path / "w"))
+    shim, log = _shim_python3(tmp_path, prefix=prefix)
+    env = {k: v for k, v in os.environ.items() if k not in (*clear, "TAG")}
+    env.update(PATH=f"{shim}:{os.environ['PATH']}", OUT=str(tmp_path), KVRELAY_GIT_COMMIT="0" * 40,
+               WORK_DIR=str(tmp_path / "w"), **settings)
     res = subprocess.run(["bash", str(root / "bench" / "h200_steps.sh")], cwd=root, env=env,
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     calls = [shlex.split(line) for line in log.read_text().splitlines()]
-    want = [(f"M1={pin}", f"gpt-oss-{m}b", f"dec{m}-m1ab{i}") for i, pin in enumerate(sets, 1) for m in (20, 120)]
-    got = [(argv[0], argv[argv.index("--model") + 1], Path(argv[argv.index("--out") + 1]).name) for argv in calls]
-    assert got == want
     assert all(argv[argv.index("--batches") + 1] == "1" and "kvrelay.bench.decode" in argv for argv in calls)
+    return calls
+
+
+def _model_and_folder(argv: list[str]) -> tuple[str, str]:
+    return argv[argv.index("--model") + 1], Path(argv[argv.index("--out") + 1]).name
+
+
+def test_h200_steps_m1ab_runs_both_models_per_backend_set(tmp_path):
+    """The m1ab step of bench/h200_steps.sh runs the batch-1 decode of 20b and 120b once per KVRELAY_FP8_M1 value
+    of M1_SET, with that value in the benchmark's environment (the decode JSON records it) and each run in its
+    own folder, and writes which set each index was. python3 is shimmed (_shim_python3)."""
+    sets = ["2880x4096=cublas", "2880x4096=gemv-n32-k256-s8-w4-st2,5120x2880=gemv-n8-k512-s4-w1-st2"]
+    calls = _run_steps(tmp_path, "M1=$KVRELAY_FP8_M1 ", ("KVRELAY_FP8_M1",), STEPS="m1ab", M1_SET=" ".join(sets))
+    want = [(f"M1={pin}", f"gpt-oss-{m}b", f"dec{m}-m1ab{i}") for i, pin in enumerate(sets, 1) for m in (20, 120)]
+    assert [(argv[0], *_model_and_folder(argv)) for argv in calls] == want
     assert (tmp_path / "w" / "r" / "m1ab.txt").read_text().splitlines() == [f"m1ab{i} {p}" for i, p in enumerate(sets, 1)]
 
 
@@ -421,26 +431,12 @@ def test_h200_steps_envab_runs_both_models_per_env_set(tmp_path):
     """The envab step of bench/h200_steps.sh runs the batch-1 decode of 20b and 120b once per item of ENV_SET with
     that item's "+"-joined settings in the benchmark's environment ("-": none), nothing of one item leaking into
     the next, each run in its own folder, and writes which item each index was. python3 is shimmed."""
-    import shlex
-    import subprocess
-
-    root = Path(__file__).resolve().parents[2]
-    shim, log = _shim_python3(tmp_path, prefix="M=${KVRELAY_DECODE_MERGE_FUSE:-unset} N=${KVRELAY_MOE_NORM_FUSE:-unset} ")
     items = ["-", "KVRELAY_DECODE_MERGE_FUSE=1", "KVRELAY_DECODE_MERGE_FUSE=1+KVRELAY_MOE_NORM_FUSE=1", "-"]
     seen = [("unset", "unset"), ("1", "unset"), ("1", "1"), ("unset", "unset")]
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("KVRELAY_DECODE_MERGE_FUSE", "KVRELAY_MOE_NORM_FUSE", "TAG")}
-    env.update(PATH=f"{shim}:{os.environ['PATH']}", OUT=str(tmp_path), STEPS="envab", ENV_SET=" ".join(items),
-               KVRELAY_GIT_COMMIT="0" * 40, WORK_DIR=str(tmp_path / "w"))
-    res = subprocess.run(["bash", str(root / "bench" / "h200_steps.sh")], cwd=root, env=env,
-                         capture_output=True, text=True, timeout=60)
-    assert res.returncode == 0, res.stderr
-    calls = [shlex.split(line) for line in log.read_text().splitlines()]
+    calls = _run_steps(tmp_path, "M=${KVRELAY_DECODE_MERGE_FUSE:-unset} N=${KVRELAY_MOE_NORM_FUSE:-unset} ",
+                       ("KVRELAY_DECODE_MERGE_FUSE", "KVRELAY_MOE_NORM_FUSE"), STEPS="envab", ENV_SET=" ".join(items))
     want = [(f"M={mf}", f"N={nf}", f"gpt-oss-{m}b", f"dec{m}-envab{i}")
             for i, (mf, nf) in enumerate(seen, 1) for m in (20, 120)]
-    got = [(argv[0], argv[1], argv[argv.index("--model") + 1], Path(argv[argv.index("--out") + 1]).name)
-           for argv in calls]
-    assert got == want
-    assert all(argv[argv.index("--batches") + 1] == "1" and "kvrelay.bench.decode" in argv for argv in calls)
+    assert [(argv[0], argv[1], *_model_and_folder(argv)) for argv in calls] == want
     assert (tmp_path / "w" / "r" / "envab.txt").read_text().splitlines() == [f"envab{i} {p}"
                                                                               for i, p in enumerate(items, 1)]

@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from interp_helpers import interpreted
+from interp_helpers import interpreted, refs
 
 _interpreted = interpreted(__file__)
 
@@ -30,13 +30,7 @@ def _experts(e, h, inter, fp8_weights, g):
     return moe.MoEWeights.from_fp8(q1, s1, b1, q2, s2, b2)
 
 
-def _bits(t):
-    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
-
-
-def _same(a, b, what):
-    assert a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride(), (what, a.shape, b.shape)
-    assert torch.equal(_bits(a), _bits(b)), (what, (a.float() - b.float()).abs().max())
+_same = refs.assert_same
 
 
 @_interpreted

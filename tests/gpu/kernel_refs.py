@@ -167,3 +167,14 @@ def poison_allocator(nbytes: int) -> None:
     if torch.cuda.is_available():
         x = torch.full((nbytes // 4,), float("nan"), dtype=torch.float32, device="cuda")
         del x
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor as its bytes (torch.equal on e4m3 compares bit patterns then), anything else as it is."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def assert_same(a: torch.Tensor, b: torch.Tensor, what) -> None:
+    """Same shape, dtype, strides and bits (fp8 by its bytes)."""
+    assert a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride(), (what, a.shape, b.shape)
+    assert torch.equal(bits(a), bits(b)), (what, (a.float() - b.float()).abs().max())

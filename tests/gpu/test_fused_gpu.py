@@ -13,7 +13,7 @@ import pytest
 import torch
 from tiny_models import attn64_cfg, dummy_weights
 
-from kernel_refs import poison_allocator
+from kernel_refs import bits as _bits, poison_allocator
 
 pytestmark = pytest.mark.gpu
 
@@ -24,10 +24,6 @@ def _cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     return torch.device("cuda")
-
-
-def _bits(t):
-    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def _nearly_same_fp8(a, b):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from tiny_models import attn64_cfg, dummy_weights
 
-from kernel_refs import poison_allocator
+from kernel_refs import assert_same as _same, poison_allocator
 
 pytestmark = pytest.mark.gpu
 
@@ -27,15 +27,6 @@ def _cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     return torch.device("cuda")
-
-
-def _bits(t):
-    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
-
-
-def _same(a, b, what):
-    assert a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride(), (what, a.shape, b.shape)
-    assert torch.equal(_bits(a), _bits(b)), (what, (a.float() - b.float()).abs().max())
 
 
 def _fp8_experts(dev, gen):
