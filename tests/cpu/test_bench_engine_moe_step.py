@@ -33,7 +33,14 @@ def test_engine_moe_step_matches_a_float32_layer():
     gate_b = torch.randn(e, generator=g).bfloat16()
     counters = router.new_counters("cpu")
 
+    from kvrelay.kernels import moe_gemv
+
     x_new, (q8, sc) = engine_moe_step(res, delta, norm_w, gate_w, gate_b, ex, k, counters)
+    # KVRELAY_MOE_NORM_FUSE=1's launches (the next add + norm inside GEMV2's): the same bits under the interpreter
+    norm_counters = moe_gemv.new_norm_counters("cpu")
+    fx, (fq, fs) = engine_moe_step(res, delta, norm_w, gate_w, gate_b, ex, k, counters, norm_counters=norm_counters)
+    assert torch.equal(fx, x_new) and torch.equal(fq.view(torch.uint8), q8.view(torch.uint8)) and torch.equal(fs, sc)
+    assert not norm_counters.any()
 
     x1 = (res.float() + delta.float()).bfloat16()
     hn = _rms(x1, norm_w).bfloat16()
