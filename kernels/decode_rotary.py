@@ -27,15 +27,15 @@ The engine asks for it only with KVRELAY_DECODE_MERGE_FUSE=1 (merge_fuse_enabled
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch_dependents, late_trigger, pdl_kwargs, wait
-import os
-from dataclasses import dataclass
-
 from .fp8_quant import quant_1x128
+from .pdl import launch_dependents, late_trigger, pdl_kwargs, wait
 from .triton_attention import INTERPRET, LOG2E, MergePending, _merge, _merge_quant_block, _pool_strides, \
     _split_attend, _split_program, _store_partial, _window_arg, split_setup
 
@@ -92,8 +92,8 @@ def _sink_decode_rotary_split_kernel(
     if MERGE:
         # every thread's partial stores happen before the one release below (barrier, then a gpu-scope
         # acq_rel atomic); the acquire of the KV head's last arrival then sees all NUM_SPLITS partials. All
-        # of it follows the PDL wait (enter, above), so the counters' previous user (the layer before: all
-        # layers share them) has completed and left them zero; the output projection waits for this launch.
+        # of it follows the PDL wait (above), so the counters' previous user (the layer before: all layers
+        # share them) has completed and left them zero; the output projection waits for this launch.
         tl.debug_barrier()
         slot = cnt + b * N_KV + kvh
         if tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
