@@ -24,7 +24,7 @@ import torch
 from kvrelay.engine.config import MODEL_QUANTS, ModelConfig, head_quant, layer_quant
 from kvrelay.engine.kv_cache import BatchLayout, KVCache
 from kvrelay.engine.layers.attention import Attention, AttentionFn, BatchAttention, GpuAttention
-from kvrelay.engine.layers.embedding import Embedding, Unembedding
+from kvrelay.engine.layers.embedding import Embedding, EmbeddingRows, Unembedding, embed_fuse_enabled
 from kvrelay.engine.layers.linear import Shard, WeightGetter
 from kvrelay.engine.layers.moe import MoE
 from kvrelay.engine.layers.norm import RMSNorm
@@ -75,13 +75,17 @@ class Block:
         """Output projection, residual, then the MoE half of the block: the block's output."""
         return self.add_delta(*self.attention_out_deferred(x, o))
 
-    def residual_attention_in(self, x: torch.Tensor, delta: torch.Tensor | MoePending | None, cos: torch.Tensor,
-                              sin: torch.Tensor, cache: KVCache, batch: BatchLayout, *, defer_rotary: bool = False):
+    def residual_attention_in(self, x: torch.Tensor | EmbeddingRows, delta: torch.Tensor | MoePending | None,
+                              cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, batch: BatchLayout, *,
+                              defer_rotary: bool = False):
         """(x + delta, q): the residual stream finished, then attention_in on it. defer_rotary (the fused
         path, for an attention that fuses_rotary): q is a RotaryPending, the rotary and KV write left to the
-        attention kernel. A MoePending delta launches its GEMV2 with the add + norm (+ quantisation) fused."""
+        attention kernel. A MoePending delta launches its GEMV2 with the add + norm (+ quantisation) fused;
+        an EmbeddingRows x (the first block, KVRELAY_EMBED_FUSE=1) is looked up inside the norm's launch."""
         group = cache.layer_group(self.layer)
         pool, pages, offsets = cache.layer_pool(self.layer), batch.write_pages[group], batch.write_offsets[group]
+        if isinstance(x, EmbeddingRows) and (not self.fused or delta is not None):
+            x = x.lookup()
         if not self.fused:
             x = self.add_delta(x, delta)
             return x, self.attn.project_in(self.attn_norm(x), cos, sin, pool, pages, offsets)
@@ -89,7 +93,9 @@ class Block:
         from kvrelay.kernels.moe_gemv import MoePending
 
         kp = self.attn.qkv.quant_k
-        if isinstance(delta, MoePending):
+        if isinstance(x, EmbeddingRows):
+            x_new, h = add_rms_norm(x.table, None, self.attn_norm.scale, self.eps, quant_k=kp, rows=x.ids, gather=True)
+        elif isinstance(delta, MoePending):
             x_new, h = delta.finish_norm(x, self.attn_norm.scale, self.eps, quant_k=kp)
         else:
             x_new, h = add_rms_norm(x, delta, self.attn_norm.scale, self.eps, quant_k=kp)
@@ -194,7 +200,11 @@ class GptOss:
             attn = self._default_attention(cache)
         if plan:
             attn.plan(batch)
-        x, cos, sin = self.embed(ids, batch.positions)
+        if self.blocks and self.blocks[0].fused and self.shard.world_size == 1 and embed_fuse_enabled():
+            # the first block's norm launch looks the rows up itself (EmbeddingRows)
+            x, (cos, sin) = EmbeddingRows(self.embedding.weight, ids), self.rotary(batch.positions)
+        else:
+            x, cos, sin = self.embed(ids, batch.positions)
         delta = None
         # per page group, once a forward: a Triton split-KV decode may take the rotary and KV write into its
         # kernel (GpuAttention.fuses_rotary)

@@ -181,7 +181,7 @@ def quant_buffers(n: int, quant_k: int, device) -> tuple[torch.Tensor, torch.Ten
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None, eps: float, *,
                  quant_k: int | None = None, rows: torch.Tensor | None = None, store_x: bool = True,
-                 num_warps: int | None = None):
+                 num_warps: int | None = None, gather: bool = False):
     """The residual stream's glue in one launch. x [T, H] (unit stride in H); delta None, a finished
     [T, H] tensor (added as torch's `x + delta`), or the MoE's weighted expert outputs fp32 or bf16 [T, k, H]
     (summed over k in order in fp32 and rounded to bf16 as kernels.moe_gemv's combine does, then added); then
@@ -191,17 +191,21 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
       quantisation kernels.fp8_gemm.quantize_act_1x128(normed, quant_k) returns: (fp8 [Mp, Kp], scale
       f32 [Mp, Kp/128] M-major, Mp = rows rounded up to 4), bit for bit; None when weight is None.
     `rows` (int64 [R]): only those rows are normed and returned (the head's logit rows); needs
-    store_x=False. Each step is the unfused op's exact math; only the fp32 order of the sum of squares
-    may differ from the separate RMSNorm kernel on a GPU (the compiler picks the reduction tree).
+    store_x=False, unless `gather`: then x is a table (the token embedding), delta None, and the rows it picks
+    are the new x [R, H] (stored) as well as what is normed: F.embedding(rows, x) and the first block's norm
+    in one launch, the same bits. Each step is the unfused op's exact math; only the fp32 order of the sum of
+    squares may differ from the separate RMSNorm kernel on a GPU (the compiler picks the reduction tree).
     num_warps: None for the measured choice (NORM_WIDE_WARPS up to NORM_WIDE_ROWS rows; bench/sweep_glue.py)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     t, h = x.shape
-    if rows is not None and store_x:
+    if gather and (rows is None or delta is not None):
+        raise ValueError("add_rms_norm: gather= looks rows= up in the table x; it takes no delta")
+    if rows is not None and store_x and not gather:
         raise ValueError("add_rms_norm: rows= selects output rows; the residual cannot be stored then")
     if delta is None:
         kind, k_sum, d = 0, 1, x
-        store_x = False
+        store_x = store_x and gather  # else x is unchanged
     elif delta.dim() == 3:
         if delta.shape[0] != t or delta.shape[2] != h or delta.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"add_rms_norm: MoE outputs must be fp32 or bf16 [{t}, k, {h}], got "
@@ -214,7 +218,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
             raise ValueError(f"add_rms_norm: delta {list(delta.shape)} does not match x {list(x.shape)}")
         kind, k_sum, d = 1, 1, delta if delta.stride(-1) == 1 else delta.contiguous()
     n_out = t if rows is None else rows.shape[0]
-    x_new = torch.empty_like(x) if store_x else None
+    x_new = torch.empty(n_out, h, dtype=x.dtype, device=x.device) if store_x else None
     norm = weight is not None
     block = norm_block(h, quant_k if norm else None)
     out = q = s = None

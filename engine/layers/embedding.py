@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -30,6 +33,26 @@ class Embedding:
         owned = (local >= 0) & (local < self.weight.shape[0])
         x = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * owned[:, None]
         return self.shard.all_reduce(x)
+
+
+@dataclass(frozen=True)
+class EmbeddingRows:
+    """A lookup not made yet: the first block's fused residual glue reads the rows straight from the table
+    (kernels.fused.add_rms_norm(..., gather=True): the lookup and the norm + FP8 quantisation in one launch);
+    any other consumer calls `lookup`."""
+
+    table: torch.Tensor  # [vocab, hidden]: one rank's whole table (world size 1)
+    ids: torch.Tensor  # [T] token ids
+
+    def lookup(self) -> torch.Tensor:
+        return F.embedding(self.ids, self.table)
+
+
+def embed_fuse_enabled() -> bool:
+    """The token lookup fused into the first block's norm launch (EmbeddingRows): with KVRELAY_EMBED_FUSE=1, off by
+    default until measured on the H200 (one launch fewer a step; written 2026-12-04 without device time). Read
+    at each forward, so a CUDA graph keeps the setting it was captured with. The same bits either way."""
+    return os.environ.get("KVRELAY_EMBED_FUSE") == "1"
 
 
 class Unembedding:

@@ -383,3 +383,29 @@ def test_add_norm_route_matches_add_rms_norm_and_router(t, e):
         x.copy_(torch.randn(t, h, generator=g).bfloat16().to(dev))
         graph.replay()
         check(out)
+
+
+@pytest.mark.parametrize("quant", ["bf16", "fp8-block128"])
+def test_model_with_the_lookup_in_the_first_norm_equals_without(monkeypatch, quant):
+    # KVRELAY_EMBED_FUSE=1: the first block's norm launch looks the token rows up itself (the same bits as
+    # F.embedding then the norm), graph-replayed and eager decode steps and a prefill alike
+    from kvrelay.engine.runner import Runner
+
+    dev = _cuda()
+    cfg = attn64_cfg()
+    w = dummy_weights(cfg, seed=13)
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (5, 90)]
+    feed = torch.randint(0, cfg.vocab_size, (4, 2), generator=g).tolist()
+    logits = {}
+    for on in ("1", "0"):
+        monkeypatch.setenv("KVRELAY_EMBED_FUSE", on)
+        for graphs in (True, False):
+            r = Runner(cfg, w, device=dev, page_size=16, kv_tokens=4096, quant=quant, cuda_graphs=graphs,
+                       cuda_graph_batch_sizes=(1, 2))
+            steps = [r.prefill_batch([(i, p) for i, p in enumerate(prompts)])]
+            steps += [r.decode([0, 1], toks) for toks in feed] + [r.decode([1], [feed[0][0]])]
+            logits[on, graphs] = [s.float() for s in steps]
+    for graphs in (True, False):
+        for a, b in zip(logits["1", graphs], logits["0", graphs], strict=True):
+            assert torch.equal(a, b), graphs
