@@ -28,7 +28,7 @@ from kvrelay.engine.layers.embedding import Embedding, EmbeddingRows, Unembeddin
 from kvrelay.engine.layers.linear import Shard, WeightGetter
 from kvrelay.engine.layers.moe import MoE
 from kvrelay.engine.layers.norm import RMSNorm
-from kvrelay.engine.layers.rotary import YarnRotary
+from kvrelay.engine.layers.rotary import YarnRotary, gather_in_attention
 from kvrelay.kernels import select
 
 if TYPE_CHECKING:  # imported where used: kernels.moe_gemv imports triton, which a CPU reference run never needs
@@ -77,11 +77,13 @@ class Block:
 
     def residual_attention_in(self, x: torch.Tensor | EmbeddingRows, delta: torch.Tensor | MoePending | None,
                               cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, batch: BatchLayout, *,
-                              defer_rotary: bool = False):
+                              defer_rotary: bool = False, rotary_positions: torch.Tensor | None = None):
         """(x + delta, q): the residual stream finished, then attention_in on it. defer_rotary (the fused
         path, for an attention that fuses_rotary): q is a RotaryPending, the rotary and KV write left to the
         attention kernel. A MoePending delta launches its GEMV2 with the add + norm (+ quantisation) fused;
-        an EmbeddingRows x (the first block, KVRELAY_EMBED_FUSE=1) is looked up inside the norm's launch."""
+        an EmbeddingRows x (the first block, KVRELAY_EMBED_FUSE=1) is looked up inside the norm's launch.
+        rotary_positions (with defer_rotary; KVRELAY_ROTARY_GATHER=1): cos/sin are the whole tables, looked up
+        at these positions by the attention kernel."""
         group = cache.layer_group(self.layer)
         pool, pages, offsets = cache.layer_pool(self.layer), batch.write_pages[group], batch.write_offsets[group]
         if isinstance(x, EmbeddingRows) and (not self.fused or delta is not None):
@@ -102,7 +104,8 @@ class Block:
         x = x if x_new is None else x_new
         if defer_rotary:
             hq, sx = (h, None) if kp is None else h
-            return x, self.attn.project_in_deferred(hq, sx, x.shape[0], x.dtype, cos, sin, pool, pages, offsets)
+            return x, self.attn.project_in_deferred(hq, sx, x.shape[0], x.dtype, cos, sin, pool, pages, offsets,
+                                                    rotary_positions)
         if kp is None:
             return x, self.attn.project_in(h, cos, sin, pool, pages, offsets)
         return x, self.attn.project_in_quantized(*h, x.shape[0], x.dtype, cos, sin, pool, pages, offsets)
@@ -200,20 +203,24 @@ class GptOss:
             attn = self._default_attention(cache)
         if plan:
             attn.plan(batch)
-        if self.blocks and self.blocks[0].fused and self.shard.world_size == 1 and embed_fuse_enabled():
-            # the first block's norm launch looks the rows up itself (EmbeddingRows)
-            x, (cos, sin) = EmbeddingRows(self.embedding.weight, ids), self.rotary(batch.positions)
-        else:
-            x, cos, sin = self.embed(ids, batch.positions)
-        delta = None
         # per page group, once a forward: a Triton split-KV decode may take the rotary and KV write into its
-        # kernel (GpuAttention.fuses_rotary)
+        # kernel (GpuAttention.fuses_rotary); where every layer's does, it may look the rows up too
         defer: dict[str, bool] = {}
         for block in self.blocks:
             group = cache.layer_group(block.layer)
             if group not in defer:
                 defer[group] = block.fused and attn.fuses_rotary(group)
-            x, q = block.residual_attention_in(x, delta, cos, sin, cache, batch, defer_rotary=defer[group])
+        gather = bool(defer) and all(defer.values()) and gather_in_attention()
+        if self.blocks and self.blocks[0].fused and self.shard.world_size == 1 and embed_fuse_enabled():
+            x = EmbeddingRows(self.embedding.weight, ids)  # looked up by the first block's norm launch
+        else:
+            x = self.embedding(ids)
+        cos, sin = (self.rotary.cos, self.rotary.sin) if gather else self.rotary(batch.positions)
+        delta = None
+        for block in self.blocks:
+            x, q = block.residual_attention_in(x, delta, cos, sin, cache, batch,
+                                               defer_rotary=defer[cache.layer_group(block.layer)],
+                                               rotary_positions=batch.positions if gather else None)
             # summed into x: drop the MoE outputs ([T, k, hidden], 189 MB bf16 for an 8k-token prefill)
             # before this block's MoE allocates its own
             delta = None

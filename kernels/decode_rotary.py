@@ -54,13 +54,13 @@ def _rotate(row, cos, sin, heads, ok, offs_d, HALF: tl.constexpr):
 
 @triton.jit
 def _sink_decode_rotary_split_kernel(
-    qkv, cos, sin, pool, kv_indptr, kv_indices, kv_last, pages, offsets, o_part, lse_part,
+    qkv, cos, sin, pos, pool, kv_indptr, kv_indices, kv_last, pages, offsets, o_part, lse_part,
     sinks, cnt, q_ptr, s_ptr, BP, s_q, s_sm, s_sk,
     s_qkv, s_cs, s_page, s_kv, s_tok, s_head, qk_scale, WINDOW, N_Q, N_KV,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, F32: tl.constexpr, MERGE: tl.constexpr = False,
     SPLITS_P2: tl.constexpr = 1, QK_P2: tl.constexpr = 128, LATE_TRIGGER: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
+    GATHER_CS: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     # kernels/pdl.py: before any load (the QKV row is the previous kernel's) or store (the pool write)
     wait(USE_PDL)
@@ -71,7 +71,10 @@ def _sink_decode_rotary_split_kernel(
     new_pos = kv_len - 1
     HALF: tl.constexpr = HEAD_DIM // 2
     row = qkv + b.to(tl.int64) * s_qkv
-    cs = b.to(tl.int64) * s_cs
+    if GATHER_CS:  # cos/sin are the whole tables: this sequence's row is its position's
+        cs = tl.load(pos + b).to(tl.int64) * s_cs
+    else:
+        cs = b.to(tl.int64) * s_cs
     ty = qkv.dtype.element_ty
     pty = pool.dtype.element_ty
     qv = _rotate(row, cos + cs, sin + cs, head, row_ok, offs_d, HALF).to(ty)
@@ -145,14 +148,15 @@ def sink_decode_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
                        kv_last_page_len: torch.Tensor, *, sm_scale: float, window: int | None,
                        num_splits: int | None = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
                        workspace: tuple[torch.Tensor, torch.Tensor] | None = None, merge: bool = True,
-                       merge_counters: torch.Tensor | None = None):
+                       merge_counters: torch.Tensor | None = None, positions: torch.Tensor | None = None):
     """kernels.fused.rotary_kv_write(qkv, cos, sin, n_q, n_kv, D, pool, write_pages, write_offsets) then
     triton_attention.sink_decode(q, pool, sinks, ...) in one launch (+ the merge unless merge=False, which
     returns the MergePending as sink_decode does). qkv [B, (n_q + 2 n_kv) D], one new token per sequence,
     whose position the page table already counts (kv_len - 1) but whose K/V are not in the pool yet.
     merge=False with `merge_counters` (int32 zeros, >= B * n_kv, allocated before any CUDA-graph capture; each
     launch leaves them zero): a bf16 decode whose GROUP * D is a multiple of 128 merges inside the kernel and
-    returns a MergedQuant holding MergePending.quantize(n_q * D)'s result."""
+    returns a MergedQuant holding MergePending.quantize(n_q * D)'s result. `positions` [B] (int): cos/sin are
+    the whole rotary tables [max positions, D/2] and each sequence's row is looked up in the kernel."""
     batch = qkv.shape[0]
     head_dim = pool.shape[4]
     if pool.dim() != 5 or pool.shape[1] != 2 or pool.shape[3] != n_kv or pool.stride(-1) != 1:
@@ -160,6 +164,9 @@ def sink_decode_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     if qkv.shape[1] != (n_q + 2 * n_kv) * head_dim or qkv.stride(-1) != 1:
         raise ValueError(f"sink_decode_rotary: qkv {list(qkv.shape)} is not [B, {(n_q + 2 * n_kv) * head_dim}]")
     cos, sin = cos.contiguous(), sin.contiguous()
+    if positions is not None and (positions.shape[0] != batch or cos.shape[-1] * 2 != head_dim):
+        raise ValueError(f"sink_decode_rotary: positions {list(positions.shape)} for {batch} rows, tables "
+                         f"{list(cos.shape)} for head dim {head_dim}")
     page = pool.shape[2]
     group = n_q // n_kv
     num_splits, (o_part, lse_part) = split_setup(batch, n_q, n_kv, head_dim, window, num_splits, block_n, workspace,
@@ -179,13 +186,13 @@ def sink_decode_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
         s8 = torch.empty(n_cols // 128, bp, dtype=torch.float32, device=qkv.device).t()
         fused_args = (sinks, merge_counters, q8, s8, bp, q8.stride(0), s8.stride(0), s8.stride(1))
     _sink_decode_rotary_split_kernel[(batch, n_kv, num_splits)](
-        qkv, cos, sin, pool, kv_indptr, kv_indices, kv_last_page_len, write_pages, write_offsets, o_part, lse_part,
-        *fused_args,
+        qkv, cos, sin, positions if positions is not None else write_pages, pool, kv_indptr, kv_indices,
+        kv_last_page_len, write_pages, write_offsets, o_part, lse_part, *fused_args,
         qkv.stride(0), cos.stride(0), sp, skv, stok, sh, sm_scale * LOG2E, _window_arg(window), n_q, n_kv,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, F32=INTERPRET, MERGE=fuse,
         SPLITS_P2=triton.next_power_of_2(num_splits), QK_P2=triton.next_power_of_2(max(n_cols, 128)),
-        LATE_TRIGGER=late_trigger("decode"), num_warps=num_warps, num_stages=num_stages, **pdl_kwargs(qkv.device))
+        LATE_TRIGGER=late_trigger("decode"), GATHER_CS=positions is not None, num_warps=num_warps, num_stages=num_stages, **pdl_kwargs(qkv.device))
     if fuse:
         return MergedQuant(o_part, lse_part, sinks, batch, n_q, head_dim, num_splits, qkv.dtype, q8, s8)
     pending = MergePending(o_part, lse_part, sinks, batch, n_q, head_dim, num_splits, qkv.dtype)

@@ -92,11 +92,12 @@ class Attention:
 
     def project_in_deferred(self, xq: torch.Tensor, sx: torch.Tensor | None, m: int, dtype: torch.dtype,
                             cos: torch.Tensor, sin: torch.Tensor, pool: torch.Tensor, write_pages: torch.Tensor,
-                            write_offsets: torch.Tensor) -> "RotaryPending":
+                            write_offsets: torch.Tensor, positions: torch.Tensor | None = None) -> "RotaryPending":
         """project_in (xq normed, FP8-quantised when sx is given) with the rotary and the KV write left to
-        the attention kernel (GpuAttention.run: kernels/decode_rotary.py), or to RotaryPending.apply."""
+        the attention kernel (GpuAttention.run: kernels/decode_rotary.py), or to RotaryPending.apply.
+        positions: cos/sin are the whole tables, looked up at these positions by whoever applies them."""
         qkv = self.qkv(xq) if sx is None else self.qkv.run_quantized(xq, sx, m, dtype)
-        return RotaryPending(self, qkv, cos, sin, pool, write_pages, write_offsets)
+        return RotaryPending(self, qkv, cos, sin, pool, write_pages, write_offsets, positions)
 
     def rotate_and_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: torch.Tensor,
                          write_pages: torch.Tensor, write_offsets: torch.Tensor) -> torch.Tensor:
@@ -157,10 +158,12 @@ class RotaryPending:
     pool: torch.Tensor
     write_pages: torch.Tensor
     write_offsets: torch.Tensor
+    positions: torch.Tensor | None = None  # set: cos/sin are the whole tables (engine/layers/rotary.py)
 
     def apply(self) -> torch.Tensor:
-        return self.attn.rotate_and_write(self.qkv, self.cos, self.sin, self.pool, self.write_pages,
-                                          self.write_offsets)
+        cos, sin = (self.cos, self.sin) if self.positions is None else (self.cos[self.positions],
+                                                                         self.sin[self.positions])
+        return self.attn.rotate_and_write(self.qkv, cos, sin, self.pool, self.write_pages, self.write_offsets)
 
 
 @dataclass
@@ -368,7 +371,8 @@ class GpuAttention(BatchAttention):
                                           q.write_offsets, sinks, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len,
                                           sm_scale=sm_scale, window=window, num_splits=self.decode_splits[group],
                                           block_n=self.DECODE_BLOCK_N, workspace=self._ws, merge=not defer_sink,
-                                          merge_counters=self._merge_cnt if self._merge_here(quant_k) else None)
+                                          merge_counters=self._merge_cnt if self._merge_here(quant_k) else None,
+                                          positions=q.positions)
             q = q.apply()
         if self.batch.is_decode:
             if self.decode_kind[group] == "flashinfer":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kvrelay.kernels.reference import rotary_cos_sin, yarn_inv_freq
@@ -21,3 +23,11 @@ class YarnRotary:
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions], self.sin[positions]
+
+
+def gather_in_attention() -> bool:
+    """A decode forward whose every layer's rotary runs inside the split-KV decode kernel passes it the whole
+    tables and the positions, so the two row lookups (two launches a step) are not made: KVRELAY_ROTARY_GATHER=1,
+    off by default until measured on the H200 (written 2026-12-04 without device time). Read at each forward,
+    so a CUDA graph keeps the setting it was captured with. The same bits either way."""
+    return os.environ.get("KVRELAY_ROTARY_GATHER") == "1"

@@ -146,3 +146,80 @@ def test_merge_inside_the_decode_kernel_equals_the_merge_quant_launch_interprete
     narrow = sink_decode_rotary(c.qkv, c.cos, c.sin, 4, 2, c.b.pool.clone(), c.pages, c.offs, c.sinks, *args, **kw,
                                 merge_counters=cnt)
     assert type(narrow) is ta.MergePending
+
+
+@_interpreted
+def test_rotary_rows_looked_up_in_the_kernel_equal_the_gathered_rows_interpreted():
+    # positions=: cos/sin are the whole tables and each sequence's row is looked up inside the kernel
+    # (KVRELAY_ROTARY_GATHER=1): the same outputs, partials and pool as with the rows gathered beforehand.
+    from kvrelay.kernels import triton_attention as ta
+    from kvrelay.kernels.decode_rotary import sink_decode_rotary
+    from kvrelay.kernels.reference import rotary_cos_sin, yarn_inv_freq
+
+    g = torch.Generator().manual_seed(13)
+    nq, nkv, d, page, lens = 8, 2, 32, 4, [5, 17, 9]
+    c = refs.decode_rotary_case(lens, nq, nkv, d, page, "cpu", g)
+    inv, conc = yarn_inv_freq(d, 150000.0, 32.0, 4096, beta_fast=32.0, beta_slow=1.0)
+    cos_t, sin_t = rotary_cos_sin(torch.arange(64), inv, conc, torch.bfloat16)
+    pos = torch.tensor(lens) - 1
+    args = (c.b.kv_indptr, c.b.kv_indices, c.b.kv_last_page_len)
+    for merge in (True, False):
+        kw = dict(sm_scale=0.125, window=None, num_splits=2, block_n=16, merge=merge)
+        pa, pb = c.b.pool.clone(), c.b.pool.clone()
+        want = sink_decode_rotary(c.qkv, cos_t[pos], sin_t[pos], nq, nkv, pa, c.pages, c.offs, c.sinks, *args, **kw)
+        got = sink_decode_rotary(c.qkv, cos_t, sin_t, nq, nkv, pb, c.pages, c.offs, c.sinks, *args, **kw,
+                                 positions=pos)
+        assert torch.equal(pb, pa)
+        if merge:
+            assert torch.equal(got, want)
+        else:
+            assert isinstance(got, ta.MergePending)
+            assert torch.equal(got.apply(), want.apply())
+    try:
+        sink_decode_rotary(c.qkv, cos_t, sin_t, nq, nkv, c.b.pool.clone(), c.pages, c.offs, c.sinks, *args,
+                           sm_scale=0.125, window=None, positions=pos[:2])
+        raise AssertionError("positions for the wrong number of rows were accepted")
+    except ValueError as e:
+        assert "positions" in str(e)
+
+
+@_interpreted
+def test_model_decode_with_the_rotary_rows_looked_up_in_attention_equals_without_interpreted():
+    # The tiny model with fused glue and Triton attention under the interpreter: decode steps with
+    # KVRELAY_ROTARY_GATHER=1 (and KVRELAY_EMBED_FUSE=1 with it) give the same logits, bit for bit, as without,
+    # and with it every decode layer's kernel got the whole tables and the positions.
+    from kvrelay.engine.config import PRESETS
+    from kvrelay.engine.runner import Runner
+    from kvrelay.engine.weights import open_weights
+    from kvrelay.kernels import decode_rotary
+
+    cfg = PRESETS["tiny"].replace(num_hidden_layers=2)
+    prompt = [3, 141, 59, 26, 535, 8, 97, 93, 23, 84, 62, 64]
+    seen = []
+    orig = decode_rotary.sink_decode_rotary
+
+    def counted(*a, **k):
+        seen.append(k.get("positions") is not None)
+        return orig(*a, **k)
+
+    def run(on: bool):
+        os.environ.update(KVRELAY_KERNELS="triton", KVRELAY_ATTENTION="triton",
+                          KVRELAY_ROTARY_GATHER="1" if on else "0", KVRELAY_EMBED_FUSE="1" if on else "0")
+        try:
+            r = Runner(cfg, open_weights(None, cfg, dummy=True, seed=3), page_size=4, kv_tokens=64)
+            out = [r.prefill("a", prompt).float()] + [r.decode(["a"], [t]).float() for t in (7, 900, 12)]
+        finally:
+            for k in ("KVRELAY_KERNELS", "KVRELAY_ATTENTION", "KVRELAY_ROTARY_GATHER", "KVRELAY_EMBED_FUSE"):
+                os.environ.pop(k, None)
+        return torch.stack([o.reshape(-1) for o in out])
+
+    decode_rotary.sink_decode_rotary = counted
+    try:
+        off = run(False)
+        assert seen and not any(seen)
+        seen.clear()
+        on = run(True)
+    finally:
+        decode_rotary.sink_decode_rotary = orig
+    assert len(seen) == 3 * cfg.num_hidden_layers and all(seen)
+    assert torch.equal(on, off)

@@ -126,3 +126,30 @@ def test_model_decode_with_merge_in_attention_equals_without(monkeypatch, quant)
     for graphs in (True, False):
         for a, b in zip(logits[True, graphs], logits[False, graphs], strict=True):
             assert torch.equal(a, b), graphs
+
+
+def test_model_decode_with_the_bit_exact_opt_in_fusions_equals_without(monkeypatch):
+    # KVRELAY_ROTARY_GATHER (the rotary rows looked up in the decode kernel), KVRELAY_EMBED_FUSE (the token rows
+    # in the first norm) and KVRELAY_DECODE_MERGE_FUSE together against none of them: the same logits, bit for
+    # bit, graph-replayed and eager (KVRELAY_MOE_NORM_FUSE is not bit-exact: its own test)
+    from kvrelay.engine.runner import Runner
+
+    dev = _cuda()
+    cfg = attn64_cfg()
+    w = dummy_weights(cfg, seed=14)
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (9, 200)]
+    feed = torch.randint(0, cfg.vocab_size, (5, 2), generator=g).tolist()
+    logits = {}
+    for on in ("1", "0"):
+        for name in ("KVRELAY_ROTARY_GATHER", "KVRELAY_EMBED_FUSE", "KVRELAY_DECODE_MERGE_FUSE"):
+            monkeypatch.setenv(name, on)
+        for graphs in (True, False):
+            r = Runner(cfg, w, device=dev, page_size=16, kv_tokens=8192, quant="fp8-block128", cuda_graphs=graphs,
+                       cuda_graph_batch_sizes=(1, 2))
+            steps = [r.prefill_batch([(i, p) for i, p in enumerate(prompts)])]
+            steps += [r.decode([0, 1], toks) for toks in feed] + [r.decode([0], [feed[0][1]])]
+            logits[on, graphs] = [s.float() for s in steps]
+    for graphs in (True, False):
+        for a, b in zip(logits["1", graphs], logits["0", graphs], strict=True):
+            assert torch.equal(a, b), graphs
