@@ -193,9 +193,11 @@ class GptOss:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: KVCache, batch: BatchLayout, *,
-                all_logits: bool = False, attn: BatchAttention | None = None, plan: bool = True) -> torch.Tensor:
+                all_logits: bool = False, attn: BatchAttention | None = None, plan: bool = True,
+                float_logits: bool = True) -> torch.Tensor:
         """Append the ragged tokens `ids` [T] to the cache and return logits [B, vocab] (fp32) for each
-        sequence's last new token, or [T, vocab] for every token when all_logits (tests, scoring).
+        sequence's last new token, or [T, vocab] for every token when all_logits (tests, scoring);
+        float_logits=False: in the head's dtype (GptOss.head).
 
         `attn` (default: one made for `cache` and kept) is planned here unless plan=False (a CUDA-graph
         step plans outside the graph)."""
@@ -225,7 +227,7 @@ class GptOss:
             # before this block's MoE allocates its own
             delta = None
             x, delta = block.attention_out_deferred(x, block.attend(q, cache, attn))
-        return self.head(x, None if all_logits else batch.logit_rows, delta)
+        return self.head(x, None if all_logits else batch.logit_rows, delta, float_logits=float_logits)
 
     def embed(self, ids: torch.Tensor, positions: torch.Tensor):
         """Token embeddings [T, hidden] and the rotary tables of the tokens' positions."""
@@ -233,8 +235,10 @@ class GptOss:
         return self.embedding(ids), cos, sin
 
     def head(self, x: torch.Tensor, logit_rows: torch.Tensor | None,
-             delta: torch.Tensor | MoePending | None = None) -> torch.Tensor:
-        """Final norm and unembedding of `logit_rows` of x + delta (every row when None): fp32 logits.
+             delta: torch.Tensor | MoePending | None = None, *, float_logits: bool = True) -> torch.Tensor:
+        """Final norm and unembedding of `logit_rows` of x + delta (every row when None): fp32 logits, or with
+        float_logits=False the unembedding's own dtype (bf16 for a bf16 model: the same values before the
+        exact widening; a decode graph that leaves it to its caller saves the conversion launch).
         On the fused path one kernel adds the last block's MoE outputs and norms only the logit rows."""
         if self.fused_head:
             from kvrelay.kernels.fused import add_rms_norm
@@ -244,14 +248,17 @@ class GptOss:
             h = add_rms_norm(x, moe_outputs(delta), self.norm.scale, self.norm.eps, rows=logit_rows,
                              store_x=False, quant_k=kq)[1]
             if kq is None:
-                return self.unembedding(h).float()
-            rows = x.shape[0] if logit_rows is None else logit_rows.shape[0]
-            return self.unembedding.run_quantized(*h, rows, x.dtype).float()
-        if delta is not None:
-            x = self.blocks[-1].add_delta(x, delta)
-        if logit_rows is not None:
-            x = x[logit_rows]
-        return self.unembedding(self.norm(x)).float()
+                out = self.unembedding(h)
+            else:
+                rows = x.shape[0] if logit_rows is None else logit_rows.shape[0]
+                out = self.unembedding.run_quantized(*h, rows, x.dtype)
+        else:
+            if delta is not None:
+                x = self.blocks[-1].add_delta(x, delta)
+            if logit_rows is not None:
+                x = x[logit_rows]
+            out = self.unembedding(self.norm(x))
+        return out.float() if float_logits else out
 
     def _default_attention(self, cache: KVCache) -> BatchAttention:
         att = getattr(self, "_attention", None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,14 @@ from kvrelay.kernels.reference import PagedKV
 __all__ = ["Runner", "OutOfPages", "PendingStep", "open_model_weights"]
 
 _WORKSPACE_BYTES = 128 << 20
+
+
+def graph_head_logits() -> bool:
+    """Decode graphs return the logits in the head's dtype (bf16 for a bf16 model) instead of widened to fp32 in
+    the graph: KVRELAY_GRAPH_HEAD_LOGITS=1, off by default until measured on the H200 (one launch fewer a step
+    on the pipelined greedy path, whose argmax picks the same token from either; written 2026-12-04 without
+    device time). Read when a graph is captured (or an uncaptured step runs)."""
+    return os.environ.get("KVRELAY_GRAPH_HEAD_LOGITS") == "1"
 
 
 def open_model_weights(model: str | Path, cfg: ModelConfig, *, dummy: bool, seed: int) -> WeightGetter:
@@ -289,7 +298,8 @@ class Runner:
 
     def _graph_step(self, bs: int) -> torch.Tensor:
         b = self._gbuf
-        return self.model.forward(b.i64[:bs], self.kv, b.batches[bs], attn=b.attention[bs], plan=False)
+        return self.model.forward(b.i64[:bs], self.kv, b.batches[bs], attn=b.attention[bs], plan=False,
+                                  float_logits=not graph_head_logits())
 
     def _decode_graph(self, items: list[tuple[Hashable, int]], fill=None, clone: bool = True) -> torch.Tensor:
         if self._graphs is None:
@@ -311,8 +321,12 @@ class Runner:
                 self._graph_prepare(bs, n)
                 out = self._graph_step(bs)
             # The graph's output buffer is overwritten by the next replay; a caller that reduces it on the
-            # stream right away (decode_launch) needs no copy.
-            logits = out[:n].clone() if clone else out[:n]
+            # stream right away (decode_launch: the argmax picks the same token from the head's bf16 values as
+            # from their exact fp32 widening) needs no copy. `decode` returns fp32 either way.
+            if clone:
+                logits = out[:n].clone() if out.dtype == torch.float32 else out[:n].float()
+            else:
+                logits = out[:n]
         finally:
             self._gbuf.items = None
         for sid, _ in items:

@@ -7,6 +7,8 @@ same pieces are replayed as CUDA graphs (tests/gpu/test_cuda_graph.py)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -17,8 +19,8 @@ from kvrelay.engine.runner import Runner
 pytestmark = pytest.mark.usefixtures("model_single_thread")
 
 
-def _runner(pieces: bool) -> Runner:
-    r = Runner.load("tiny", dummy=True, seed=3, page_size=4, num_pages=256, dtype=torch.float32)
+def _runner(pieces: bool, dtype: torch.dtype = torch.float32) -> Runner:
+    r = Runner.load("tiny", dummy=True, seed=3, page_size=4, num_pages=256, dtype=dtype)
     if pieces:
         # What Runner.warmup does on a GPU, minus the capture: a scratch page per group for the padding
         # rows, and pieces that the forward runs eagerly (graph_replay False).
@@ -101,3 +103,42 @@ def test_decode_graph_buffers_step_equals_eager_decode():
     for i in prompts:
         r.free(i)
     assert r.kv.free_pages() == {g: r.kv.allocators[g].num_pages - 1 for g in GROUPS}
+
+
+def test_decode_graph_step_in_the_heads_dtype_selects_the_same_tokens():
+    """KVRELAY_GRAPH_HEAD_LOGITS=1: the decode graph step (its fixed buffers, run uncaptured on the CPU) returns the
+    bf16 model's head output unwidened; `decode` still returns fp32 (the same values), and the pipelined greedy
+    path (decode_launch / decode_collect) picks the same tokens as with fp32 logits."""
+    from kvrelay.engine.cuda_graph import DecodeGraphBuffers, DecodeGraphs
+
+    def graph_runner():
+        r = _runner(False, dtype=torch.bfloat16)
+        r.cuda_graph_batch_sizes = (1, 2, 4)
+        r._scratch = {g: r.kv.allocators[g].allocate(1)[0] for g in GROUPS}
+        cap = {g: r.kv.allocators[g].num_pages + 8 for g in GROUPS}
+        r._gbuf = DecodeGraphBuffers.allocate(r.cuda_graph_batch_sizes, cap, r.device,
+                                              lambda bs: r.model.make_attention(r.kv.page_size))
+        r._graphs = DecodeGraphs(r._graph_step, r._graph_prepare, r.cuda_graph_batch_sizes)
+        return r
+
+    prompts = {"a": [3, 1, 4, 1, 5, 9, 2, 6, 5], "b": [2, 7, 1, 8]}
+    out = {}
+    for flag in ("0", "1"):
+        os.environ["KVRELAY_GRAPH_HEAD_LOGITS"] = flag
+        try:
+            r = graph_runner()
+            first = r.prefill_batch(list(prompts.items())).argmax(-1).tolist()
+            logits = r.decode(["a", "b"], first)
+            assert logits.dtype == torch.float32
+            step = r.decode_launch(["a", "b"], logits.argmax(-1).tolist(), select_later=True)
+            assert step.logits.dtype == (torch.bfloat16 if flag == "1" else torch.float32)  # the graph's output
+            step = r.decode_select(step)
+            tokens = []
+            for _ in range(3):
+                step = r.decode_launch(["a", "b"], [None, None], prev=step)
+                tokens.append(step.tokens.tolist())
+            out[flag] = (logits, tokens)
+        finally:
+            os.environ.pop("KVRELAY_GRAPH_HEAD_LOGITS", None)
+    assert torch.equal(out["0"][0], out["1"][0])
+    assert out["0"][1] == out["1"][1]
