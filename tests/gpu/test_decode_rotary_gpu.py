@@ -130,8 +130,8 @@ def test_model_decode_with_merge_in_attention_equals_without(monkeypatch, quant)
 
 def test_model_decode_with_the_bit_exact_opt_in_fusions_equals_without(monkeypatch):
     # KVRELAY_ROTARY_GATHER (the rotary rows looked up in the decode kernel), KVRELAY_EMBED_FUSE (the token rows
-    # in the first norm) and KVRELAY_DECODE_MERGE_FUSE together against none of them: the same logits, bit for
-    # bit, graph-replayed and eager (KVRELAY_MOE_NORM_FUSE is not bit-exact: its own test)
+    # in the first norm), KVRELAY_DECODE_MERGE_FUSE and KVRELAY_GRAPH_HEAD_LOGITS together against none of them:
+    # the same logits, bit for bit, graph-replayed and eager (KVRELAY_MOE_NORM_FUSE is not bit-exact: its own test)
     from kvrelay.engine.runner import Runner
 
     dev = _cuda()
@@ -142,7 +142,8 @@ def test_model_decode_with_the_bit_exact_opt_in_fusions_equals_without(monkeypat
     feed = torch.randint(0, cfg.vocab_size, (5, 2), generator=g).tolist()
     logits = {}
     for on in ("1", "0"):
-        for name in ("KVRELAY_ROTARY_GATHER", "KVRELAY_EMBED_FUSE", "KVRELAY_DECODE_MERGE_FUSE"):
+        for name in ("KVRELAY_ROTARY_GATHER", "KVRELAY_EMBED_FUSE", "KVRELAY_DECODE_MERGE_FUSE",
+                     "KVRELAY_GRAPH_HEAD_LOGITS"):
             monkeypatch.setenv(name, on)
         for graphs in (True, False):
             r = Runner(cfg, w, device=dev, page_size=16, kv_tokens=8192, quant="fp8-block128", cuda_graphs=graphs,
