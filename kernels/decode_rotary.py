@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_quant import quant_1x128
+from .fp8_quant import store_zero_rows
 from .pdl import launch_dependents, late_trigger, pdl_kwargs, wait
 from .triton_attention import INTERPRET, LOG2E, MergePending, _merge, _merge_quant_block, _pool_strides, \
     _split_attend, _split_program, _store_partial, _window_arg, split_setup
@@ -106,15 +106,8 @@ def _sink_decode_rotary_split_kernel(
             for j in tl.static_range(BLOCKS):
                 _merge_quant_block(o_part, lse_part, sinks, q_ptr, s_ptr, b, kvh * BLOCKS + j, n_rows, n_cols,
                                    s_q, s_sm, s_sk, HEAD_DIM, NUM_SPLITS, SPLITS_P2, True)
-            if (b == n_rows - 1) & (kvh == N_KV - 1):
-                # the M-padding rows, as _merge_quant_block writes rows >= B: zeros with the floor scale
-                zq, floor = quant_1x128(tl.zeros([128], tl.float32), 0)
-                cols = tl.arange(0, QK_P2)
-                blk = tl.arange(0, QK_P2 // 128)
-                for r in range(n_rows, BP):
-                    tl.store(q_ptr + r * s_q + cols, (cols * 0.0).to(q_ptr.dtype.element_ty),
-                             mask=cols < n_cols)
-                    tl.store(s_ptr + r * s_sm + blk * s_sk, blk * 0.0 + floor, mask=blk * 128 < n_cols)
+            if (b == n_rows - 1) & (kvh == N_KV - 1):  # the M-padding rows, as _merge_quant_block writes them
+                store_zero_rows(q_ptr, s_ptr, n_rows, BP, s_q, s_sm, s_sk, n_cols, QK_P2)
             tl.atomic_xchg(slot, 0, sem="relaxed", scope="gpu")
 
 

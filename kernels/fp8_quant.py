@@ -20,3 +20,17 @@ def quant_1x128(v, AXIS: tl.constexpr):
     else:
         qv = v / scale[:, None]
     return tl.minimum(tl.maximum(qv, -448.0), 448.0), scale
+
+
+@triton.jit
+def store_zero_rows(q_ptr, s_ptr, r0, r1, s_q, s_sm, s_sk, n_cols, BLOCK: tl.constexpr):
+    """Rows r0 .. r1 - 1 of an FP8 GEMM input (its M padding) as quantize_act_1x128 writes an all-zero row:
+    zeros with the floor scale, its n_cols columns (a multiple of 128, <= BLOCK, a power of two >= 128) and their
+    n_cols / 128 scales. For the kernels that quantise rows a program at a time and write the padding with their
+    last program (decode_rotary's merge, moe_gemv's norm-fused GEMV2)."""
+    _, floor = quant_1x128(tl.zeros([128], tl.float32), 0)
+    cols = tl.arange(0, BLOCK)
+    blk = tl.arange(0, BLOCK // 128)
+    for r in range(r0, r1):
+        tl.store(q_ptr + r * s_q + cols, (cols * 0.0).to(q_ptr.dtype.element_ty), mask=cols < n_cols)
+        tl.store(s_ptr + r * s_sm + blk * s_sk, blk * 0.0 + floor, mask=blk * 128 < n_cols)

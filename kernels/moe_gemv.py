@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_quant import quant_1x128
+from .fp8_quant import store_zero_rows
 from .fused import add_rms_norm_row, norm_block, quant_buffers
 from .pdl import enter, pdl_kwargs
 
@@ -177,12 +177,7 @@ def _gemv2_norm_kernel(act, ids, route_w, w, s, b, y, x, nw, xo, out, q, sq, cnt
                 # the M-padding rows T..MP-1: zeros with the floor scale stored directly (the row body would
                 # norm and quantise MP - T rows of nothing: ~3 rows of tail at batch 1). add_rms_norm's own pad
                 # rows hold the same values, up to the sign of a zero (w * +0 keeps w's sign).
-                zq, floor = quant_1x128(tl.zeros([128], tl.float32), 0)
-                cols = tl.arange(0, BLOCK)
-                gi = tl.arange(0, BLOCK // 128)
-                for r in range(T, MP):
-                    tl.store(q + r * s_q + cols, (cols * 0.0).to(q.dtype.element_ty), mask=cols < N_GROUPS * 128)
-                    tl.store(sq + r * s_sm + gi * s_sk, gi * 0.0 + floor, mask=gi < N_GROUPS)
+                store_zero_rows(q, sq, T, MP, s_q, s_sm, s_sk, N_GROUPS * 128, BLOCK)
         tl.atomic_xchg(cnt + tok, 0, sem="relaxed", scope="gpu")
 
 
