@@ -11,6 +11,27 @@ import torch
 from interp_helpers import interpreted, refs
 
 _interpreted = interpreted(__file__)
+PROMPT = [3, 141, 59, 26, 535, 8, 97, 93, 23, 84, 62, 64]
+
+
+def _tiny_decode_logits(**env: str) -> torch.Tensor:
+    """The 2-layer tiny model on the GPU kernels under the interpreter (fused glue, Triton attention) with `env`
+    set for the run: a 12-token prefill and three decode steps, every step's logits stacked (fp32)."""
+    from kvrelay.engine.config import PRESETS
+    from kvrelay.engine.runner import Runner
+    from kvrelay.engine.weights import open_weights
+
+    cfg = PRESETS["tiny"].replace(num_hidden_layers=2)
+    env = {"KVRELAY_KERNELS": "triton", "KVRELAY_ATTENTION": "triton", **env}
+    os.environ.update(env)
+    try:
+        r = Runner(cfg, open_weights(None, cfg, dummy=True, seed=3), page_size=4, kv_tokens=64)
+        assert r.model.blocks[0].fused
+        out = [r.prefill("a", PROMPT).float()] + [r.decode(["a"], [t]).float() for t in (7, 900, 12)]
+    finally:
+        for k in env:
+            os.environ.pop(k, None)
+    return torch.stack([o.reshape(-1) for o in out])
 
 
 @_interpreted
@@ -53,13 +74,8 @@ def test_model_decode_with_rotary_in_the_attention_kernel_equals_without_interpr
     # The GPU-kernel model (fused glue, Triton attention) under the interpreter: decode steps with
     # KVRELAY_DECODE_ROTARY=1 (its layers' rotary + KV write inside the split-KV kernel) give the same logits,
     # bit for bit, as without, across the sliding window (8); the fused kernel did run, in every layer.
-    from kvrelay.engine.config import PRESETS
-    from kvrelay.engine.runner import Runner
-    from kvrelay.engine.weights import open_weights
     from kvrelay.kernels import decode_rotary
 
-    cfg = PRESETS["tiny"].replace(num_hidden_layers=2)
-    prompt = [3, 141, 59, 26, 535, 8, 97, 93, 23, 84, 62, 64]
     calls = []
     orig = decode_rotary.sink_decode_rotary
 
@@ -67,27 +83,14 @@ def test_model_decode_with_rotary_in_the_attention_kernel_equals_without_interpr
         calls.append(1)
         return orig(*a, **k)
 
-    def run(on: bool):
-        os.environ["KVRELAY_KERNELS"] = "triton"
-        os.environ["KVRELAY_ATTENTION"] = "triton"
-        os.environ["KVRELAY_DECODE_ROTARY"] = "1" if on else "0"
-        try:
-            r = Runner(cfg, open_weights(None, cfg, dummy=True, seed=3), page_size=4, kv_tokens=64)
-            assert r.model.blocks[0].fused
-            out = [r.prefill("a", prompt).float()] + [r.decode(["a"], [t]).float() for t in (7, 900, 12)]
-        finally:
-            for k in ("KVRELAY_KERNELS", "KVRELAY_ATTENTION", "KVRELAY_DECODE_ROTARY"):
-                os.environ.pop(k, None)
-        return torch.stack([o.reshape(-1) for o in out])
-
     decode_rotary.sink_decode_rotary = counted
     try:
-        off = run(False)
+        off = _tiny_decode_logits(KVRELAY_DECODE_ROTARY="0")
         assert not calls
-        on = run(True)
+        on = _tiny_decode_logits(KVRELAY_DECODE_ROTARY="1")
     finally:
         decode_rotary.sink_decode_rotary = orig
-    assert len(calls) == 3 * cfg.num_hidden_layers  # every decode step's every layer, never the prefill
+    assert len(calls) == 3 * 2  # every decode step's every (2) layer, never the prefill
     assert torch.equal(on, off)
 
 
@@ -188,13 +191,8 @@ def test_model_decode_with_the_rotary_rows_looked_up_in_attention_equals_without
     # The tiny model with fused glue and Triton attention under the interpreter: decode steps with
     # KVRELAY_ROTARY_GATHER=1 (and KVRELAY_EMBED_FUSE=1 with it) give the same logits, bit for bit, as without,
     # and with it every decode layer's kernel got the whole tables and the positions.
-    from kvrelay.engine.config import PRESETS
-    from kvrelay.engine.runner import Runner
-    from kvrelay.engine.weights import open_weights
     from kvrelay.kernels import decode_rotary
 
-    cfg = PRESETS["tiny"].replace(num_hidden_layers=2)
-    prompt = [3, 141, 59, 26, 535, 8, 97, 93, 23, 84, 62, 64]
     seen = []
     orig = decode_rotary.sink_decode_rotary
 
@@ -203,15 +201,8 @@ def test_model_decode_with_the_rotary_rows_looked_up_in_attention_equals_without
         return orig(*a, **k)
 
     def run(on: bool):
-        os.environ.update(KVRELAY_KERNELS="triton", KVRELAY_ATTENTION="triton",
-                          KVRELAY_ROTARY_GATHER="1" if on else "0", KVRELAY_EMBED_FUSE="1" if on else "0")
-        try:
-            r = Runner(cfg, open_weights(None, cfg, dummy=True, seed=3), page_size=4, kv_tokens=64)
-            out = [r.prefill("a", prompt).float()] + [r.decode(["a"], [t]).float() for t in (7, 900, 12)]
-        finally:
-            for k in ("KVRELAY_KERNELS", "KVRELAY_ATTENTION", "KVRELAY_ROTARY_GATHER", "KVRELAY_EMBED_FUSE"):
-                os.environ.pop(k, None)
-        return torch.stack([o.reshape(-1) for o in out])
+        flag = "1" if on else "0"
+        return _tiny_decode_logits(KVRELAY_ROTARY_GATHER=flag, KVRELAY_EMBED_FUSE=flag)
 
     decode_rotary.sink_decode_rotary = counted
     try:
@@ -221,5 +212,5 @@ def test_model_decode_with_the_rotary_rows_looked_up_in_attention_equals_without
         on = run(True)
     finally:
         decode_rotary.sink_decode_rotary = orig
-    assert len(seen) == 3 * cfg.num_hidden_layers and all(seen)
+    assert len(seen) == 3 * 2 and all(seen)  # every decode step's every (2) layer
     assert torch.equal(on, off)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_refs import decode_rotary_case, rel_err
-from tiny_models import attn64_cfg, dummy_weights
+from tiny_models import assert_same_logits, attn64_cfg, decode_logits, dummy_weights, prompts_and_feed
 
 pytestmark = pytest.mark.gpu
 
@@ -42,22 +42,15 @@ def test_decode_rotary_equals_rotary_write_then_split_decode(window):
 
 
 def test_model_decode_with_rotary_in_attention_equals_without(monkeypatch):
-    from kvrelay.engine.runner import Runner
-
     dev = _cuda()
     cfg = attn64_cfg()
     w = dummy_weights(cfg, seed=11)
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (7, 150)]
-    feed = torch.randint(0, cfg.vocab_size, (6, 2), generator=g).tolist()
+    prompts, feed = prompts_and_feed(cfg, 3, (7, 150), 6)
     logits = {}
     for on in (False, True):
         monkeypatch.setenv("KVRELAY_DECODE_ROTARY", "1" if on else "0")
-        r = Runner(cfg, w, device=dev, page_size=16, kv_tokens=4096, cuda_graph_batch_sizes=(1, 2, 4))
-        steps = [r.prefill_batch([(i, p) for i, p in enumerate(prompts)])]
-        steps += [r.decode([0, 1], toks) for toks in feed]
-        logits[on] = torch.stack([s.float() for s in steps])
-    assert torch.equal(logits[True], logits[False])
+        logits[on] = decode_logits(cfg, w, dev, prompts, feed, kv_tokens=4096, cuda_graph_batch_sizes=(1, 2, 4))
+    assert_same_logits(logits[True], logits[False], "rotary in the decode kernel")
 
 
 @pytest.mark.parametrize("lens", [[8192], [1, 17, 8192], [1, 17, 300, 8192, 5, 6, 7, 64]])
@@ -94,15 +87,12 @@ def test_merge_inside_decode_kernel_equals_merge_quant_launch(lens, window):
 def test_model_decode_with_merge_in_attention_equals_without(monkeypatch, quant):
     # the FP8 model (its output projection takes the merged heads quantised): graph-replayed and eager decode
     # steps with the merge inside the decode kernel give the same logits, bit for bit, as the separate launch
-    from kvrelay.engine.runner import Runner
     from kvrelay.kernels import decode_rotary
 
     dev = _cuda()
     cfg = attn64_cfg()
     w = dummy_weights(cfg, seed=12)
-    g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (7, 150, 300)]
-    feed = torch.randint(0, cfg.vocab_size, (6, 3), generator=g).tolist()
+    prompts, feed = prompts_and_feed(cfg, 4, (7, 150, 300), 6)
     made = []
     orig = decode_rotary.MergedQuant.__init__
 
@@ -116,41 +106,29 @@ def test_model_decode_with_merge_in_attention_equals_without(monkeypatch, quant)
         monkeypatch.setenv("KVRELAY_DECODE_MERGE_FUSE", "1" if on else "0")
         for graphs in (True, False):
             made.clear()
-            r = Runner(cfg, w, device=dev, page_size=16, kv_tokens=8192, quant=quant, cuda_graphs=graphs,
-                       cuda_graph_batch_sizes=(1, 2, 4))
-            steps = [r.prefill_batch([(i, p) for i, p in enumerate(prompts)])]
-            steps += [r.decode([0, 1, 2], toks) for toks in feed]
-            steps += [r.decode([1], [toks[0]]) for toks in feed[:2]]  # batch 1: three M-padding rows
-            logits[on, graphs] = [s.float() for s in steps]
+            logits[on, graphs] = decode_logits(
+                cfg, w, dev, prompts, feed, tail=[([1], [toks[0]]) for toks in feed[:2]],  # batch 1: 3 pad rows
+                kv_tokens=8192, quant=quant, cuda_graphs=graphs, cuda_graph_batch_sizes=(1, 2, 4))
             assert bool(made) == on  # the fused kernel ran (graph capture or eager) exactly when switched on
     for graphs in (True, False):
-        for a, b in zip(logits[True, graphs], logits[False, graphs], strict=True):
-            assert torch.equal(a, b), graphs
+        assert_same_logits(logits[True, graphs], logits[False, graphs], ("graphs", graphs))
 
 
 def test_model_decode_with_the_bit_exact_opt_in_fusions_equals_without(monkeypatch):
     # KVRELAY_ROTARY_GATHER (the rotary rows looked up in the decode kernel), KVRELAY_EMBED_FUSE (the token rows
     # in the first norm), KVRELAY_DECODE_MERGE_FUSE and KVRELAY_GRAPH_HEAD_LOGITS together against none of them:
     # the same logits, bit for bit, graph-replayed and eager (KVRELAY_MOE_NORM_FUSE is not bit-exact: its own test)
-    from kvrelay.engine.runner import Runner
-
     dev = _cuda()
     cfg = attn64_cfg()
     w = dummy_weights(cfg, seed=14)
-    g = torch.Generator().manual_seed(8)
-    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (9, 200)]
-    feed = torch.randint(0, cfg.vocab_size, (5, 2), generator=g).tolist()
+    prompts, feed = prompts_and_feed(cfg, 8, (9, 200), 5)
     logits = {}
     for on in ("1", "0"):
         for name in ("KVRELAY_ROTARY_GATHER", "KVRELAY_EMBED_FUSE", "KVRELAY_DECODE_MERGE_FUSE",
                      "KVRELAY_GRAPH_HEAD_LOGITS"):
             monkeypatch.setenv(name, on)
         for graphs in (True, False):
-            r = Runner(cfg, w, device=dev, page_size=16, kv_tokens=8192, quant="fp8-block128", cuda_graphs=graphs,
-                       cuda_graph_batch_sizes=(1, 2))
-            steps = [r.prefill_batch([(i, p) for i, p in enumerate(prompts)])]
-            steps += [r.decode([0, 1], toks) for toks in feed] + [r.decode([0], [feed[0][1]])]
-            logits[on, graphs] = [s.float() for s in steps]
+            logits[on, graphs] = decode_logits(cfg, w, dev, prompts, feed, tail=[([0], [feed[0][1]])], kv_tokens=8192,
+                                               quant="fp8-block128", cuda_graphs=graphs, cuda_graph_batch_sizes=(1, 2))
     for graphs in (True, False):
-        for a, b in zip(logits["1", graphs], logits["0", graphs], strict=True):
-            assert torch.equal(a, b), graphs
+        assert_same_logits(logits["1", graphs], logits["0", graphs], ("graphs", graphs))

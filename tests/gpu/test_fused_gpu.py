@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import attn64_cfg, dummy_weights
+from tiny_models import assert_same_logits, attn64_cfg, decode_logits, dummy_weights, prompts_and_feed
 
 from kernel_refs import bits as _bits, poison_allocator
 
@@ -389,23 +389,15 @@ def test_add_norm_route_matches_add_rms_norm_and_router(t, e):
 def test_model_with_the_lookup_in_the_first_norm_equals_without(monkeypatch, quant):
     # KVRELAY_EMBED_FUSE=1: the first block's norm launch looks the token rows up itself (the same bits as
     # F.embedding then the norm), graph-replayed and eager decode steps and a prefill alike
-    from kvrelay.engine.runner import Runner
-
     dev = _cuda()
     cfg = attn64_cfg()
     w = dummy_weights(cfg, seed=13)
-    g = torch.Generator().manual_seed(6)
-    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (5, 90)]
-    feed = torch.randint(0, cfg.vocab_size, (4, 2), generator=g).tolist()
+    prompts, feed = prompts_and_feed(cfg, 6, (5, 90), 4)
     logits = {}
     for on in ("1", "0"):
         monkeypatch.setenv("KVRELAY_EMBED_FUSE", on)
         for graphs in (True, False):
-            r = Runner(cfg, w, device=dev, page_size=16, kv_tokens=4096, quant=quant, cuda_graphs=graphs,
-                       cuda_graph_batch_sizes=(1, 2))
-            steps = [r.prefill_batch([(i, p) for i, p in enumerate(prompts)])]
-            steps += [r.decode([0, 1], toks) for toks in feed] + [r.decode([1], [feed[0][0]])]
-            logits[on, graphs] = [s.float() for s in steps]
+            logits[on, graphs] = decode_logits(cfg, w, dev, prompts, feed, tail=[([1], [feed[0][0]])], kv_tokens=4096,
+                                               quant=quant, cuda_graphs=graphs, cuda_graph_batch_sizes=(1, 2))
     for graphs in (True, False):
-        for a, b in zip(logits["1", graphs], logits["0", graphs], strict=True):
-            assert torch.equal(a, b), graphs
+        assert_same_logits(logits["1", graphs], logits["0", graphs], ("graphs", graphs))

@@ -23,3 +23,33 @@ def dummy_weights(cfg, seed: int):
 
     dummy = open_weights(None, cfg, dummy=True, seed=seed)
     return TensorDictWeights({n: dummy.get(n, device="cpu") for n in canonical_shapes(cfg)})
+
+
+def prompts_and_feed(cfg, seed: int, lens, steps: int):
+    """Random prompts of the given lengths and `steps` rows of one decode token per prompt (CPU draws)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in lens]
+    return prompts, torch.randint(0, cfg.vocab_size, (steps, len(lens)), generator=g).tolist()
+
+
+def decode_logits(cfg, w, dev, prompts, feed, *, tail=(), **runner_kw):
+    """A Runner of cfg on dev (page 16; runner_kw: quant, cuda_graphs, cuda_graph_batch_sizes, kv_tokens, ...):
+    the batch prefill of `prompts` (sequence ids 0, 1, ...), a decode step of every sequence per row of `feed`,
+    then one step per (ids, tokens) of `tail`. Each step's logits, fp32."""
+    from kvrelay.engine.runner import Runner
+
+    r = Runner(cfg, w, device=dev, page_size=16, **runner_kw)
+    steps = [r.prefill_batch(list(enumerate(prompts)))]
+    steps += [r.decode(list(range(len(prompts))), toks) for toks in feed]
+    steps += [r.decode(ids, toks) for ids, toks in tail]
+    return [s.float() for s in steps]
+
+
+def assert_same_logits(a, b, what) -> None:
+    """Two decode_logits runs equal step for step, bit for bit."""
+    import torch
+
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert torch.equal(x, y), (what, i, (x - y).abs().max())
