@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,10 +34,11 @@ _WORKSPACE_BYTES = 128 << 20
 
 def graph_head_logits() -> bool:
     """Decode graphs return the logits in the head's dtype (bf16 for a bf16 model) instead of widened to fp32 in
-    the graph: KVRELAY_GRAPH_HEAD_LOGITS=1, off by default until measured on the H200 (one launch fewer a step
-    on the pipelined greedy path, whose argmax picks the same token from either; written 2026-12-04 without
-    device time). Read when a graph is captured (or an uncaptured step runs)."""
-    return os.environ.get("KVRELAY_GRAPH_HEAD_LOGITS") == "1"
+    the graph (one launch fewer a step on the pipelined greedy path, whose argmax picks the same token from
+    either): KVRELAY_GRAPH_HEAD_LOGITS, a decode fusion of kernels.select.DECODE_FUSIONS."""
+    from kvrelay.kernels.select import fusion_on
+
+    return fusion_on("KVRELAY_GRAPH_HEAD_LOGITS")
 
 
 def open_model_weights(model: str | Path, cfg: ModelConfig, *, dummy: bool, seed: int) -> WeightGetter:

@@ -27,7 +27,6 @@ The engine asks for it only with KVRELAY_DECODE_MERGE_FUSE=1 (merge_fuse_enabled
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -127,12 +126,12 @@ class MergedQuant(MergePending):
 
 
 def merge_fuse_enabled() -> bool:
-    """Whether the engine's decode asks for the merge inside the decode kernel (MergedQuant): only with
-    KVRELAY_DECODE_MERGE_FUSE=1 until an H200 A/B has measured it in the model (written 2026-12-04 when the
-    session's device time ran out: the kernel ran there, bit for bit the separate launch's output; the model's
-    decode with it did not). Read at each forward, so a CUDA graph keeps the setting it was captured with.
-    Same results either way."""
-    return os.environ.get("KVRELAY_DECODE_MERGE_FUSE") == "1"
+    """Whether the engine's decode asks for the merge inside the decode kernel (MergedQuant):
+    KVRELAY_DECODE_MERGE_FUSE, a decode fusion of kernels.select.DECODE_FUSIONS (the kernel ran on the H200, bit
+    for bit the separate launch's output; the model's decode with it was not timed). Same results either way."""
+    from .select import fusion_on
+
+    return fusion_on("KVRELAY_DECODE_MERGE_FUSE")
 
 
 def sink_decode_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q: int, n_kv: int,

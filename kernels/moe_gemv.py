@@ -274,11 +274,11 @@ NORM_FUSE_MAX_TOKENS = 4
 
 
 def norm_fuse() -> bool:
-    """Whether the engine's decode MoE leaves GEMV2 to the next block's fused add + norm (MoePending): only with
-    KVRELAY_MOE_NORM_FUSE=1 until an H200 A/B has measured it in the model (written 2026-12-04 when the session's
-    device time ran out: the kernel ran there, the model's decode with it did not). Read at each forward, so a
-    CUDA graph keeps the setting it was captured with."""
-    return os.environ.get("KVRELAY_MOE_NORM_FUSE") == "1"
+    """Whether the engine's decode MoE leaves GEMV2 to the next block's fused add + norm (MoePending):
+    KVRELAY_MOE_NORM_FUSE, a decode fusion of kernels.select.DECODE_FUSIONS."""
+    from .select import fusion_on
+
+    return fusion_on("KVRELAY_MOE_NORM_FUSE")
 
 
 def new_norm_counters(device) -> torch.Tensor:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -49,10 +48,11 @@ class EmbeddingRows:
 
 
 def embed_fuse_enabled() -> bool:
-    """The token lookup fused into the first block's norm launch (EmbeddingRows): with KVRELAY_EMBED_FUSE=1, off by
-    default until measured on the H200 (one launch fewer a step; written 2026-12-04 without device time). Read
-    at each forward, so a CUDA graph keeps the setting it was captured with. The same bits either way."""
-    return os.environ.get("KVRELAY_EMBED_FUSE") == "1"
+    """The token lookup fused into the first block's norm launch (EmbeddingRows; one launch fewer a step):
+    KVRELAY_EMBED_FUSE, a decode fusion of kernels.select.DECODE_FUSIONS. The same bits either way."""
+    from kvrelay.kernels.select import fusion_on
+
+    return fusion_on("KVRELAY_EMBED_FUSE")
 
 
 class Unembedding:

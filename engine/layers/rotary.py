@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from kvrelay.kernels.reference import rotary_cos_sin, yarn_inv_freq
@@ -27,7 +25,8 @@ class YarnRotary:
 
 def gather_in_attention() -> bool:
     """A decode forward whose every layer's rotary runs inside the split-KV decode kernel passes it the whole
-    tables and the positions, so the two row lookups (two launches a step) are not made: KVRELAY_ROTARY_GATHER=1,
-    off by default until measured on the H200 (written 2026-12-04 without device time). Read at each forward,
-    so a CUDA graph keeps the setting it was captured with. The same bits either way."""
-    return os.environ.get("KVRELAY_ROTARY_GATHER") == "1"
+    tables and the positions, so the two row lookups (two launches a step) are not made: KVRELAY_ROTARY_GATHER,
+    a decode fusion of kernels.select.DECODE_FUSIONS. The same bits either way."""
+    from kvrelay.kernels.select import fusion_on
+
+    return fusion_on("KVRELAY_ROTARY_GATHER")

@@ -71,3 +71,26 @@ def test_bad_value_names_the_variable(monkeypatch, name):
     monkeypatch.setenv(name, "fa3")
     with pytest.raises(ValueError, match=f"{name}='fa3'.*flashinfer, triton"):
         _kinds("flashinfer")
+
+
+def test_decode_fusions_default_off_and_the_variable_wins(monkeypatch):
+    # kernels.select.DECODE_FUSIONS: each opt-in decode fusion off by default (not yet timed in the model on the
+    # H200), its variable "1"/"0" turning it on/off whatever the default, and every named switch reading it
+    from kvrelay.engine import runner
+    from kvrelay.engine.layers import embedding, rotary
+    from kvrelay.kernels import decode_rotary, moe_gemv, select
+
+    named = {"KVRELAY_DECODE_MERGE_FUSE": decode_rotary.merge_fuse_enabled, "KVRELAY_MOE_NORM_FUSE": moe_gemv.norm_fuse,
+             "KVRELAY_EMBED_FUSE": embedding.embed_fuse_enabled, "KVRELAY_ROTARY_GATHER": rotary.gather_in_attention,
+             "KVRELAY_GRAPH_HEAD_LOGITS": runner.graph_head_logits}
+    assert set(named) == set(select.DECODE_FUSIONS)
+    for name, fn in named.items():
+        monkeypatch.delenv(name, raising=False)
+        assert fn() is select.DECODE_FUSIONS[name] is False
+        monkeypatch.setenv(name, "1")
+        assert fn() is True
+        monkeypatch.setitem(select.DECODE_FUSIONS, name, True)
+        monkeypatch.setenv(name, "0")
+        assert fn() is False
+        monkeypatch.delenv(name)
+        assert fn() is True
