@@ -221,11 +221,20 @@ def _grouped_kernel(a, sa, w, w_desc, sw, b, rw, out, sorted_ids, block_expert, 
         if FP8:
             if MASKED:
                 s_a = tl.load(sa + rows * s_sam + (k0 // 128) * s_sak, mask=m_ok, other=0.0)
-                s_w = tl.load(sw + e * s_swe + (offs_n // 128) * s_swn + k0 // 128, mask=n_ok, other=0.0)
             else:
                 s_a = tl.load(sa + rows * s_sam + (k0 // 128) * s_sak)
-                s_w = tl.load(sw + e * s_swe + (wn // 128) * s_swn + k0 // 128)
-            acc += tl.dot(at, tl.trans(wt)) * (s_a[:, None] * s_w[None, :])
+            if BLOCK_N <= 128:
+                # The N tile lies in one 128-row weight block (tiles start at multiples of BLOCK_N): its scale
+                # is one number, so the promotion is a row scale (2 multiplies a thread) and one FMA per
+                # element, not a [BLOCK_M, BLOCK_N] product first; same fp32 products, same sums, bit for bit.
+                s_w1 = tl.load(sw + e * s_swe + ((pid_n * BLOCK_N) // 128) * s_swn + k0 // 128)
+                acc += tl.dot(at, tl.trans(wt)) * (s_a * s_w1)[:, None]
+            else:
+                if MASKED:
+                    s_w = tl.load(sw + e * s_swe + (offs_n // 128) * s_swn + k0 // 128, mask=n_ok, other=0.0)
+                else:
+                    s_w = tl.load(sw + e * s_swe + (wn // 128) * s_swn + k0 // 128)
+                acc += tl.dot(at, tl.trans(wt)) * (s_a[:, None] * s_w[None, :])
         else:
             acc += tl.dot(at, tl.trans(wt))
     acc += tl.load(b + e * s_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]

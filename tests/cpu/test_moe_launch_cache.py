@@ -1,7 +1,7 @@
 """The grouped expert GEMM's per-launch host work done once (kernels/moe.py): the weights' TMA descriptors
 kept in MoEWeights.descs, the launch's constexpr mapping cached per distinct launch. The grouped path run
-with both: tests/gpu/test_moe.py (under TRITON_INTERPRET the grouped kernel is not usable on CPU: wrong values
-already before these caches, at 3f2a7b8)."""
+with both: tests/gpu/test_moe.py; its FP8 GEMMs also under the interpreter on CPU, descriptors kept
+(tests/cpu/test_grouped_moe_interpret.py; the interpreter's bf16 tl.dot is wrong, so not the bf16 ones)."""
 
 from __future__ import annotations
 
