@@ -133,10 +133,16 @@ def _fp8_gemm_kernel(a, b, sa, sb, bias, c, M, N, KB,
         at = tl.load(a_ptr, mask=m_ok[:, None], other=0.0)
         bt = tl.load(b_ptr, mask=n_ok[:, None], other=0.0)
         s_a = tl.load(sa_ptr + kb * s_sak, mask=m_ok, other=0.0)
-        s_b = tl.load(sb_ptr + kb * s_sbk, mask=n_ok, other=0.0)
         # Each 128-wide K block is summed exactly in fp32 by the tensor cores, then scaled: the
         # DeepSeek-style promotion that keeps fp8 accumulation error from growing with K.
-        acc += tl.dot(at, tl.trans(bt)) * (s_a[:, None] * s_b[None, :])
+        if BLOCK_N <= 128:
+            # the tile lies in one 128-row weight block: one weight scale, so a row scale (as the grouped
+            # expert GEMM, kernels/moe.py; tests/cpu/test_grouped_sass.py shows the instructions it saves)
+            s_b1 = tl.load(sb + ((pid_n * BLOCK_N) // 128) * s_sbn + kb * s_sbk)
+            acc += tl.dot(at, tl.trans(bt)) * (s_a * s_b1)[:, None]
+        else:
+            s_b = tl.load(sb_ptr + kb * s_sbk, mask=n_ok, other=0.0)
+            acc += tl.dot(at, tl.trans(bt)) * (s_a[:, None] * s_b[None, :])
         a_ptr += BLOCK_K
         b_ptr += BLOCK_K
     if HAS_BIAS:

@@ -1,5 +1,5 @@
-"""The FP8 grouped expert GEMMs (kernels/moe.py, the prefill path) under TRITON_INTERPRET=1 on CPU, against the
-float32 reference of tests/gpu/kernel_refs.py.
+"""The FP8 grouped expert GEMMs (kernels/moe.py, the prefill path) and the dense block-scaled Triton GEMM
+(kernels/fp8_gemm.py) under TRITON_INTERPRET=1 on CPU, against float32 math (tests/gpu/kernel_refs.py).
 
 Only the FP8 kernel runs here: the interpreter (triton 3.9) multiplies bf16 tiles as their raw 16-bit
 patterns (numpy has no bf16), so a bf16 tl.dot gives garbage on CPU while fp8 tiles are widened to fp16
@@ -101,6 +101,26 @@ def test_grouped_fp8_wrong_scale_block_is_caught_interpreted():
     ex.s2[:, 1:] = ex.s2[:, :1]
     with pytest.raises(AssertionError, match="GEMM2"):
         _run_and_check(ex, x, ids, rw, w1f, w2f, GroupedConfig(16, GemmConfig(128, 4, 2), GemmConfig(128, 4, 2)))
+
+
+@_interpreted
+def test_dense_triton_fp8_gemm_matches_float32_interpreted():
+    """The dense block-scaled Triton GEMM (kernels/fp8_gemm.py, the "triton" linear backend) at tiles inside
+    one weight-scale block (16x32, 128x128: the row-scale promotion) and across two (64x256), N not a
+    multiple of 128, with bias; against float32 math on the same fp8 inputs."""
+    from kvrelay.kernels.fp8 import dequantize_weight_block128, quantize_weight_block128
+    from kvrelay.kernels.fp8_gemm import quantize_act_1x128, triton_fp8_gemm
+    g = torch.Generator().manual_seed(9)
+    m, n, k = 37, 200, 256
+    w = torch.randn(n, k, generator=g) * k ** -0.5
+    w[128:] *= 5.0  # the second weight-scale block differs from the first
+    wq, ws = quantize_weight_block128(w)
+    bias = torch.randn(n, generator=g).bfloat16()
+    xq, xs = quantize_act_1x128(torch.randn(m, k, generator=g).bfloat16(), k, m_major=False)
+    ref = _dequant(xq, xs) @ dequantize_weight_block128(wq, ws, torch.float32).t() + bias.float()
+    for bm, bn in ((16, 32), (128, 128), (64, 256)):
+        out = triton_fp8_gemm(xq, xs, wq, ws, bias, block_m=bm, block_n=bn, num_warps=4, num_stages=2)
+        assert refs.rel_err(out, ref) < 1e-2, (bm, bn, refs.rel_err(out, ref))
 
 
 if __name__ == "__main__":  # pragma: no cover
