@@ -27,11 +27,14 @@ CHECK_TOL = 1e-2
 
 # Phase 1: (block_n, num_warps, num_stages) per block_m. Shared memory per stage is (block_m + block_n) x
 # 128 bytes of fp8, so every entry stays under ~150 KB; small M tiles (decode, memory-bound) get deeper
-# pipelines, large ones (prefill, compute-bound) wider N tiles and 8 warps.
+# pipelines, large ones (prefill, compute-bound) wider N tiles and 8 warps. Each K step waits for its MMA
+# before scaling the block's sum into the accumulator (triton issues no MMA while a result is outstanding),
+# so a CTA's tensor cores idle during its promotion; other CTAs on the SM fill that gap: 64x128 with 3 or 2
+# stages (72 / 48 KB) fits 3 / 4 CTAs an SM where 4 stages (96 KB) fit 2.
 TILES: dict[int, tuple[tuple[int, int, int], ...]] = {
     16: ((64, 4, 4), (128, 4, 4), (128, 4, 5), (64, 4, 6)),
     32: ((64, 4, 4), (128, 4, 4), (128, 4, 5), (128, 8, 4)),
-    64: ((128, 4, 4), (128, 8, 3), (128, 8, 4), (256, 8, 3), (64, 4, 4)),
+    64: ((128, 4, 4), (128, 8, 3), (128, 8, 4), (256, 8, 3), (64, 4, 4), (128, 4, 3), (128, 4, 2)),
     128: ((128, 8, 3), (128, 8, 4), (256, 8, 3), (128, 4, 3)),
 }
 # Phase 2, on each point's best phase-1 tiles: (group_m, masked, tma). A 20b prefill of 16k tokens gives each
