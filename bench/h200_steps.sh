@@ -17,7 +17,8 @@
 #   m1ab (batch-1 decode of both models once per KVRELAY_FP8_M1 value in M1_SET: the dense projections' backends A/B),
 #   envab (the same once per item of ENV_SET: "+"-joined VAR=VALUE settings, "-" for none; e.g. the opt-in decode
 #   fusions: ENV_SET="- KVRELAY_DECODE_MERGE_FUSE=1 KVRELAY_DECODE_MERGE_FUSE=1+KVRELAY_MOE_NORM_FUSE=1"),
-#   tgpu (pytest $TESTS, default tests/gpu), aot (FlashInfer's JIT-built modules as $OUT/fi-aot.tgz).
+#   tgpu (pytest $TESTS, default tests/gpu), aot (FlashInfer's JIT-built modules as $OUT/fi-aot.tgz),
+#   tune (bench.tune_moe: the grouped expert GEMMs' configs; TUNE_TOKENS / TUNE_MODELS narrow it).
 # QUANT (default fp8-block128) is the benchmarks' --quant; TAG (default empty) is appended to each step's result
 #   folder, so one call can run the script several times with different settings (QUANT=... TAG=-lmhead).
 # Environment it installs from when present: .dev/fi (FlashInfer wheels alone, for calls without the serving
@@ -99,6 +100,11 @@ for s in ${STEPS:-}; do
           done
         done ;;
     kmoe) mkdir -p "$W/r/kmoe${TAG:-}"; timeout "$left" python3 -m kvrelay.bench.kernels --only moe --out "$W/r/kmoe${TAG:-}" ;;
+    tune) # bench.tune_moe under what is left (TUNE_TOKENS, default its own list; TUNE_MODELS likewise): the sweep's
+      # JSON and the config file it would track (kernels/configs/moe_<gpu>.json) both in r/tune
+      mkdir -p "$W/r/tune${TAG:-}"; timeout "$left" python3 -m kvrelay.bench.tune_moe --budget-s $(( left - 20 )) \
+        ${TUNE_TOKENS:+--tokens "$TUNE_TOKENS"} ${TUNE_MODELS:+--models "$TUNE_MODELS"} \
+        --out "$W/r/tune${TAG:-}" --config-out "$W/r/tune${TAG:-}/" ;;
     serve1) SOLO_ONLY=1 SOLO_WORKLOADS=8k/256,1k/16 RESULTS="$W/r/serve" timeout "$left" \
         bash bench/serve_h200.sh "${SERVE_CONFIG:-configs/h200-1gpu-20b.yaml}" "${SERVE_LABEL:-h200-1gpu-20b}${TAG:-}" ;;
     tgpu) # SIGINT at the limit: pytest then stops as on Ctrl-C and still prints its summary (-rf names each

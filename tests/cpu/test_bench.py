@@ -440,3 +440,30 @@ def test_h200_steps_envab_runs_both_models_per_env_set(tmp_path):
     assert [(argv[0], argv[1], *_model_and_folder(argv)) for argv in calls] == want
     assert (tmp_path / "w" / "r" / "envab.txt").read_text().splitlines() == [f"envab{i} {p}"
                                                                               for i, p in enumerate(items, 1)]
+
+
+def test_h200_steps_tune_runs_the_tuner_into_the_results(tmp_path):
+    """The tune step of bench/h200_steps.sh runs bench.tune_moe under what is left of the call, its JSON and the
+    config file it would track both in r/tune (fetched with the rest), narrowed by TUNE_TOKENS / TUNE_MODELS
+    when set and with the tuner's defaults when not. python3 is shimmed (_shim_python3)."""
+    import shlex
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    for i, extra in enumerate(({}, {"TUNE_TOKENS": "4096,8192", "TUNE_MODELS": "gpt-oss-120b"})):
+        run = tmp_path / f"run{i}"
+        run.mkdir()
+        shim, log = _shim_python3(run)
+        env = {k: v for k, v in os.environ.items() if k not in ("TAG", "TUNE_TOKENS", "TUNE_MODELS")}
+        env.update(PATH=f"{shim}:{os.environ['PATH']}", OUT=str(run), KVRELAY_GIT_COMMIT="0" * 40,
+                   WORK_DIR=str(run / "w"), STEPS="tune", LIMIT="300", **extra)
+        res = subprocess.run(["bash", str(root / "bench" / "h200_steps.sh")], cwd=root, env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        (argv,) = [shlex.split(line) for line in log.read_text().splitlines()]
+        assert argv[:2] == ["-m", "kvrelay.bench.tune_moe"]
+        assert argv[argv.index("--out") + 1] == str(run / "w" / "r" / "tune")
+        assert argv[argv.index("--config-out") + 1] == str(run / "w" / "r" / "tune") + "/"
+        assert 200 < float(argv[argv.index("--budget-s") + 1]) < 300
+        for flag, var in (("--tokens", "TUNE_TOKENS"), ("--models", "TUNE_MODELS")):
+            assert (argv[argv.index(flag) + 1] if flag in argv else None) == extra.get(var)
