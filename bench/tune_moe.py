@@ -151,7 +151,9 @@ class Sweep:
         if self.explicit is not None:
             keep = [c for c in self.explicit if c[0] in S.allowed_block_m(rows)]
             return keep or list(self.explicit)
-        return [(bm, GemmConfig(bn, nw, ns)) for bm in S.allowed_block_m(rows) for bn, nw, ns in S.TILES[bm]]
+        allowed = S.allowed_block_m(rows)
+        return ([(bm, GemmConfig(bn, nw, ns)) for bm in allowed for bn, nw, ns in S.TILES[bm]]
+                + [(bm, c) for bm in allowed if self.tma for c in S.TMA_TILES.get(bm, ())])
 
     def phase2(self, shape: Shape, tokens: int, gemm: str) -> list[tuple[int, GemmConfig]]:
         if self.explicit is not None:

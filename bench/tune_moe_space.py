@@ -37,6 +37,15 @@ TILES: dict[int, tuple[tuple[int, int, int], ...]] = {
     64: ((128, 4, 4), (128, 8, 3), (128, 8, 4), (256, 8, 3), (64, 4, 4), (128, 4, 3), (128, 4, 2)),
     128: ((128, 8, 3), (128, 8, 4), (256, 8, 3), (128, 4, 3)),
 }
+# Phase 1 too, where host TMA descriptors work: tiles whose occupancy needs the TMA weight path. 64x128 on 4
+# warps with 3 stages takes 164 registers a thread and 74 KB with TMA weight tiles (3 CTAs an SM: 63 K of 64 K
+# registers, 224 of 228 KB), but 185 registers with pointer loads (2 CTAs), so phase 1's knob-less form of it
+# says nothing of the 3-CTA kernel and phase 2 would only reach it if that form ranked in the top (sm_90,
+# triton 3.6, cuobjdump -res-usage; 2026-12-05).
+TMA_TILES: dict[int, tuple[GemmConfig, ...]] = {
+    64: (GemmConfig(128, 4, 3, group_m=16, masked=False, tma=True),
+         GemmConfig(128, 4, 3, group_m=8, masked=False, tma=True)),
+}
 # Phase 2, on each point's best phase-1 tiles: (group_m, masked, tma). A 20b prefill of 16k tokens gives each
 # expert ~32 M blocks of 64 rows: a group of 8 still reads every weight tile 4 times from HBM, 16 twice.
 KNOB_VARIANTS: tuple[tuple[int, bool, bool], ...] = ((8, True, False), (8, False, False), (8, False, True),
@@ -70,7 +79,9 @@ def tma_usable() -> bool:
 
 
 def describe() -> dict:
-    return {"tiles": {str(k): v for k, v in TILES.items()}, "knob_variants(group_m,masked,tma)": KNOB_VARIANTS,
+    return {"tiles": {str(k): v for k, v in TILES.items()},
+            "tma_tiles": {str(k): [c.label() for c in v] for k, v in TMA_TILES.items()},
+            "knob_variants(group_m,masked,tma)": KNOB_VARIANTS,
             "block_m_rule": allowed_block_m.__doc__.split("\n")[0], "check_tol": CHECK_TOL}
 
 

@@ -332,3 +332,21 @@ def test_compile_pool_drop_prints_the_worker_traceback(capsys):
     out = capsys.readouterr().out
     assert "compile pool dropped: its first 4 compiles all failed" in out and "route_topk" in out, out
     assert not pool.ok and pool.wait((0,), timeout_s=1) is None
+
+
+def test_phase1_has_the_tma_occupancy_tiles_only_where_tma_works():
+    """Phase 1 of the sweep holds the knob-less TILES of every allowed M tile and, where host TMA descriptors
+    work, the TMA_TILES (kernels whose occupancy needs the TMA weight path); phase 1 without TMA is the
+    knob-less space alone."""
+    import types
+
+    from kvrelay.bench import tune_moe as TM
+    from kvrelay.bench import tune_moe_space as S
+    shape = TM.Shape("gpt-oss-120b", 128, 2880, 2880, 4)
+    for tma in (False, True):
+        sweep = types.SimpleNamespace(explicit=None, tma=tma)
+        got = TM.Sweep.phase1(sweep, shape, 8192)  # 256 rows per expert: M tiles 32..128
+        plain = [(bm, GemmConfig(*t)) for bm in S.allowed_block_m(256) for t in S.TILES[bm]]
+        extra = [(64, c) for c in S.TMA_TILES[64]] if tma else []
+        assert got == plain + extra
+        assert all(c.tma for _, c in extra) and len(set(got)) == len(got)
