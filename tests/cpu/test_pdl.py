@@ -118,6 +118,13 @@ KERNELS = [
            **_ints("s_x", "s_dt", "s_dk", "s_xo", "s_o", "s_q", "s_sm", "s_sk")},
           {"DELTA": 1, "K_SUM": 1, "ROWS": True, "STORE_X": False, "NORM": True, "QUANT": False, "N_GROUPS": 1,
            "BLOCK": 256}),
+    # KVRELAY_EMBED_FUSE: the token rows looked up in the embedding table, stored, normed and quantised
+    _spec(fused._add_rms_norm_kernel,
+          {"x_ptr": P["bf16"], "d_ptr": P["bf16"], "w_ptr": P["bf16"], "rows_ptr": P["i64"], "xo_ptr": P["bf16"],
+           "out_ptr": P["bf16"], "q_ptr": P["fp8"], "s_ptr": P["f32"], "T": I32, "H": I32, "eps": F32,
+           **_ints("s_x", "s_dt", "s_dk", "s_xo", "s_o", "s_q", "s_sm", "s_sk")},
+          {"DELTA": 0, "K_SUM": 1, "ROWS": True, "STORE_X": True, "NORM": True, "QUANT": True, "N_GROUPS": 2,
+           "BLOCK": 256}, id_keys=("DELTA", "ROWS", "STORE_X"), num_warps=fused.NORM_WIDE_WARPS),
     _spec(fused._rotary_kv_write_kernel,
           {**{k: P["bf16"] for k in ("qkv_ptr", "cos_ptr", "sin_ptr", "q_ptr", "pool_ptr")},
            "pages_ptr": P["i32"], "offsets_ptr": P["i32"],
