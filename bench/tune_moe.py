@@ -163,10 +163,11 @@ class Sweep:
         out = []
         for r in done[: self.args.top]:
             base = GemmConfig(**r["config"])
-            for g, masked, tma in S.KNOB_VARIANTS:
-                if tma and not self.tma:
+            for g, masked, tma, sorted_a in S.KNOB_VARIANTS:
+                if (tma or sorted_a) and not self.tma:
                     continue
-                out.append((r["block_m"], dataclasses.replace(base, group_m=g, masked=masked, tma=tma)))
+                out.append((r["block_m"], dataclasses.replace(base, group_m=g, masked=masked, tma=tma,
+                                                              sorted_a=sorted_a, ws=False)))
         return out
 
     # -- compiling, checking, timing --

@@ -42,15 +42,23 @@ TILES: dict[int, tuple[tuple[int, int, int], ...]] = {
 # registers, 224 of 228 KB), but 185 registers with pointer loads (2 CTAs), so phase 1's knob-less form of it
 # says nothing of the 3-CTA kernel and phase 2 would only reach it if that form ranked in the top (sm_90,
 # triton 3.6, cuobjdump -res-usage; 2026-12-05).
+# With 128-row tiles, the warp-specialised kernel (kernels/moe_ws.py: a TMA producer and two 64-row consumer warp
+# groups, the inputs in the sort's slots; triton 3.6 compiles it, 3.9 does not) at 3 and 4 stages.
 TMA_TILES: dict[int, tuple[GemmConfig, ...]] = {
     64: (GemmConfig(128, 4, 3, group_m=16, masked=False, tma=True),
          GemmConfig(128, 4, 3, group_m=8, masked=False, tma=True)),
+    128: (GemmConfig(128, 4, 3, group_m=16, masked=False, tma=True, sorted_a=True, ws=True),
+          GemmConfig(128, 4, 4, group_m=16, masked=False, tma=True, sorted_a=True, ws=True),
+          GemmConfig(128, 4, 3, group_m=8, masked=False, tma=True, sorted_a=True, ws=True)),
 }
 # Phase 2, on each point's best phase-1 tiles: (group_m, masked, tma). A 20b prefill of 16k tokens gives each
 # expert ~32 M blocks of 64 rows: a group of 8 still reads every weight tile 4 times from HBM, 16 twice.
-KNOB_VARIANTS: tuple[tuple[int, bool, bool], ...] = ((8, True, False), (8, False, False), (8, False, True),
-                                                     (16, False, True), (1, False, False))
-_CAND = re.compile(r"^(\d+)x(\d+)-w(\d+)-s(\d+)(?:-g(\d+))?(-clamp)?(-tma)?$")
+# (group_m, masked, tma, sorted_a): sorted_a reads the input rows in the sort's slots as TMA tiles
+# (kernels/moe_sort.quantize_sorted for GEMM1; GEMM1 then writes its output so for GEMM2).
+KNOB_VARIANTS: tuple[tuple[int, bool, bool, bool], ...] = (
+    (8, True, False, False), (8, False, False, False), (8, False, True, False), (16, False, True, False),
+    (1, False, False, False), (16, False, True, True), (8, False, True, True))
+_CAND = re.compile(r"^(\d+)x(\d+)-w(\d+)-s(\d+)(?:-g(\d+))?(-clamp)?(-tma)?(-sa)?(-ws)?$")
 
 
 def allowed_block_m(rows_per_expert: float) -> list[int]:
@@ -63,14 +71,16 @@ def allowed_block_m(rows_per_expert: float) -> list[int]:
 
 
 def parse_candidates(text: str) -> list[tuple[int, GemmConfig]]:
-    """'64x128-w8-s3;64x128-w8-s3-g8-clamp-tma' -> [(block_m, GemmConfig), ...]."""
+    """'64x128-w8-s3;64x128-w8-s3-g8-clamp-tma;128x128-w4-s3-g16-clamp-tma-sa-ws' -> [(block_m, GemmConfig), ...]
+    (-sa: sorted_a, -ws: the warp-specialised kernel; GemmConfig.label's suffixes)."""
     out = []
     for part in [p.strip() for p in text.split(";") if p.strip()]:
         m = _CAND.match(part)
         if not m:
-            raise SystemExit(f"--candidates: {part!r} is not BMxBN-wW-sS[-gG][-clamp][-tma]")
+            raise SystemExit(f"--candidates: {part!r} is not BMxBN-wW-sS[-gG][-clamp][-tma][-sa][-ws]")
         bm, bn, nw, ns = (int(m[i]) for i in range(1, 5))
-        out.append((bm, GemmConfig(bn, nw, ns, int(m[5] or 1), masked=not m[6], tma=bool(m[7]))))
+        out.append((bm, GemmConfig(bn, nw, ns, int(m[5] or 1), masked=not m[6], tma=bool(m[7]),
+                                   sorted_a=bool(m[8]), ws=bool(m[9]))))
     return out
 
 
@@ -81,7 +91,7 @@ def tma_usable() -> bool:
 def describe() -> dict:
     return {"tiles": {str(k): v for k, v in TILES.items()},
             "tma_tiles": {str(k): [c.label() for c in v] for k, v in TMA_TILES.items()},
-            "knob_variants(group_m,masked,tma)": KNOB_VARIANTS,
+            "knob_variants(group_m,masked,tma,sorted_a)": KNOB_VARIANTS,
             "block_m_rule": allowed_block_m.__doc__.split("\n")[0], "check_tol": CHECK_TOL}
 
 
@@ -134,7 +144,7 @@ class Problem:
         self.touched = int((counts > 0).sum())
         self.load_stats = {"max_over_mean": round(float(counts.max() / counts.mean()), 2),
                            "active_experts": self.touched}
-        x = torch.randn(tokens, h, generator=gen, device=device).bfloat16()
+        self.x = x = torch.randn(tokens, h, generator=gen, device=device).bfloat16()
         self.xq, self.xs = _quant(x, ex.w1.shape[2])
         a = torch.randn(self.n_pairs, i, generator=gen, device=device).bfloat16()
         self.aq, self.as_ = _quant(a, ex.w2.shape[2])
@@ -147,14 +157,33 @@ class Problem:
             self._sorts[block_m] = moe.sort_by_expert(self.ids, self.ex.num_experts, block_m)[:2]
         return self._sorts[block_m]
 
+    def sorted_inputs(self, gemm: str, block_m: int):
+        """A GEMM's FP8 input in the sort's slots (GemmConfig.sorted_a), from the same rows as the gathered
+        input: GEMM1's quantised straight into the slots as the engine does (the same bits as xq's rows),
+        GEMM2's rows of aq placed in them (what GEMM1's sorted output then quantised holds), padding zeros."""
+        key = (gemm, block_m)
+        if key not in self._sorts:
+            sid, be = self.sort(block_m)
+            if gemm == "w1":
+                self._sorts[key] = moe.quantize_sorted(self.x, sid, be, self.ex.num_experts, self.n_pairs, self.k,
+                                                       self.ex.w1.shape[2])
+            else:
+                live = sid < self.n_pairs
+                src = torch.where(live, sid, 0).long()
+                q = torch.where(live[:, None], self.aq[src].view(torch.uint8), 0).view(self.aq.dtype)
+                self._sorts[key] = (q.contiguous(), torch.where(live[:, None], self.as_[src], 1e-12 / 448))
+        return self._sorts[key]
+
     def launcher(self, gemm: str, block_m: int, cfg: GemmConfig, *, warmup: bool = False):
         sid, be = self.sort(block_m)
         ex = self.ex
         if gemm == "w1":
-            args = (self.xq, self.xs, ex.w1, ex.s1, ex.b1, None, self.act, sid, be, self.n_pairs, self.k,
+            xq, xs = self.sorted_inputs("w1", block_m) if cfg.sorted_a else (self.xq, self.xs)
+            args = (xq, xs, ex.w1, ex.s1, ex.b1, None, self.act, sid, be, self.n_pairs, self.k,
                     ex.w1.shape[1], ex.w1.shape[2], True, True)
         else:
-            args = (self.aq, self.as_, ex.w2, ex.s2, ex.b2, self.rw_flat, self.y, sid, be, self.n_pairs, 1,
+            aq, as_ = self.sorted_inputs("w2", block_m) if cfg.sorted_a else (self.aq, self.as_)
+            args = (aq, as_, ex.w2, ex.s2, ex.b2, self.rw_flat, self.y, sid, be, self.n_pairs, 1,
                     ex.hidden, ex.w2.shape[2], True, False)
         return lambda: moe._grouped_gemm(*args, ALPHA, LIMIT, block_m, cfg, warmup=warmup)
 

@@ -30,12 +30,12 @@ import torch
 import triton
 import triton.language as tl
 
-from . import moe_configs
+from . import moe_configs, moe_ws
 from .fp8_gemm import BLOCK, quantize_act_1x128
 from .moe_configs import GemmConfig, GroupedConfig
 from .moe_gemv import MoePending, moe_gemv, pair_dtype
 # the pair sort lives in kernels/moe_sort.py; re-exported here, where its callers (and tests) look for it
-from .moe_sort import SORT_KERNEL_MAX_PAIRS, sort_by_expert  # noqa: F401
+from .moe_sort import SORT_KERNEL_MAX_PAIRS, quantize_sorted, sort_by_expert  # noqa: F401
 from .moe_gemv import swiglu as _swiglu  # the clamped SwiGLU, fused into both paths' GEMM1
 from .pdl import enter, pdl_kwargs
 
@@ -155,12 +155,13 @@ class MoEWeights:
 # n_pairs, num_m and E are only compared against: not specializing them keeps one compiled kernel per config
 # whatever the batch (a pair or block count divisible by 16 would otherwise compile a second variant).
 @triton.jit(do_not_specialize=["num_m", "n_pairs", "E"])
-def _grouped_kernel(a, sa, w, w_desc, sw, b, rw, out, sorted_ids, block_expert, num_m, n_pairs, E, N, KDIM, ROW_DIV,
+def _grouped_kernel(a, a_desc, sa, w, w_desc, sw, b, rw, out, sorted_ids, block_expert, num_m, n_pairs, E, N, KDIM, ROW_DIV,
                     s_am, s_sam, s_sak, s_we, s_wn, s_swe, s_swn, s_be, s_om,
                     FP8: tl.constexpr, SWIGLU: tl.constexpr, MUL_ROUTE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP_M: tl.constexpr, MASKED: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
-                    ALPHA: tl.constexpr, LIMIT: tl.constexpr, USE_PDL: tl.constexpr = False):
+                    ALPHA: tl.constexpr, LIMIT: tl.constexpr, A_SORTED: tl.constexpr = False,
+                    OUT_SORTED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     # kernels/pdl.py: every program waits (even those returning early below) before its first load, all of
     # which (block_expert, sorted_ids, activations; the weights' expert comes from block_expert) follow
     enter(USE_PDL)
@@ -179,21 +180,28 @@ def _grouped_kernel(a, sa, w, w_desc, sw, b, rw, out, sorted_ids, block_expert, 
         pid_m = first_m + (pid % per_group) % size_m
         pid_n = (pid % per_group) // size_m
     e32 = tl.load(block_expert + pid_m)
-    if e32 >= E:
+    if e32 >= E:  # an empty block past the last expert's (sort_by_expert's max_blocks bound)
         return
     e = e32.to(tl.int64)
     pairs = tl.load(sorted_ids + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     m_ok = pairs < n_pairs
+    # A_SORTED: the A rows are the sort's slots (moe_sort.quantize_sorted, or GEMM1's OUT_SORTED output), read
+    # as one TMA tile a K step; else each slot's row is gathered from its pair's token (or pair) row.
+    slots = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     if MASKED:
-        rows = (pairs // ROW_DIV).to(tl.int64)
         wn = offs_n
     else:
         # Padding rows read row 0 and the N tail re-reads row N-1: in-bounds addresses, so the loads
         # need no masks; those rows and columns are never stored.
-        rows = (tl.where(m_ok, pairs, 0) // ROW_DIV).to(tl.int64)
         wn = tl.minimum(offs_n, N - 1)
+    if A_SORTED:
+        rows = slots
+    elif MASKED:
+        rows = (pairs // ROW_DIV).to(tl.int64)
+    else:
+        rows = (tl.where(m_ok, pairs, 0) // ROW_DIV).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptr = a + rows[:, None] * s_am + offs_k[None, :]
     w_ptr = w + e * s_we + wn.to(tl.int64)[:, None] * s_wn + offs_k[None, :]
@@ -204,6 +212,9 @@ def _grouped_kernel(a, sa, w, w_desc, sw, b, rw, out, sorted_ids, block_expert, 
             # K is masked too: bf16 weights are not padded, and a K that is no multiple of BLOCK_K (the
             # fixture's intermediate 96) would otherwise read the next row's values past the edge.
             k_ok = (k0 + offs_k) < KDIM
+        if A_SORTED:
+            at = a_desc.load([pid_m * BLOCK_M, k0])
+        elif MASKED:
             at = tl.load(a_ptr + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         elif EVEN_K:
             at = tl.load(a_ptr + k0)
@@ -241,8 +252,14 @@ def _grouped_kernel(a, sa, w, w_desc, sw, b, rw, out, sorted_ids, block_expert, 
     if SWIGLU:
         act = _swiglu(acc, BLOCK_N, ALPHA, LIMIT)
         offs_a = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(out + pairs.to(tl.int64)[:, None] * s_om + offs_a[None, :], act.to(out.dtype.element_ty),
-                 mask=m_ok[:, None] & (offs_a < N // 2)[None, :])
+        if OUT_SORTED:
+            # every slot of the block, padding included (the next GEMM's A_SORTED rows; its padding rows'
+            # outputs are never stored)
+            tl.store(out + slots[:, None] * s_om + offs_a[None, :], act.to(out.dtype.element_ty),
+                     mask=(offs_a < N // 2)[None, :])
+        else:
+            tl.store(out + pairs.to(tl.int64)[:, None] * s_om + offs_a[None, :], act.to(out.dtype.element_ty),
+                     mask=m_ok[:, None] & (offs_a < N // 2)[None, :])
     else:
         if MUL_ROUTE:
             acc *= tl.load(rw + pairs, mask=m_ok, other=0.0).to(tl.float32)[:, None]
@@ -255,50 +272,72 @@ def tma_available() -> bool:
     return TensorDescriptor is not None
 
 
-def _weight_desc(w: torch.Tensor, block_n: int, block_k: int, cache: dict | None):
-    """The TMA descriptor of expert weights w [E, N, K] viewed as [E*N, K] with [block_n, block_k] tiles, from
+def _weight_desc(w: torch.Tensor, block_n: int, block_k: int, cache: dict | None, pairs: bool = False):
+    """The TMA descriptor of expert weights w [E, N, K] viewed as [E*N, K] with [block_n, block_k] tiles (pairs:
+    as [E*N/2, 2, K] with [block_n/2, 1, block_k] tiles, the gate and the up rows of GEMM1 apart; moe_ws), from
     `cache` (MoEWeights.descs) when it holds one for this weight and tile: the weights never change, so a
     prefill's 48 grouped launches need not build 48. Keyed by storage, shape, strides and tile (a weight
     replaced in its holder gets a new one)."""
-    key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype, block_n, block_k)
+    key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype, block_n, block_k, pairs)
     desc = cache.get(key) if cache is not None else None
     if desc is None:
-        desc = TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [block_n, block_k])
+        if pairs:
+            desc = TensorDescriptor.from_tensor(w.view(-1, 2, w.shape[-1]), [block_n // 2, 1, block_k])
+        else:
+            desc = TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [block_n, block_k])
         if cache is not None:
             cache[key] = desc
     return desc
 
 
 @functools.lru_cache(maxsize=256)
-def _grouped_meta(fp8, swiglu, mul_route, block_m, cfg: GemmConfig, block_k, even_k, alpha, limit, pdl: tuple):
+def _grouped_meta(fp8, swiglu, mul_route, block_m, cfg: GemmConfig, block_k, even_k, alpha, limit, pdl: tuple,
+                  out_sorted: bool = False):
     """The grouped kernel's constexprs and launch options (read-only: one mapping per distinct launch)."""
     return types.MappingProxyType(dict(
         FP8=fp8, SWIGLU=swiglu, MUL_ROUTE=mul_route, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         GROUP_M=cfg.group_m, MASKED=cfg.masked, EVEN_K=even_k, TMA=cfg.tma, ALPHA=alpha, LIMIT=limit,
+        A_SORTED=cfg.sorted_a, OUT_SORTED=out_sorted,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dict(pdl)))
 
 
 def _grouped_gemm(a, sa, w, sw, b, rw, out, sorted_ids, block_expert, n_pairs, row_div, n, kdim, fp8, swiglu,
-                  alpha, limit, block_m, cfg: GemmConfig, *, warmup=False, descs: dict | None = None):
+                  alpha, limit, block_m, cfg: GemmConfig, *, warmup=False, descs: dict | None = None,
+                  out_sorted: bool = False):
     """One grouped GEMM (GEMM1 with SwiGLU, or GEMM2 with the routing weight when rw is given) under `cfg`.
     warmup=True compiles the kernel for these arguments without launching it (the tuner's precompile).
-    descs: where the weight's TMA descriptor is kept between calls (MoEWeights.descs)."""
+    descs: where the weight's TMA descriptor is kept between calls (MoEWeights.descs). cfg.sorted_a: `a` holds
+    one row per slot of the sort (moe_sort.quantize_sorted), read through a TMA descriptor; out_sorted (GEMM1):
+    the output rows are the slots too (the next GEMM's sorted input), else the pairs."""
     num_m = block_expert.numel()
     sa_ = sa if sa is not None else a
     sw_ = sw if sw is not None else w
     block_k = 128 if fp8 else 64
-    w_desc = w
+    w_desc = a_desc = w
     if cfg.tma:
         if not fp8 or TensorDescriptor is None or not w.is_contiguous():
             raise ValueError("tma=True needs FP8 weights (K padded to 128), contiguous, and triton >= 3.4")
-        w_desc = _weight_desc(w, cfg.block_n, block_k, descs)
+        # the warp-specialised GEMM1 reads its gate and up rows as two half tiles (kernels/moe_ws.py)
+        w_desc = _weight_desc(w, cfg.block_n, block_k, descs, pairs=cfg.ws and swiglu)
+    if cfg.sorted_a:
+        if not fp8 or TensorDescriptor is None or not a.is_contiguous() or a.shape[0] != sorted_ids.numel():
+            raise ValueError("sorted_a=True needs the FP8 input in the sort's slots (moe_sort.quantize_sorted: "
+                             f"{sorted_ids.numel()} contiguous rows, got {list(a.shape)}) and triton >= 3.4")
+        a_desc = TensorDescriptor.from_tensor(a, [block_m, block_k])
+    if cfg.ws:
+        if not (cfg.tma and cfg.sorted_a) or cfg.block_n > 128 or 128 % cfg.block_n or n % 2:
+            raise ValueError("ws=True (warp specialisation) needs tma=True and sorted_a=True (on Hopper triton "
+                             "specialises only loops whose loads are all TMA descriptors), N tiles of at most 128 "
+                             f"dividing 128 and an even N (got {cfg.label()}, N {n})")
+        return moe_ws.launch(a_desc, sa, w_desc, sw, b, rw, out, sorted_ids, block_expert, n_pairs, n, kdim, swiglu,
+                             out_sorted, alpha, limit, block_m, cfg, pdl_kwargs(a.device), warmup=warmup)
     grid = (triton.cdiv(n, cfg.block_n) * num_m,)
-    args = (a, sa_, w, w_desc, sw_, b, rw if rw is not None else b, out, sorted_ids, block_expert, num_m, n_pairs,
+    args = (a, a_desc, sa_, w, w_desc, sw_, b, rw if rw is not None else b, out, sorted_ids, block_expert, num_m, n_pairs,
             w.shape[0], n, kdim, row_div, a.stride(0), sa_.stride(0), sa_.stride(1) if sa is not None else 0,
             w.stride(0), w.stride(1), sw_.stride(0), sw_.stride(1), b.stride(0), out.stride(0))
     # pdl_kwargs is read at every launch (KVRELAY_PDL may change between them); it is part of the key
     meta = _grouped_meta(fp8, swiglu, rw is not None, block_m, cfg, block_k, kdim % block_k == 0, alpha, limit,
-                         tuple(pdl_kwargs(a.device).items()))
+                         tuple(pdl_kwargs(a.device).items()), out_sorted)
     if warmup:
         return _grouped_kernel.warmup(*args, grid=grid, **meta)
     _grouped_kernel[grid](*args, **meta)
@@ -320,9 +359,10 @@ def grouped_config(n_pairs: int, num_experts: int, hidden: int | None = None, in
             dev = torch.device("cuda", torch.cuda.current_device())
         cfg = moe_configs.tuned_config(_device_name(dev), num_experts, hidden, inter, n_pairs)
         if cfg is not None:
-            if (cfg.w1.tma or cfg.w2.tma) and not tma_available():
-                cfg = dataclasses.replace(cfg, w1=dataclasses.replace(cfg.w1, tma=False),
-                                          w2=dataclasses.replace(cfg.w2, tma=False))
+            if not tma_available():  # the knobs that need host TMA descriptors off
+                off = dict(tma=False, sorted_a=False, ws=False)
+                cfg = dataclasses.replace(cfg, w1=dataclasses.replace(cfg.w1, **off),
+                                          w2=dataclasses.replace(cfg.w2, **off))
             return cfg
     return moe_configs.heuristic_config(n_pairs, num_experts)
 
@@ -343,13 +383,22 @@ def _moe_grouped(x, ids, route_w, ex: MoEWeights, alpha, limit, block_m=None, bl
         config = GroupedConfig(block_m or config.block_m, g, g, source="explicit")
     block_m = config.block_m
     sorted_ids, block_expert, _ = sort_by_expert(ids, ex.num_experts, block_m)
-    if ex.fp8:
+    if not ex.fp8 and (config.w1.sorted_a or config.w2.sorted_a):
+        raise ValueError("sorted_a configs are FP8-only")
+    if config.w1.sorted_a:  # the tokens' rows quantised straight into the sort's slots
+        xa, xs = quantize_sorted(x, sorted_ids, block_expert, ex.num_experts, n_pairs, k, ex.w1.shape[2])
+    elif ex.fp8:
         xa, xs = quantize_act_1x128(x, ex.w1.shape[2], m_major=False)
     else:
         xa, xs = x, None
-    act = torch.empty(n_pairs, two_i // 2, dtype=torch.bfloat16, device=x.device)
+    # GEMM2 reading its rows in the sort's order: GEMM1 writes them so (every slot), and they are quantised as
+    # they lie; else one row per pair
+    out_sorted = config.w2.sorted_a
+    act = torch.empty(sorted_ids.numel() if out_sorted else n_pairs, two_i // 2, dtype=torch.bfloat16,
+                      device=x.device)
     _grouped_gemm(xa, xs, ex.w1, ex.s1, ex.b1, None, act, sorted_ids, block_expert, n_pairs, k, two_i,
-                  ex.w1.shape[2], ex.fp8, True, alpha, limit, block_m, config.w1, descs=ex.descs)
+                  ex.w1.shape[2], ex.fp8, True, alpha, limit, block_m, config.w1, descs=ex.descs,
+                  out_sorted=out_sorted)
     if ex.fp8:
         aa, as_ = quantize_act_1x128(act, ex.w2.shape[2], m_major=False)
     else:

@@ -53,7 +53,10 @@ class GemmConfig:
     """One grouped GEMM's launch: N tile, warps, pipeline stages, and the kernel knobs the tuner selects:
     group_m (M blocks that walk the N tiles together so an expert's weight tiles are re-read from L2,
     1 = N tiles of one M block back to back), masked (False: padding rows and the N tail read clamped,
-    in-bounds addresses and the K loop runs without masks), tma (weight tiles through a TMA descriptor)."""
+    in-bounds addresses and the K loop runs without masks), tma (weight tiles through a TMA descriptor),
+    sorted_a (the input's rows laid out in the sort's slots, one TMA tile a K step, instead of gathered per
+    row: kernels/moe_sort.quantize_sorted for GEMM1, GEMM1 writing its output so for GEMM2), ws (triton's warp
+    specialisation of the K loop: a TMA producer and MMA consumer warp groups; needs tma and sorted_a)."""
 
     block_n: int
     num_warps: int
@@ -61,10 +64,13 @@ class GemmConfig:
     group_m: int = 1
     masked: bool = True
     tma: bool = False
+    sorted_a: bool = False
+    ws: bool = False
 
     def label(self) -> str:
         return (f"bn{self.block_n}-w{self.num_warps}-s{self.num_stages}-g{self.group_m}"
-                + ("" if self.masked else "-clamp") + ("-tma" if self.tma else ""))
+                + ("" if self.masked else "-clamp") + ("-tma" if self.tma else "")
+                + ("-sa" if self.sorted_a else "") + ("-ws" if self.ws else ""))
 
 
 @dataclass(frozen=True)
@@ -122,19 +128,23 @@ def _gemm(path: Path, key: str, d: Any) -> GemmConfig:
     if not isinstance(d, dict):
         _fail(path, key, f"expected an object, got {type(d).__name__}")
     need = {"block_n", "num_warps", "num_stages"}
-    known = need | {"group_m", "masked", "tma"}
+    known = need | {"group_m", "masked", "tma", "sorted_a", "ws"}
     if need - d.keys():
         _fail(path, key, f"missing {sorted(need - d.keys())}")
     if d.keys() - known:
         _fail(path, key, f"unknown keys {sorted(d.keys() - known)} (known: {sorted(known)})")
-    for flag in ("masked", "tma"):
+    for flag in ("masked", "tma", "sorted_a", "ws"):
         if flag in d and not isinstance(d[flag], bool):
             _fail(path, f"{key}.{flag}", f"expected true or false, got {d[flag]!r}")
-    return GemmConfig(block_n=_int(path, f"{key}.block_n", d["block_n"], lambda v: v in _POW2),
+    g = GemmConfig(block_n=_int(path, f"{key}.block_n", d["block_n"], lambda v: v in _POW2),
                       num_warps=_int(path, f"{key}.num_warps", d["num_warps"], lambda v: v in (1, 2, 4, 8, 16)),
                       num_stages=_int(path, f"{key}.num_stages", d["num_stages"], lambda v: 1 <= v <= 8),
                       group_m=_int(path, f"{key}.group_m", d.get("group_m", 1), lambda v: 1 <= v <= 64),
-                      masked=d.get("masked", True), tma=d.get("tma", False))
+                      masked=d.get("masked", True), tma=d.get("tma", False),
+                      sorted_a=d.get("sorted_a", False), ws=d.get("ws", False))
+    if g.ws and not (g.tma and g.sorted_a):
+        _fail(path, f"{key}.ws", "warp specialisation needs tma and sorted_a true")
+    return g
 
 
 def parse(path: Path, data: Any) -> dict[str, list[tuple[int, GroupedConfig]]]:

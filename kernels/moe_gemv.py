@@ -27,6 +27,12 @@ from .pdl import enter, pdl_kwargs
 def swiglu(acc, BLOCK_N: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
     # acc [..., BLOCK_N] with interleaved (gate, up) columns -> [..., BLOCK_N // 2]
     g, u = tl.split(tl.reshape(acc, acc.shape[:-1] + [BLOCK_N // 2, 2]))
+    return swiglu_parts(g, u, ALPHA, LIMIT)
+
+
+@triton.jit
+def swiglu_parts(g, u, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+    # the clamped SwiGLU of gate and up values already apart (kernels/moe_ws.py computes them as two tiles)
     g = tl.minimum(g, LIMIT)
     u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
     return g * tl.sigmoid(ALPHA * g) * (u + 1.0)

@@ -57,17 +57,31 @@ def _run_and_check(ex, x, ids, rw, w1f, w2f, cfg):
     flat = ids.reshape(-1)
     sorted_ids, block_expert, _ = moe.sort_by_expert(ids, ex.num_experts, cfg.block_m)
     xa, xs = quantize_act_1x128(x, ex.w1.shape[2], m_major=False)
-    act = torch.full((n, ex.inter), float("nan"), dtype=torch.bfloat16)
-    moe._grouped_gemm(xa, xs, ex.w1, ex.s1, ex.b1, None, act, sorted_ids, block_expert, n, k, ex.w1.shape[1],
-                      ex.w1.shape[2], True, True, 1.702, 7.0, cfg.block_m, cfg.w1, descs=ex.descs)
+    a1, s1 = xa, xs
+    if cfg.w1.sorted_a:  # the same rows, quantised straight into the sort's slots: the same bits
+        a1, s1 = moe.quantize_sorted(x, sorted_ids, block_expert, ex.num_experts, n, k, ex.w1.shape[2])
+        live = sorted_ids < n
+        assert torch.equal(a1[live].view(torch.uint8), xa[sorted_ids[live].long() // k].view(torch.uint8))
+        assert torch.equal(s1[live], xs[sorted_ids[live].long() // k])
+    # GEMM2 reading sorted rows: GEMM1 stores every slot (the sort's order), compared here by pair
+    slot_of = torch.empty(n, dtype=torch.long)
+    slot_of[sorted_ids[sorted_ids < n].long()] = (sorted_ids < n).nonzero().flatten()
+    out_sorted = cfg.w2.sorted_a
+    act = torch.full((sorted_ids.numel() if out_sorted else n, ex.inter), float("nan"), dtype=torch.bfloat16)
+    moe._grouped_gemm(a1, s1, ex.w1, ex.s1, ex.b1, None, act, sorted_ids, block_expert, n, k, ex.w1.shape[1],
+                      ex.w1.shape[2], True, True, 1.702, 7.0, cfg.block_m, cfg.w1, descs=ex.descs,
+                      out_sorted=out_sorted)
     h = torch.einsum("pk,pnk->pn", _dequant(xa, xs)[torch.arange(n) // k], w1f[flat]) + ex.b1[flat].float()
     act_ref = refs.swiglu_ref(h, 1.702, 7.0)
-    assert torch.isfinite(act.float()).all(), cfg.label()
-    assert refs.rel_err(act, act_ref) < 1e-2, ("GEMM1", cfg.label(), refs.rel_err(act, act_ref))
+    by_pair = act[slot_of] if out_sorted else act
+    assert torch.isfinite(by_pair.float()).all(), cfg.label()
+    assert refs.rel_err(by_pair, act_ref) < 1e-2, ("GEMM1", cfg.label(), refs.rel_err(by_pair, act_ref))
     aa, as_ = quantize_act_1x128(act, ex.w2.shape[2], m_major=False)
     y = torch.full((n, ex.hidden), float("nan"), dtype=torch.bfloat16)
     moe._grouped_gemm(aa, as_, ex.w2, ex.s2, ex.b2, rw.reshape(-1), y, sorted_ids, block_expert, n, 1, ex.hidden,
                       ex.w2.shape[2], True, False, 1.702, 7.0, cfg.block_m, cfg.w2, descs=ex.descs)
+    if out_sorted:
+        aa, as_ = aa[slot_of], as_[slot_of]  # the reference's inputs by pair
     y_ref = (torch.einsum("pk,pnk->pn", _dequant(aa, as_), w2f[flat]) + ex.b2[flat].float()) \
         * rw.reshape(-1, 1).float()
     assert torch.isfinite(y.float()).all(), cfg.label()
@@ -87,6 +101,14 @@ def test_grouped_fp8_gemms_match_float32_interpreted():
                       GemmConfig(128, 4, 2, masked=False, tma=True)),
         # 256-wide N tiles span two weight-scale blocks: the per-column promotion
         GroupedConfig(16, GemmConfig(256, 8, 2, tma=True, masked=False), GemmConfig(256, 8, 2)),
+        # inputs in the sort's slots (TMA tiles): GEMM1 only, both, and the warp-specialised kernel (moe_ws)
+        GroupedConfig(16, GemmConfig(128, 4, 2, tma=True, sorted_a=True), GemmConfig(128, 4, 2)),
+        GroupedConfig(32, GemmConfig(64, 4, 2, masked=False, sorted_a=True),
+                      GemmConfig(128, 4, 2, tma=True, sorted_a=True)),
+        GroupedConfig(16, GemmConfig(128, 4, 2, tma=True, sorted_a=True, ws=True),
+                      GemmConfig(128, 4, 2, tma=True, sorted_a=True, ws=True)),
+        GroupedConfig(32, GemmConfig(64, 4, 2, group_m=4, tma=True, sorted_a=True, ws=True),
+                      GemmConfig(64, 4, 2, tma=True, sorted_a=True, ws=True)),
     ]
     for cfg in configs:
         _run_and_check(*case, cfg)

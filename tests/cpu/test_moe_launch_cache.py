@@ -38,7 +38,11 @@ def test_grouped_meta_is_the_launch_dict_and_kept():
     cfg = GemmConfig(128, 8, 3, group_m=4, masked=False, tma=True)
     m = moe._grouped_meta(True, True, False, 64, cfg, 128, True, 1.702, 7.0, ())
     assert dict(m) == dict(FP8=True, SWIGLU=True, MUL_ROUTE=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=4,
-                           MASKED=False, EVEN_K=True, TMA=True, ALPHA=1.702, LIMIT=7.0, num_warps=8, num_stages=3)
+                           MASKED=False, EVEN_K=True, TMA=True, ALPHA=1.702, LIMIT=7.0, A_SORTED=False,
+                           OUT_SORTED=False, num_warps=8, num_stages=3)
+    srt = moe._grouped_meta(True, True, False, 128, GemmConfig(128, 4, 3, tma=True, sorted_a=True), 128,
+                            True, 1.702, 7.0, (), True)
+    assert (srt["A_SORTED"], srt["OUT_SORTED"]) == (True, True)
     assert moe._grouped_meta(True, True, False, 64, GemmConfig(128, 8, 3, group_m=4, masked=False, tma=True), 128,
                              True, 1.702, 7.0, ()) is m
     pdl = moe._grouped_meta(True, True, False, 64, cfg, 128, True, 1.702, 7.0,

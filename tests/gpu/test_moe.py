@@ -188,6 +188,13 @@ def _fp8_setup(e, hid, inter, tokens, seed, dev, quant_act=True):
     (32, dict(masked=False), dict(masked=False, group_m=4)),
     (64, dict(tma=True, masked=False, group_m=8), dict(tma=True)),
     (64, dict(block_n=256, num_warps=8, num_stages=3, tma=True), dict(block_n=256, num_warps=8, num_stages=3)),
+    # the inputs in the sort's slots as TMA tiles (GEMM1 only; both), and the warp-specialised kernel (moe_ws)
+    (16, dict(tma=True, masked=False, sorted_a=True), dict(group_m=8)),
+    (64, dict(tma=True, masked=False, sorted_a=True, group_m=16), dict(tma=True, sorted_a=True, group_m=8)),
+    (128, dict(num_stages=3, tma=True, masked=False, sorted_a=True, ws=True, group_m=16),
+     dict(num_stages=3, tma=True, masked=False, sorted_a=True, ws=True, group_m=16)),
+    (64, dict(block_n=64, num_stages=3, tma=True, masked=False, sorted_a=True, ws=True),
+     dict(block_n=64, num_stages=3, tma=True, masked=False, sorted_a=True, ws=True)),
 ])
 def test_grouped_fp8_knobs_match_reference(block_m, w1, w2):
     """The tuner's knobs (program order, clamped unmasked loads, TMA weight tiles) at gpt-oss's N and K
@@ -229,3 +236,28 @@ def test_tracked_table_configs_match_reference():
         out = moe._moe_grouped(x, ids, rw, ex, 1.702, 7.0, config=cfg)
         torch.cuda.synchronize()
         assert rel_err(out, ref) < 1.5e-2, cfg.label()
+
+
+def test_quantize_sorted_rows_are_the_gathered_rows_bits():
+    """kernels/moe_sort.quantize_sorted (the sorted_a configs' GEMM1 input): each live slot holds its token's row
+    of quantize_act_1x128's output bit for bit, padding slots zeros with the floor scale, at gpt-oss's K (2880
+    padded to 2944) on both sort paths (the one-program sort below 4,096 pairs, the chunked one above)."""
+    from kvrelay.kernels.fp8_gemm import quantize_act_1x128
+    from kvrelay.kernels.moe import quantize_sorted, route_topk, sort_by_expert
+    dev = _cuda()
+    g = torch.Generator().manual_seed(21)
+    for tokens, e, bm in ((40, 32, 16), (1500, 128, 64)):
+        x = torch.randn(tokens, 2880, generator=g).bfloat16().to(dev)
+        _, ids = route_topk((torch.randn(tokens, e, generator=g) * 2).bfloat16().to(dev), 4)
+        sid, be, _ = sort_by_expert(ids, e, bm)
+        n = ids.numel()
+        q, s = quantize_sorted(x, sid, be, e, n, 4, 2944)
+        xq, xs = quantize_act_1x128(x, 2944, m_major=False)
+        used = (be < e).repeat_interleave(bm)
+        live = (sid < n) & used
+        src = sid[live].long() // 4
+        assert torch.equal(q[live].view(torch.uint8), xq[src].view(torch.uint8)) and torch.equal(s[live], xs[src])
+        pad = (sid >= n) & used
+        assert pad.any() and not q[pad].view(torch.uint8).any()
+        floor = quantize_act_1x128(torch.zeros(1, 2880, dtype=torch.bfloat16, device=dev), 2944, m_major=False)[1]
+        assert torch.equal(s[pad], floor[0, 0].expand_as(s[pad]))
