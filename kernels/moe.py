@@ -399,7 +399,10 @@ def _moe_grouped(x, ids, route_w, ex: MoEWeights, alpha, limit, block_m=None, bl
     _grouped_gemm(xa, xs, ex.w1, ex.s1, ex.b1, None, act, sorted_ids, block_expert, n_pairs, k, two_i,
                   ex.w1.shape[2], ex.fp8, True, alpha, limit, block_m, config.w1, descs=ex.descs,
                   out_sorted=out_sorted)
-    if ex.fp8:
+    if out_sorted:  # the used blocks' slots only (the empty ones at the end are never read), padding zeros
+        aa, as_ = quantize_sorted(act, sorted_ids, block_expert, ex.num_experts, n_pairs, 1, ex.w2.shape[2],
+                                  slot_rows=True)
+    elif ex.fp8:
         aa, as_ = quantize_act_1x128(act, ex.w2.shape[2], m_major=False)
     else:
         aa, as_ = act, None

@@ -187,19 +187,23 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, *, path: s
 # ---- the GEMM input in expert-sorted rows ------------------------------------------------------------------
 @triton.jit
 def _quant_sorted_kernel(x, sorted_ids, block_expert, q, s, n_pairs, E, K, ROW_DIV, SORT_BM, s_xm, s_qm, s_sm,
-                         BLOCK_M: tl.constexpr, USE_PDL: tl.constexpr = False):
+                         BLOCK_M: tl.constexpr, SLOT_ROWS: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     enter(USE_PDL)  # kernels/pdl.py: before any load or store
     # One program per (BLOCK_M slots, 128-wide K block): slot j gets row sorted_ids[j] // ROW_DIV of x, 1x128
     # quantised with fp8_quant.quant_1x128 (the same numbers as quantize_act_1x128 gives that row); a padding
     # slot (sentinel id) a zero row with the floor scale; the slots of empty blocks (expert E: the grouped GEMM
-    # returns before reading them) are left unwritten.
+    # returns before reading them) are left unwritten. SLOT_ROWS: x's rows are already the slots (GEMM1's output
+    # for a GEMM2 that reads sorted rows): slot j gets row j, the same way.
     slots = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     kb = tl.program_id(1)
     offs = kb * 128 + tl.arange(0, 128)
     pair = tl.load(sorted_ids + slots)
     used = tl.load(block_expert + slots // SORT_BM) < E
     ok = pair < n_pairs
-    src = (tl.where(ok, pair, 0) // ROW_DIV).to(tl.int64)
+    if SLOT_ROWS:
+        src = slots.to(tl.int64)
+    else:
+        src = (tl.where(ok, pair, 0) // ROW_DIV).to(tl.int64)
     v = tl.load(x + src[:, None] * s_xm + offs[None, :], mask=ok[:, None] & (offs < K)[None, :], other=0.0)
     qv, scale = quant_1x128(v.to(tl.float32), 1)
     tl.store(q + slots.to(tl.int64)[:, None] * s_qm + offs[None, :], qv.to(q.dtype.element_ty), mask=used[:, None])
@@ -207,12 +211,12 @@ def _quant_sorted_kernel(x, sorted_ids, block_expert, q, s, n_pairs, E, K, ROW_D
 
 
 def quantize_sorted(x: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor, num_experts: int,
-                    n_pairs: int, row_div: int, k_padded: int):
+                    n_pairs: int, row_div: int, k_padded: int, *, slot_rows: bool = False):
     """The FP8 input of a grouped GEMM that reads its rows in the sort's order (kernels/moe.py, a GemmConfig
     with sorted_a): x [R, K] bf16 -> (fp8 [S, k_padded], scale f32 [S, k_padded/128] row-major), S =
     len(sorted_ids) (sort_by_expert's tensors for num_experts experts); slot j holds x[sorted_ids[j] // row_div]
     quantised as quantize_act_1x128 quantises it (bit for bit), padding slots zeros; the slots of empty blocks
-    are not written (never read)."""
+    are not written (never read). slot_rows: x holds one row per slot already (row_div unused)."""
     slots = sorted_ids.numel()
     sort_bm = slots // block_expert.numel()
     q = torch.empty(slots, k_padded, dtype=torch.float8_e4m3fn, device=x.device)
@@ -224,5 +228,6 @@ def quantize_sorted(x: torch.Tensor, sorted_ids: torch.Tensor, block_expert: tor
     if slots:
         _quant_sorted_kernel[(slots // block, k_padded // 128)](
             x, sorted_ids, block_expert, q, s, n_pairs, num_experts, x.shape[1], row_div,
-            sort_bm, x.stride(0), q.stride(0), s.stride(0), BLOCK_M=block, num_warps=4, **pdl_kwargs(x.device))
+            sort_bm, x.stride(0), q.stride(0), s.stride(0), BLOCK_M=block, SLOT_ROWS=slot_rows, num_warps=4,
+            **pdl_kwargs(x.device))
     return q, s

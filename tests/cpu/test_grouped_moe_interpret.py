@@ -77,6 +77,12 @@ def _run_and_check(ex, x, ids, rw, w1f, w2f, cfg):
     assert torch.isfinite(by_pair.float()).all(), cfg.label()
     assert refs.rel_err(by_pair, act_ref) < 1e-2, ("GEMM1", cfg.label(), refs.rel_err(by_pair, act_ref))
     aa, as_ = quantize_act_1x128(act, ex.w2.shape[2], m_major=False)
+    if out_sorted:  # as _moe_grouped quantises slot-ordered rows: the used blocks only, the same bits
+        sq, ss = moe.quantize_sorted(act, sorted_ids, block_expert, ex.num_experts, n, 1, ex.w2.shape[2],
+                                     slot_rows=True)
+        live = sorted_ids < n
+        assert torch.equal(sq[live].view(torch.uint8), aa[live].view(torch.uint8)) and torch.equal(ss[live], as_[live])
+        aa, as_ = sq, ss
     y = torch.full((n, ex.hidden), float("nan"), dtype=torch.bfloat16)
     moe._grouped_gemm(aa, as_, ex.w2, ex.s2, ex.b2, rw.reshape(-1), y, sorted_ids, block_expert, n, 1, ex.hidden,
                       ex.w2.shape[2], True, False, 1.702, 7.0, cfg.block_m, cfg.w2, descs=ex.descs)
@@ -112,6 +118,20 @@ def test_grouped_fp8_gemms_match_float32_interpreted():
     ]
     for cfg in configs:
         _run_and_check(*case, cfg)
+
+
+@_interpreted
+def test_moe_with_sorted_inputs_equals_gathered_interpreted():
+    """The whole grouped path (kernels/moe._moe_grouped: sort, quantise, GEMM1, quantise, GEMM2) with both GEMMs
+    reading the sort's slots gives the gathered path's bits at the same tiles (the same rows, quantised alike)."""
+    from kvrelay.kernels import moe
+    from kvrelay.kernels.moe_configs import GemmConfig, GroupedConfig
+    ex, x, ids, rw, _, _ = _setup()
+    plain = GemmConfig(128, 4, 2, group_m=4, masked=False, tma=True)
+    srt = GemmConfig(128, 4, 2, group_m=4, masked=False, tma=True, sorted_a=True)
+    a = moe._moe_grouped(x, ids, rw, ex, 1.702, 7.0, config=GroupedConfig(32, plain, plain), combine=False)
+    b = moe._moe_grouped(x, ids, rw, ex, 1.702, 7.0, config=GroupedConfig(32, srt, srt), combine=False)
+    assert torch.equal(a, b)
 
 
 @_interpreted

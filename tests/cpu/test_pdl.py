@@ -245,7 +245,7 @@ KERNELS = [
     _spec(moe_sort._quant_sorted_kernel, {"x": P["bf16"], "sorted_ids": P["i32"], "block_expert": P["i32"],
                                           "q": P["fp8"], "s": P["f32"],
                                           **_ints("n_pairs", "E", "K", "ROW_DIV", "SORT_BM", "s_xm", "s_qm", "s_sm")},
-          {"BLOCK_M": 16}),
+          {"BLOCK_M": 16, "SLOT_ROWS": False}),
     _spec(moe_sort._sort_pairs_kernel, {"ids": P["i64"], "sorted_ids": P["i32"], "block_expert": P["i32"],
                                    "counts_out": P["i32"], **_ints("n", "E", "max_blocks")},
           {"E_P2": 32, "BLOCK": 256, "BLOCK_M": 16, "NB": 64}, num_warps=8),
