@@ -35,7 +35,7 @@ from .fp8_gemm import BLOCK, quantize_act_1x128
 from .moe_configs import GemmConfig, GroupedConfig
 from .moe_gemv import MoePending, moe_gemv, pair_dtype
 # the pair sort lives in kernels/moe_sort.py; re-exported here, where its callers (and tests) look for it
-from .moe_sort import SORT_KERNEL_MAX_PAIRS, quantize_sorted, sort_by_expert  # noqa: F401
+from .moe_sort import SORT_KERNEL_MAX_PAIRS, quantize_sorted, sort_by_expert, tile_order  # noqa: F401
 from .moe_gemv import swiglu as _swiglu  # the clamped SwiGLU, fused into both paths' GEMM1
 from .pdl import enter, pdl_kwargs
 
@@ -165,20 +165,8 @@ def _grouped_kernel(a, a_desc, sa, w, w_desc, sw, b, rw, out, sorted_ids, block_
     # kernels/pdl.py: every program waits (even those returning early below) before its first load, all of
     # which (block_expert, sorted_ids, activations; the weights' expert comes from block_expert) follow
     enter(USE_PDL)
-    # One program per (M block, N tile) on a 1-D grid. GROUP_M M blocks walk the N tiles together: blocks
-    # are sorted by expert, so neighbours mostly share an expert and its weight tiles come from L2 for
-    # all but the first (GROUP_M = 1: the N tiles of one M block back to back, the original order).
-    pid = tl.program_id(0)
-    n_n = tl.cdiv(N, BLOCK_N)
-    if GROUP_M == 1:
-        pid_m = pid // n_n
-        pid_n = pid % n_n
-    else:
-        per_group = GROUP_M * n_n
-        first_m = (pid // per_group) * GROUP_M
-        size_m = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % size_m
-        pid_n = (pid % per_group) // size_m
+    # One program per (M block, N tile) on a 1-D grid, in moe_sort.tile_order's order (L2 reuse of weight tiles)
+    pid_m, pid_n = tile_order(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     e32 = tl.load(block_expert + pid_m)
     if e32 >= E:  # an empty block past the last expert's (sort_by_expert's max_blocks bound)
         return

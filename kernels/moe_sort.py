@@ -184,6 +184,23 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, *, path: s
     return sorted_ids, block_expert, counts
 
 
+@triton.jit
+def tile_order(pid, num_m, n_n, GROUP_M: tl.constexpr):
+    """(M block, N tile) of program `pid` of a grouped GEMM's 1-D grid (kernels/moe.py, moe_ws.py): GROUP_M M
+    blocks walk the N tiles together; blocks are sorted by expert, so neighbours mostly share an expert and
+    its weight tiles come from L2 for all but the first (GROUP_M = 1: the N tiles of one M block back to back)."""
+    if GROUP_M == 1:
+        pid_m = pid // n_n
+        pid_n = pid % n_n
+    else:
+        per_group = GROUP_M * n_n
+        first_m = (pid // per_group) * GROUP_M
+        size_m = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % size_m
+        pid_n = (pid % per_group) // size_m
+    return pid_m, pid_n
+
+
 # ---- the GEMM input in expert-sorted rows ------------------------------------------------------------------
 @triton.jit
 def _quant_sorted_kernel(x, sorted_ids, block_expert, q, s, n_pairs, E, K, ROW_DIV, SORT_BM, s_xm, s_qm, s_sm,

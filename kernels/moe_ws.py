@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .moe_gemv import swiglu_parts
+from .moe_sort import tile_order
 from .pdl import enter
 
 
@@ -35,13 +36,7 @@ def _grouped_ws_kernel(a_desc, sa, w_desc, sw, b, rw, out, sorted_ids, block_exp
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                        ALPHA: tl.constexpr, LIMIT: tl.constexpr, USE_PDL: tl.constexpr = False):
     enter(USE_PDL)  # kernels/pdl.py: before any load or store
-    pid = tl.program_id(0)
-    n_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * n_n
-    first_m = (pid // per_group) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
+    pid_m, pid_n = tile_order(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     e_raw = tl.load(block_expert + pid_m)
     live = e_raw < E
     e32 = tl.where(live, e_raw, 0)
