@@ -93,13 +93,14 @@ def _compile_ws(swiglu: bool, block_m: int = 128, block_n: int = 128):
              **{n: "i32" for n in ("num_m", "n_pairs", "E", "N", "KDIM", "s_sam", "s_sak", "s_swe", "s_swn", "s_be",
                                    "s_om")}}
     consts = {"SWIGLU": swiglu, "MUL_ROUTE": not swiglu, "OUT_SORTED": swiglu, "BLOCK_M": block_m,
-              "BLOCK_N": block_n, "BLOCK_K": 128, "GROUP_M": 16, "ALPHA": 1.702, "LIMIT": 7.0, "USE_PDL": False}
+              "BLOCK_N": block_n, "BLOCK_K": 128, "GROUP_M": 16, "ALPHA": 1.702, "LIMIT": 7.0, "USE_PDL": True}
     names = k.arg_names
     sig = {n: ("constexpr" if n in consts else types[n]) for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("sa", "sw", "b", "rw", "out", "sorted_ids",
                                                                      "block_expert", "N", "KDIM", "s_om")}
     return triton.compile(ASTSource(k, signature=sig, constexprs=consts, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+                          target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4, "num_stages": 3, "launch_pdl": True})
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles real kernels")
@@ -121,3 +122,7 @@ def test_ws_kernel_is_cooperative(swiglu):
     else:
         assert sass.count("QGMMA.64x128x32") == 8, sass.count("QGMMA")
     assert ops.count("UTMALDG") >= 2 and "LDGSTS" not in ops
+    # as prefill launches it (PDL on Hopper): the default warp group waits for the previous kernel (ACQBULK)
+    # before it releases the others (named barrier 1), so no partition reads the sort's outputs early
+    wait = ops.index("ACQBULK")
+    assert "BAR" in ops[wait:] and ops.count("ACQBULK") == 1
