@@ -29,14 +29,14 @@ from kvrelay.engine.kv_geometry import FULL, SLIDING
 # generic cuBLAS/CUTLASS names ("gemm", "gemv") that e.g. `_gemv1_kernel` would also match.
 CATEGORIES: tuple[tuple[str, str], ...] = (
     # kernels/moe.py's grouped FP8 expert GEMMs (prefill) and kernels/moe_gemv.py's (decode sizes)
-    ("MoE expert GEMM", r"_grouped_kernel|_gemv[12]_kernel"),
+    ("MoE expert GEMM", r"_grouped_kernel|_grouped_ws_kernel|_gemv[12]_kernel"),
     # kernels/moe.py routing + sort, kernels/router.py (the fused residual+norm+router of decode sizes
     # counts here: its router GEMV is most of its bytes), kernels/fused.py's router GEMV, moe_gemv's combine
     ("MoE routing/sort/permute/combine",
      r"_route_kernel|_router_route_kernel|_add_norm_route_kernel|_router_gemv_kernel"
      r"|_sort_pairs_kernel|_sort_count_kernel|_sort_place_kernel|combine_kernel"),
     # kernels/fp8_gemm.py's 1x128 quantisation of a GEMM's input (one row per program, or prefill's row tiles)
-    ("activation quantisation", r"_quant_act_kernel|_quant_act_tile_kernel"),
+    ("activation quantisation", r"_quant_act_kernel|_quant_act_tile_kernel|_quant_sorted_kernel"),
     # kernels/fused.py: rotary on q/k, and rotary + the paged KV write in one launch (+ its prefill tiles)
     ("rotary/KV write", r"_rotary_qk_kernel|_rotary_kv_write_kernel|_rotary_kv_write_tile_kernel"),
     # Runner.sample's greedy argmax (aten's reduce kernel over ArgMaxOps), sampling's multinomial and
