@@ -124,6 +124,7 @@ class Sweep:
         self.gen = gen
         self.rows: list[dict] = []       # every measurement
         self.measured: dict = {}         # (model, tokens, gemm, bm, cfg) -> its row
+        self.prep: dict = {}             # (model, tokens, gemm, bm) -> prep_delta's ms
         self.checked: dict = {}          # (hidden, inter, gemm, bm, cfg) -> (ok, err, note)
         self.compiles = 0
         self.skipped: list[dict] = []
@@ -203,22 +204,38 @@ class Sweep:
             return self.measured[key]
         ok, err, note = self.check(shape, gemm, bm, cfg)
         prob = self.problem(shape, tokens)
-        ms = None
+        ms = prep = None
         if ok:
             self._spend()
             try:
                 ms = S.time_ms(prob.launcher(gemm, bm, cfg), self.cuda, self.args.warmup_ms, self.args.rep_ms,
                                self.args.timer)
+                if cfg.sorted_a:  # charged what its input preparation costs beyond the gathered path's
+                    prep = self.prep_delta(shape, tokens, gemm, bm)
+                    ms += prep
             except Exception as exc:  # noqa: BLE001
-                note = f"{type(exc).__name__}: {str(exc)[:160]}"
+                ms, note = None, f"{type(exc).__name__}: {str(exc)[:160]}"
         row = {"model": shape.model, "tokens": tokens, "n_pairs": prob.n_pairs, "gemm": gemm, "phase": phase,
                "block_m": bm, "config": dataclasses.asdict(cfg), "label": cfg.label(),
                "ms": None if ms is None else round(ms, 6),
                "check_rel_err": err, "note": note}
+        if prep is not None:
+            row["prep_delta_ms"] = round(prep, 6)
         row.update(S.rates(prob, gemm, ms, CEIL))
         self.rows.append(row)
         self.measured[key] = row
         return row
+
+    def prep_delta(self, shape: Shape, tokens: int, gemm: str, bm: int) -> float:
+        """ms the sorted path's input quantisation takes beyond the gathered path's (Problem.prep_launchers;
+        once per point, GEMM and M tile). Included in a sorted_a config's "ms" (and given apart as
+        prep_delta_ms), so the table picks the faster MoE, not the faster GEMM alone."""
+        key = (shape.model, tokens, gemm, bm)
+        if key not in self.prep:
+            plain, srt = self.problem(shape, tokens).prep_launchers(gemm, bm)
+            args = (self.cuda, self.args.warmup_ms, self.args.rep_ms, self.args.timer)
+            self.prep[key] = S.time_ms(srt, *args) - S.time_ms(plain, *args)
+        return self.prep[key]
 
     # -- the whole run --
     def run(self, checkpoint=None) -> None:

@@ -19,6 +19,7 @@ import torch
 from kvrelay.kernels import moe
 from kvrelay.kernels import moe_configs as MC
 from kvrelay.kernels.fp8 import dequantize_weight_block128, quantize_act_1x128
+from kvrelay.kernels.fp8_gemm import quantize_act_1x128 as quantize_act_1x128_engine
 from kvrelay.kernels.moe_configs import GemmConfig
 from kvrelay.kernels.reference import clamped_swiglu, route_topk
 
@@ -173,6 +174,24 @@ class Problem:
                 q = torch.where(live[:, None], self.aq[src].view(torch.uint8), 0).view(self.aq.dtype)
                 self._sorts[key] = (q.contiguous(), torch.where(live[:, None], self.as_[src], 1e-12 / 448))
         return self._sorts[key]
+
+    def prep_launchers(self, gemm: str, block_m: int):
+        """(the gathered path's input quantisation, the sorted path's) of one GEMM, as the engine runs them
+        (kernels/moe._moe_grouped): GEMM1's tokens' rows, plain or into the slots; GEMM2's bf16 rows, one per
+        pair or one per slot (GEMM1's sorted output, the used blocks only). The tuner charges a sorted_a config
+        the difference, so GEMM-only timings do not favour it for work moved out of the GEMM."""
+        sid, be = self.sort(block_m)
+        ex = self.ex
+        if gemm == "w1":
+            return (lambda: quantize_act_1x128_engine(self.x, ex.w1.shape[2], m_major=False),
+                    lambda: moe.quantize_sorted(self.x, sid, be, ex.num_experts, self.n_pairs, self.k, ex.w1.shape[2]))
+        key = ("act_slots", block_m)
+        if key not in self._sorts:
+            self._sorts[key] = torch.zeros(sid.numel(), ex.inter, dtype=torch.bfloat16, device=sid.device)
+        slots = self._sorts[key]
+        return (lambda: quantize_act_1x128_engine(self.act, ex.w2.shape[2], m_major=False),
+                lambda: moe.quantize_sorted(slots, sid, be, ex.num_experts, self.n_pairs, 1, ex.w2.shape[2],
+                                            slot_rows=True))
 
     def launcher(self, gemm: str, block_m: int, cfg: GemmConfig, *, warmup: bool = False):
         sid, be = self.sort(block_m)

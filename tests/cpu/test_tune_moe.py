@@ -237,6 +237,8 @@ def test_tuner_end_to_end_interpreted(tmp_path):
     # the inputs in the sort's slots (sorted_a) and the warp-specialised kernel were checked too
     assert {(r["config"]["sorted_a"], r["config"]["ws"]) for r in res["measurements"]} >= {(True, False),
                                                                                           (True, True)}
+    # ... each charged its input preparation beyond the gathered path's (in its ms, and given apart)
+    assert all(("prep_delta_ms" in r) == r["config"]["sorted_a"] for r in res["measurements"] if r["ms"] is not None)
     assert list(out.glob("tune-moe-cpu-*.png"))
     # 8 tokens x 4 / 8 experts = 4 rows per expert: the 32-row candidate is pruned there, not at 64 tokens
     assert not [r for r in res["measurements"] if r["tokens"] == 8 and r["block_m"] == 32]
