@@ -43,15 +43,11 @@ TILES: dict[int, tuple[tuple[int, int, int], ...]] = {
 # registers, 224 of 228 KB), but 185 registers with pointer loads (2 CTAs), so phase 1's knob-less form of it
 # says nothing of the 3-CTA kernel and phase 2 would only reach it if that form ranked in the top (sm_90,
 # triton 3.6, cuobjdump -res-usage; 2026-12-05).
-# With 128-row tiles, the warp-specialised kernel (kernels/moe_ws.py: a TMA producer and two 64-row consumer warp
-# groups, the inputs in the sort's slots; triton 3.6 compiles it, 3.9 does not) at 3 and 4 stages.
 TMA_TILES: dict[int, tuple[GemmConfig, ...]] = {
     64: (GemmConfig(128, 4, 3, group_m=16, masked=False, tma=True),
          GemmConfig(128, 4, 3, group_m=8, masked=False, tma=True)),
-    128: (GemmConfig(128, 4, 3, group_m=16, masked=False, tma=True, sorted_a=True, ws=True),
-          GemmConfig(128, 4, 4, group_m=16, masked=False, tma=True, sorted_a=True, ws=True),
-          GemmConfig(128, 4, 3, group_m=8, masked=False, tma=True, sorted_a=True, ws=True)),
 }
+# (Not the warp-specialised kernel, kernels/moe_ws.py: it hung on the H200 at 806a8d7, 2026-12-05.)
 # Phase 2, on each point's best phase-1 tiles: (group_m, masked, tma). A 20b prefill of 16k tokens gives each
 # expert ~32 M blocks of 64 rows: a group of 8 still reads every weight tile 4 times from HBM, 16 twice.
 # (group_m, masked, tma, sorted_a): sorted_a reads the input rows in the sort's slots as TMA tiles

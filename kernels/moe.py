@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import types
 from dataclasses import dataclass
 
@@ -313,6 +314,9 @@ def _grouped_gemm(a, sa, w, sw, b, rw, out, sorted_ids, block_expert, n_pairs, r
                              f"{sorted_ids.numel()} contiguous rows, got {list(a.shape)}) and triton >= 3.4")
         a_desc = TensorDescriptor.from_tensor(a, [block_m, block_k])
     if cfg.ws:
+        if os.environ.get("KVRELAY_MOE_WS") != "1":
+            raise ValueError("ws=True: the warp-specialised grouped GEMM (kernels/moe_ws.py) hung on the H200 "
+                             "(triton 3.6, 806a8d7, 2026-12-05); KVRELAY_MOE_WS=1 runs it anyway, for debugging")
         if not (cfg.tma and cfg.sorted_a) or cfg.block_n > 128 or 128 % cfg.block_n or n % 2:
             raise ValueError("ws=True (warp specialisation) needs tma=True and sorted_a=True (on Hopper triton "
                              "specialises only loops whose loads are all TMA descriptors), N tiles of at most 128 "

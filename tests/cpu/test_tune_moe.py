@@ -218,14 +218,13 @@ def test_tuner_end_to_end_interpreted(tmp_path):
     cfg_dir.mkdir()
     argv = ["--device", "cpu", "--models", "tiny", "--tokens", "8,64", "--check-tokens", "8", "--out", str(out),
             "--config-out", str(cfg_dir), "--candidates",
-            "16x64-w4-s2;32x128-w4-s2-g2-clamp-tma;16x128-w4-s2-g2-clamp-tma-sa;32x64-w4-s2-clamp-tma-sa-ws"]
+            "16x64-w4-s2;32x128-w4-s2-g2-clamp-tma;16x128-w4-s2-g2-clamp-tma-sa"]
     payload = tune_moe.main(argv)
     table = cfg_dir / "moe_cpu.json"
     rows = MC.load_file(str(table))["E8_H128_I96"]
     assert [n for n, _ in rows] == [32, 256]
     allowed = {(16, GemmConfig(64, 4, 2)), (32, GemmConfig(128, 4, 2, 2, masked=False, tma=True)),
                (16, GemmConfig(128, 4, 2, 2, masked=False, tma=True, sorted_a=True)),
-               (32, GemmConfig(64, 4, 2, 1, masked=False, tma=True, sorted_a=True, ws=True)),
                (16, GemmConfig(128, 4, 4)), (64, GemmConfig(128, 4, 4))}  # the candidates, the heuristics
     for _, c in rows:
         assert {(c.block_m, c.w1), (c.block_m, c.w2)} <= allowed
@@ -234,9 +233,8 @@ def test_tuner_end_to_end_interpreted(tmp_path):
     assert len(res["points"]) == 2 and res["complete"]
     assert all(p["best"]["ms"] <= p["heuristic"]["ms"] for p in res["points"])  # the heuristic is a candidate
     assert all(r["check_rel_err"] < S.CHECK_TOL for r in res["measurements"])
-    # the inputs in the sort's slots (sorted_a) and the warp-specialised kernel were checked too
-    assert {(r["config"]["sorted_a"], r["config"]["ws"]) for r in res["measurements"]} >= {(True, False),
-                                                                                          (True, True)}
+    # the inputs in the sort's slots (sorted_a) were checked too
+    assert (True, False) in {(r["config"]["sorted_a"], r["config"]["ws"]) for r in res["measurements"]}
     # ... each charged its input preparation beyond the gathered path's (in its ms, and given apart)
     assert all(("prep_delta_ms" in r) == r["config"]["sorted_a"] for r in res["measurements"] if r["ms"] is not None)
     assert list(out.glob("tune-moe-cpu-*.png"))
@@ -357,7 +355,7 @@ def test_phase1_has_the_tma_occupancy_tiles_only_where_tma_works():
         got = TM.Sweep.phase1(sweep, shape, 8192)  # 256 rows per expert: M tiles 32..128
         plain = [(bm, GemmConfig(*t)) for bm in S.allowed_block_m(256) for t in S.TILES[bm]]
         extra = [(bm, c) for bm in S.allowed_block_m(256) for c in S.TMA_TILES.get(bm, ())] if tma else []
-        assert not tma or {bm for bm, _ in extra} == {64, 128}
+        assert not tma or {bm for bm, _ in extra} == {64}
         assert got == plain + extra
         assert all(c.tma for _, c in extra) and len(set(got)) == len(got)
-        assert all(c.ws == (bm == 128) and c.sorted_a == c.ws for bm, c in extra)  # ws: 128-row tiles only
+        assert not any(c.ws for _, c in extra)  # the warp-specialised kernel hung on the H200
