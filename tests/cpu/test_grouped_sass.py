@@ -112,7 +112,12 @@ def test_ws_kernel_is_cooperative(swiglu):
     loop), a return before the loop or the accumulator reshaped for the SwiGLU, triton's pass failed to compile
     the loop, and at 64-row tiles both consumers ran the whole tile (2x the MMAs): checked 2026-12-05."""
     if not triton.__version__.startswith("3.6"):
-        pytest.skip("checked under the H200's triton 3.6 (tests/cpu/test_h200_triton.py runs it there)")
+        # triton 3.9 (the venv's) fails its warp-specialisation pass on this kernel (2026-12-05): a loud compile
+        # error, never a silently different kernel; the structure below is checked under 3.6
+        # (tests/cpu/test_h200_triton.py)
+        with pytest.raises(Exception, match="PassManager"):
+            _compile_ws(swiglu)
+        return
     sass = _compile_ws(swiglu).asm["sass"]
     ops = _opcodes(sass)
     assert "USETMAXREG" in ops, "not warp-specialised"
