@@ -7,7 +7,7 @@
 # usage, on the device machine from the repo root (the checkout travels without .git, so the commit of the
 # measured tree is passed in; it must be a commit whose tree is what was carried, for RESULTS.md to table it):
 #   KVRELAY_GIT_COMMIT=<sha> STEPS="pre20 pp20 tgpu" LIMIT=540 bash bench/h200_steps.sh
-# Steps: prof20 (batch-1 decode profile, PDL off), dec20/dec120 (batch-1 decode at 8k, pipelined),
+# Steps: prof20/prof120 (batch-1 decode profile, PDL off), dec20/dec120 (batch-1 decode at 8k, pipelined),
 #   decsweep20/decsweep120 (decode curves at 8k and 32k, batch 1..256; LENGTHS/BATCHES override the lists), pp20/pp120 (prefill 8192 profile),
 #   pre20/pre120 (prefill 8192; PRE_LENGTHS overrides), wall20/wall120 (prefill 8192's wall vs device time per layer,
 #   back to back and with the host queued ahead, with the SM clock and power cap), serve1 (bench/serve_h200.sh SOLO_ONLY against $SERVE_CONFIG, default
@@ -64,7 +64,8 @@ for s in ${STEPS:-}; do
   [ "$left" -lt 30 ] && { echo "== skip $s ($left s left)"; continue; }
   echo "== $s ($(date +%T), $left s left)"
   case $s in
-    prof20) KVRELAY_PDL=0 bench prof20 kvrelay.bench.profile_decode --model gpt-oss-20b $M --batch 1 --context 8192 --top 40 --graphs ;;
+    prof20|prof120) KVRELAY_PDL=0 bench $s kvrelay.bench.profile_decode --model gpt-oss-${s#prof}b $M --batch 1 --context 8192 \
+        --top 40 --graphs ;;
     dec20|dec120) bench $s kvrelay.bench.decode --model gpt-oss-${s#dec}b $M --lengths 8192 --batches 1 --mode pipelined ;;
     decsweep20|decsweep120) bench $s kvrelay.bench.decode --model gpt-oss-${s#decsweep}b $M --lengths "${LENGTHS:-8192,32768}" \
         --batches "${BATCHES:-1,8,32,64,128,256}" --mode pipelined --budget-s $(( left - 20 )) ;;

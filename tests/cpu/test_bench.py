@@ -376,7 +376,7 @@ def test_h200_steps_script_runs_each_benchmark_on_a_real_preset(tmp_path):
 
     root = Path(__file__).resolve().parents[2]
     shim, log = _shim_python3(tmp_path)
-    steps = "dec20 dec120 decsweep20 decsweep120 pp20 pp120 pre20 pre120 prof20 wall20 wall120"
+    steps = "dec20 dec120 decsweep20 decsweep120 pp20 pp120 pre20 pre120 prof20 prof120 wall20 wall120"
     env = {**os.environ, "PATH": f"{shim}:{os.environ['PATH']}", "OUT": str(tmp_path), "STEPS": steps,
            "KVRELAY_GIT_COMMIT": "0" * 40, "WORK_DIR": str(tmp_path / "w"), "TAG": "-x"}
     res = subprocess.run(["bash", str(root / "bench" / "h200_steps.sh")], cwd=root, env=env,
