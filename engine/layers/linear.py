@@ -99,9 +99,10 @@ class Linear:
     def prefetch(self, point: str, tokens: int) -> None:
         """Start fetching this layer's weight into L2 ahead of its launch where prefetch `point` is on
         (kernels/l2_prefetch.py: small decode batches on Hopper, KVRELAY_L2_PREFETCH)."""
-        from kvrelay.kernels.l2_prefetch import maybe_prefetch
+        if self.weight.device.type == "cuda":
+            from kvrelay.kernels.l2_prefetch import maybe_prefetch
 
-        maybe_prefetch(point, [self._gpu.w if self._gpu is not None else self.weight], tokens)
+            maybe_prefetch(point, [self._gpu.w if self._gpu is not None else self.weight], tokens)
 
     def run_quantized(self, xq: torch.Tensor, sx: torch.Tensor, m: int, dtype: torch.dtype) -> torch.Tensor:
         """The GPU FP8 product of m rows quantised as kernels.fp8_gemm.quantize_act_1x128(x, quant_k)

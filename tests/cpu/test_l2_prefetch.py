@@ -13,11 +13,8 @@ import pytest
 import torch
 import triton
 
-from interp_helpers import interpreted
 from kvrelay.kernels import l2_prefetch as lp
 from test_pdl import _GLOBAL_MEM, _LOADS, _opcodes, _ptx_loads_before_wait
-
-_interpreted = interpreted(__file__)
 
 
 def test_points_parse_and_reject_unknown_names(monkeypatch):
@@ -94,55 +91,3 @@ def test_kernel_prefetches_triggers_then_waits_and_writes_nothing(rows, evict_la
         assert loads == ["LDG"] and early == [{"ids"}], (loads, early)
     else:
         assert loads == [] and early == [], (loads, early)
-
-
-@_interpreted
-def test_model_prefetches_at_each_point_of_a_decode_step_interpreted():
-    """The tiny model's fused GPU glue under the interpreter (KVRELAY_KERNELS=triton), every point on and the
-    device check waived (the kernel itself is sm_90 only: recorded, not launched), fp8 and bf16: a decode step of
-    one sequence asks for the QKV and O weights of every layer and the chosen experts' GEMV2 rows (the router's
-    ids, one per expert of the token), a prefill over MAX_TOKENS for none; with the switch off nothing is asked."""
-    from kvrelay.engine.config import PRESETS
-    from kvrelay.engine.runner import Runner
-    from kvrelay.engine.weights import open_weights
-
-    cfg = PRESETS["tiny"]
-    asked = []
-    saved = {k: os.environ.get(k) for k in ("KVRELAY_KERNELS", "KVRELAY_ATTENTION", "KVRELAY_L2_PREFETCH")}
-    patched = {"wanted": lambda point, t, tokens: tokens <= lp.MAX_TOKENS and point in lp.points(),
-               "l2_prefetch": lambda t, rows=None: asked.append((tuple(t.shape), rows))}
-    orig = {name: getattr(lp, name) for name in patched}
-    os.environ.update(KVRELAY_KERNELS="triton", KVRELAY_ATTENTION="reference")
-    for name, fn in patched.items():
-        setattr(lp, name, fn)
-    try:
-        for quant in ("fp8-block128", "bf16"):
-            r = Runner(cfg, open_weights(None, cfg, dummy=True, seed=5), page_size=4, kv_tokens=128, quant=quant)
-            assert r.model.blocks[0].fused
-            os.environ["KVRELAY_L2_PREFETCH"] = "all"
-            asked.clear()
-            r.prefill("a", list(range(3, 3 + lp.MAX_TOKENS + 1)))
-            assert asked == []
-            r.decode(["a"], [5])
-            whole = [shape for shape, rows in asked if rows is None]
-            want = [_held(lin) for b in r.model.blocks for lin in (b.attn.qkv, b.attn.out)]
-            assert whole == want, (quant, whole, want)
-            rows = [rows for _, rows in asked if rows is not None]
-            assert len(rows) == cfg.num_hidden_layers, (quant, rows)
-            assert all(x.numel() == cfg.experts_per_token for x in rows), (quant, rows)
-            asked.clear()
-            os.environ["KVRELAY_L2_PREFETCH"] = "0"
-            r.decode(["a"], [6])
-            assert asked == [], quant
-    finally:
-        for name, fn in orig.items():
-            setattr(lp, name, fn)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def _held(linear) -> tuple:
-    return tuple((linear._gpu.w if linear._gpu is not None else linear.weight).shape)
