@@ -54,8 +54,6 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     # CUTLASS; the LM head's bf16 GEMM too (a name does not say which layer launched it)
     ("dense linear", r"_fp8_gemm_kernel|_fp8_gemv_kernel|nvjet|cutlass|[Gg]emm|[Gg]emv|splitKreduce"),
     ("memcpy/memset", r"^Memcpy|^Memset|[Mm]emcpy|[Mm]emset"),
-    # kernels/l2_prefetch.py: the next kernel's weights into L2 (decode sizes; moves no data to the SMs)
-    ("L2 prefetch", r"_l2_prefetch_kernel"),
 )
 OTHER = "other"
 _COMPILED = tuple((cat, re.compile(rx)) for cat, rx in CATEGORIES)

@@ -23,7 +23,7 @@ import torch
 
 from kvrelay.engine.config import MODEL_QUANTS, ModelConfig, head_quant, layer_quant
 from kvrelay.engine.kv_cache import BatchLayout, KVCache
-from kvrelay.engine.layers.attention import Attention, AttentionFn, BatchAttention, GpuAttention, RotaryPending
+from kvrelay.engine.layers.attention import Attention, AttentionFn, BatchAttention, GpuAttention
 from kvrelay.engine.layers.embedding import Embedding, EmbeddingRows, Unembedding, embed_fuse_enabled
 from kvrelay.engine.layers.linear import Shard, WeightGetter
 from kvrelay.engine.layers.moe import MoE
@@ -61,8 +61,6 @@ class Block:
         """The attention kernel of this layer on q; on the fused path a FlashInfer decode leaves the sink
         to the output projection's quantisation kernel (a SinkPending), a Triton split-KV decode its merge
         (a MergePending, or a MergedQuant already quantised for the FP8 output projection's quant_k)."""
-        if self.fused:  # the output projection's weights into L2 while the attention runs (kernels/l2_prefetch.py)
-            self.attn.out.prefetch("o", (q.qkv if isinstance(q, RotaryPending) else q).shape[0])
         return attn.run(q, cache.layer_pool(self.layer), cache.layer_group(self.layer), self.attn.sinks,
                         self.attn.sm_scale, self.attn.window, defer_sink=self.fused,
                         quant_k=self.attn.out.quant_k if self.fused else None)
@@ -97,8 +95,6 @@ class Block:
         from kvrelay.kernels.moe_gemv import MoePending
 
         kp = self.attn.qkv.quant_k
-        # the QKV weights on their way to L2 under the previous kernels (kernels/l2_prefetch.py; off by default)
-        self.attn.qkv.prefetch("qkv", x.ids.numel() if isinstance(x, EmbeddingRows) else x.shape[0])
         if isinstance(x, EmbeddingRows):
             x_new, h = add_rms_norm(x.table, None, self.attn_norm.scale, self.eps, quant_k=kp, rows=x.ids, gather=True)
         elif isinstance(delta, MoePending):

@@ -20,7 +20,6 @@ import triton.language as tl
 
 from .fp8_quant import store_zero_rows
 from .fused import add_rms_norm_row, norm_block, quant_buffers
-from .l2_prefetch import maybe_prefetch
 from .pdl import enter, pdl_kwargs
 
 
@@ -390,8 +389,6 @@ def moe_gemv(x, ids, route_w, ex, alpha, limit, block_n1=None, block_n2=None, bl
     ids_flat = ids.reshape(-1)
     act = torch.empty(t * k, inter, dtype=torch.bfloat16, device=x.device)
     gemv1(x, ids_flat, k, ex, alpha, limit, act, l1)
-    # the chosen experts' GEMV2 weights on their way to L2 while GEMV1 streams (kernels/l2_prefetch.py; off by default)
-    maybe_prefetch("moe", [ex.w2], t, rows=ids_flat)
     if norm_counters is not None and t <= NORM_FUSE_MAX_TOKENS:
         return MoePending(act, ids_flat, route_w.reshape(-1), ex, l2, t, k, pair_dtype(x), norm_counters)
     y = torch.empty(t * k, h, dtype=pair_dtype(x), device=x.device)

@@ -96,14 +96,6 @@ class Linear:
         `run_quantized`), else None."""
         return self._gpu.kp if self._gpu is not None else None
 
-    def prefetch(self, point: str, tokens: int) -> None:
-        """Start fetching this layer's weight into L2 ahead of its launch where prefetch `point` is on
-        (kernels/l2_prefetch.py: small decode batches on Hopper, KVRELAY_L2_PREFETCH)."""
-        if self.weight.device.type == "cuda":
-            from kvrelay.kernels.l2_prefetch import maybe_prefetch
-
-            maybe_prefetch(point, [self._gpu.w if self._gpu is not None else self.weight], tokens)
-
     def run_quantized(self, xq: torch.Tensor, sx: torch.Tensor, m: int, dtype: torch.dtype) -> torch.Tensor:
         """The GPU FP8 product of m rows quantised as kernels.fp8_gemm.quantize_act_1x128(x, quant_k)
         would quantise them: self(x) without the quantisation launch; `dtype` is x's."""
