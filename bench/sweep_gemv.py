@@ -8,8 +8,9 @@ variants). The space: N tile x K step x warps x stages x the LATE reduction (ker
 over K after the loop instead of inside it), sampled at random up to --samples launches per GEMM plus
 today's, every one checked against today's output (relative error < 2e-3: the math is the same, the fp32
 summation order is not) before it is timed. Timing: calls back to back in a CUDA graph, median of 5
-replays (bench/tune_moe_space.time_ms), on experts of the real shape (random FP8, never zeros) and
-distinct random experts per token, the weights (>= 0.6 GB) far larger than L2.
+replays (bench/tune_moe_space.time_ms), on experts of the real shape (random FP8, never zeros), distinct
+experts per token, and consecutive calls on disjoint expert sets (expert_sets), so no call reads its weights
+from L2 (the weights, >= 0.6 GB, are far larger than L2).
 
     python -m kvrelay.bench.sweep_gemv --budget-s 120 --out bench/results
     python -m kvrelay.bench.sweep_gemv --device cpu --models gpt-oss-tiny --samples 3    # plumbing only
@@ -78,8 +79,8 @@ def sweep_point(ex, tokens: int, top_k: int, cands: list[G.GemvLaunch], args, de
     h, inter = ex.hidden, ex.w1.shape[1] // 2
     cuda = dev.type == "cuda"
     x = torch.randn(tokens, h, generator=gen, device=dev).bfloat16()
-    ids = torch.stack([torch.randperm(ex.num_experts, generator=gen, device=dev)[:top_k] for _ in range(tokens)])
-    ids = ids.to(torch.int32).reshape(-1)
+    sets = expert_sets(ex.num_experts, tokens, top_k, gen, dev)
+    ids = sets[0]
     rw = torch.softmax(torch.randn(tokens * top_k, generator=gen, device=dev), -1).bfloat16()
     act = torch.empty(tokens * top_k, inter, dtype=torch.bfloat16, device=dev)
     y = torch.empty(tokens * top_k, h, dtype=torch.bfloat16, device=dev)  # as moe_gemv stores a bf16 model's pairs
@@ -89,10 +90,13 @@ def sweep_point(ex, tokens: int, top_k: int, cands: list[G.GemvLaunch], args, de
     ref_act = act.clone()
     G.gemv2(ref_act, ids, rw, ex, y, today.w2)
     ref_y = y.clone()
-    runs = {"w1": lambda l: G.gemv1(x, ids, top_k, ex, ALPHA, LIMIT, act, l),
-            "w2": lambda l: G.gemv2(ref_act, ids, rw, ex, y, l)}
+    runs = {"w1": lambda l, ids=ids: G.gemv1(x, ids, top_k, ex, ALPHA, LIMIT, act, l),
+            "w2": lambda l, ids=ids: G.gemv2(ref_act, ids, rw, ex, y, l)}
+    # timed calls take the expert sets in turn, so no call finds its experts' weights in L2 from the one before
+    turns = itertools.cycle(sets)
+    rotating = {g: (lambda l, g=g: runs[g](l, next(turns))) for g in runs}
     outs = {"w1": (act, ref_act), "w2": (y, ref_y)}
-    res = {"tokens": tokens, "pairs": tokens * top_k, "today": today.label(), "gemms": {}}
+    res = {"tokens": tokens, "pairs": tokens * top_k, "today": today.label(), "expert_sets": len(sets), "gemms": {}}
     for gemm in args.gemms.split(","):
         rows = []
         for launch in [getattr(today, gemm), *cands]:
@@ -108,7 +112,7 @@ def sweep_point(ex, tokens: int, top_k: int, cands: list[G.GemvLaunch], args, de
                 if not err < CHECK_TOL:
                     row["error"] = f"check failed: rel err {err:.3g}"
                 else:
-                    row["us"] = 1e3 * S.time_ms(lambda: runs[gemm](launch), cuda, 5.0, args.rep_ms)
+                    row["us"] = 1e3 * S.time_ms(lambda: rotating[gemm](launch), cuda, 5.0, args.rep_ms)
                     row["tbs"] = nbytes[gemm] / (row["us"] * 1e-6) / 1e12
                     row["floor_share"] = row["tbs"] / CEIL_TBS
             except Exception as exc:  # noqa: BLE001 - a launch that does not compile or run is recorded
@@ -119,8 +123,24 @@ def sweep_point(ex, tokens: int, top_k: int, cands: list[G.GemvLaunch], args, de
         res["gemms"][gemm] = {"today": rows[0], "best": best, "measured": rows, "floor_us":
                               nbytes[gemm] / (CEIL_TBS * 1e12) * 1e6}
         if best is not None and best["label"] != rows[0]["label"] and rows[0]["us"] is not None:
-            res["gemms"][gemm]["recheck"] = recheck(runs[gemm], getattr(today, gemm), best, cuda, args.rep_ms)
+            res["gemms"][gemm]["recheck"] = recheck(rotating[gemm], getattr(today, gemm), best, cuda, args.rep_ms)
     return res
+
+
+def expert_sets(num_experts: int, tokens: int, top_k: int, gen, dev) -> list[torch.Tensor]:
+    """Expert ids [tokens * top_k] (int32, distinct within each token) for successive timed calls: the slices of one
+    random permutation, so that consecutive calls share no expert and a whole cycle reads every expert once
+    (20b: 8 sets of 4 at batch 1, 265 MB of GEMM2 weights; 120b: 32 sets), as a decode step's layers share no
+    weights. Until 2026-12-05 every call of a point used one set: GEMM2's 4 experts (33 MB) fit in the H200's
+    50 MB L2, so back-to-back calls partly read L2 (GEMM2 timed 8.6 us alone against 12.2 us in the model's
+    profile). Where the pairs cover more than half of the experts (larger batches) one set of random experts is
+    drawn per call of a short cycle instead; then calls may share experts."""
+    pairs = tokens * top_k
+    if 2 * pairs <= num_experts:
+        perm = torch.randperm(num_experts, generator=gen, device=dev).to(torch.int32)
+        return [perm[i:i + pairs].clone() for i in range(0, num_experts - pairs + 1, pairs)]
+    return [torch.stack([torch.randperm(num_experts, generator=gen, device=dev)[:top_k] for _ in range(tokens)])
+            .to(torch.int32).reshape(-1) for _ in range(4)]
 
 
 def recheck(run, today: G.GemvLaunch, best: dict, cuda: bool, rep_ms: float, rounds: int = RECHECK_ROUNDS) -> dict:

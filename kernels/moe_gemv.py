@@ -233,6 +233,9 @@ DEFAULT_CONFIG = GemvConfig()
 # H200, 5a1bbd0 (sweep-gemv-NVIDIA_H200-20261204-153529.json, GEMM2 alone, 47 launches): n32-k256-w8-s2-late
 # 8.6 us against the default n16-k512-w4-s3's 10.8 (timed first; 9.2 in the 2690a31 sweep); kept on the
 # in-model A/B in bench/results/ab/README.md.
+# The sweeps above timed every call of a point on the same 4 experts: GEMM2's 33 MB fit in the 50 MB L2, so their
+# GEMM2 times are partly L2 reads (8.6 us alone vs 12.2 us in the model's PDL-off profile at b5ee1b4); since
+# 2026-12-05 bench/sweep_gemv.py rotates disjoint expert sets between calls. Not re-swept yet.
 TUNED: dict[tuple[int, int], GemvConfig] = {
     (2880, 2880): GemvConfig(w1=GemvLaunch(32, 256, num_warps=8, num_stages=4),
                              w2=GemvLaunch(32, 256, num_warps=8, num_stages=2, late=True)),

@@ -100,3 +100,22 @@ def test_dense_sweep_checks_and_times_gemv_launches(tmp_path):
         for r in gemv:
             assert r["us"] is not None and r["rel_err"] < 1e-2, r
         assert p["best"]["us"] == min(r["us"] for r in gemv)
+
+
+def test_expert_sets_rotate_disjoint_experts_between_calls():
+    # consecutive timed calls share no expert (else GEMM2's 4 experts, 33 MB, are read from the 50 MB L2), a cycle
+    # covers every expert once at batch 1, and each token's experts stay distinct; larger batches fall back to
+    # random sets
+    import torch
+
+    from kvrelay.bench.sweep_gemv import expert_sets
+
+    gen = torch.Generator().manual_seed(0)
+    for experts, tokens, want in ((32, 1, 8), (128, 1, 32), (128, 4, 8)):
+        sets = expert_sets(experts, tokens, 4, gen, "cpu")
+        assert len(sets) == want and all(s.dtype == torch.int32 and s.numel() == 4 * tokens for s in sets)
+        ids = torch.cat(sets)
+        assert ids.unique().numel() == ids.numel() == want * 4 * tokens
+        assert sorted(ids.tolist()) == list(range(experts))  # one cycle reads every expert once
+    many = expert_sets(32, 8, 4, gen, "cpu")  # 32 pairs over 32 experts: random sets, distinct per token
+    assert len(many) > 1 and all(len(set(s.view(8, 4)[t].tolist())) == 4 for s in many for t in range(8))
