@@ -38,6 +38,8 @@ SMALL_BODY_BYTES = 256 * 1024
 # JSON values outside compacted token ids a body may hold: unpickling this many takes ~20 ms of GIL here.
 # The request limits (2048 messages, 128 tools, 256 prompts) stay far below it.
 MAX_JSON_VALUES = 1 << 18
+# Spilled body chunks are written in batches of this size from a worker thread: one thread hop a MiB.
+SPILL_WRITE_BYTES = 1 << 20
 MIN_COMPACT_IDS = 256  # shorter id lists unpickle quickly as they are
 DECODE_TIMEOUT_S = 120.0
 # The body goes to the helper as a file in memory (tmpfs): os.write copies it without the GIL, where
@@ -117,11 +119,14 @@ def decode(path: str, annotation: Any) -> tuple:
     return ("ok", value)
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    """os.write on tmpfs: a copy that releases the GIL (a file object's write would not for small chunks)."""
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
+def _write_chunks(fd: int, chunks: list[bytes]) -> None:
+    """os.write on tmpfs, in a worker thread: a copy that releases the GIL (a file object's write would not
+    for small chunks), and whatever the kernel makes the write wait for (page allocation under memory
+    pressure) never holds the event loop."""
+    for chunk in chunks:
+        view = memoryview(chunk)
+        while view:
+            view = view[os.write(fd, view):]
 
 
 def _too_many_body() -> dict:
@@ -143,20 +148,21 @@ class OffLoopJsonRoute(APIRoute):
             if not _is_json(request):
                 return await handler(request)
             chunks: list[bytes] = []
-            size, spill = 0, None
+            size, pending, spill = 0, 0, None
             try:
                 try:
                     async for chunk in request.stream():
                         size += len(chunk)
-                        if spill is not None:
-                            _write_all(spill.fileno(), chunk)
-                            continue
                         chunks.append(chunk)
-                        if size > SMALL_BODY_BYTES:
-                            spill = tempfile.NamedTemporaryFile(dir=_SPILL_DIR, prefix="kvrelay-body-")
-                            for c in chunks:
-                                _write_all(spill.fileno(), c)
-                            chunks = []
+                        pending += len(chunk)
+                        if spill is None and size > SMALL_BODY_BYTES:
+                            spill = await asyncio.to_thread(tempfile.NamedTemporaryFile, dir=_SPILL_DIR,
+                                                            prefix="kvrelay-body-")
+                        if spill is not None and pending >= SPILL_WRITE_BYTES:
+                            await asyncio.to_thread(_write_chunks, spill.fileno(), chunks)
+                            chunks, pending = [], 0
+                    if spill is not None and chunks:
+                        await asyncio.to_thread(_write_chunks, spill.fileno(), chunks)
                 except Exception as e:  # as FastAPI answers it (http_errors: 413 for limits.BodyTooLarge)
                     raise HTTPException(status_code=400, detail="There was an error parsing the body") from e
                 if spill is None:
@@ -166,7 +172,7 @@ class OffLoopJsonRoute(APIRoute):
                 out = await asyncio.wait_for(asyncio.wrap_future(fut), DECODE_TIMEOUT_S)
             finally:
                 if spill is not None:
-                    spill.close()  # removes the file
+                    await asyncio.to_thread(spill.close)  # removes the file (freeing 32 MiB of tmpfs pages)
             if out[0] == "json":
                 raise RequestValidationError([{"type": "json_invalid", "loc": ("body", out[2]), "msg":
                                                "JSON decode error", "input": {}, "ctx": {"error": out[1]}}])

@@ -44,29 +44,37 @@ def _near_cap(obj_for, per_item_bytes: int) -> bytes:
     return body
 
 
-def _assert_responsive(gaps: list[float], at_least: int = 3) -> None:
-    """/health answered every 5 ms probe within 100 ms, but for at most one probe within 250 ms: on the
-    2-core CI box one scheduler hiccup (122 ms, once in a full run, with nothing of the request on the
-    loop) is noise, while the stalls this file guards against (parsing on the loop, a GC pass over
-    millions of Python ints: 117-122 ms each time it runs) repeat."""
+def _stalled(gaps: list[float], at_least: int = 3) -> str | None:
+    """None when /health answered every 5 ms probe within 100 ms, but for at most one probe within 250 ms;
+    else the round trips (ms). The stalls this file guards against (parsing on the loop: 0.44 s; a GC pass
+    over millions of Python ints: 117-122 ms each time it runs) happen on every such request."""
     ms = " ".join(f"{g * 1e3:.0f}" for g in gaps)
-    assert len(gaps) >= at_least, ms
     slow = sorted(gaps)[-2:] if len(gaps) > 1 else gaps
-    assert max(gaps) < 0.25 and (len(gaps) < 2 or slow[0] < 0.1), ms
+    ok = len(gaps) >= at_least and max(gaps) < 0.25 and (len(gaps) < 2 or slow[0] < 0.1)
+    return None if ok else f"{len(gaps)} probes, ms: {ms}"
 
 
-def _post_watching_health(server, path: str, body: bytes) -> tuple[httpx.Response, list[float]]:
-    """POST the JSON `body` while /health is asked every 5 ms; the response and every /health round trip (s)."""
-    return post_watching_health(server, path, content=body, headers={"content-type": "application/json"})
+def _post_watching_health(server, path: str, body: bytes, at_least: int = 3) -> httpx.Response:
+    """POST the JSON `body` while /health is asked every 5 ms; the response, once /health kept answering.
+    A request that stalled /health is sent once more and judged again: on the 2-core CI box a stall once
+    in a while comes from the box (one of 435 ms at the very end of a request, once in a full run, with the
+    loop doing nothing of its own), while the stalls guarded against repeat on every request."""
+    seen = []
+    for _ in range(2):
+        r, gaps = post_watching_health(server, path, content=body, headers={"content-type": "application/json"})
+        stall = _stalled(gaps, at_least)
+        if stall is None:
+            return r
+        seen.append(stall)
+    raise AssertionError("/health stalled on both tries:\n" + "\n".join(seen))
 
 
 def test_a_prompt_of_token_ids_at_the_cap(server) -> None:
     body = _near_cap(lambda n: {"model": MODEL, "prompt": _ids(n), "max_tokens": 1}, 8)
-    r, gaps = _post_watching_health(server, "/v1/completions", body)
+    r = _post_watching_health(server, "/v1/completions", body)
     assert r.status_code == 400, r.text[:300]  # ~4M ids: longer than the context
     err = r.json()["error"]
     assert err["param"] == "prompt" and f"model context is {MAX_CONTEXT} tokens" in err["message"]
-    _assert_responsive(gaps)
 
 
 def test_a_batch_of_token_id_prompts_near_the_cap(server) -> None:
@@ -76,24 +84,22 @@ def test_a_batch_of_token_id_prompts_near_the_cap(server) -> None:
     prompts[-1][-7] = 1 << 40
     body = json.dumps({"model": MODEL, "prompt": prompts, "max_tokens": 1}).encode()
     assert len(body) > 20 << 20
-    r, gaps = _post_watching_health(server, "/v1/completions", body)
+    r = _post_watching_health(server, "/v1/completions", body)
     assert r.status_code == 400, r.text[:300]
     err = r.json()["error"]
     assert err["param"] == "prompt[95][39993]" and str(1 << 40) in err["message"], err
-    _assert_responsive(gaps)
 
 
 def test_a_batch_of_token_id_prompts_is_served(server) -> None:
     prompts = [_ids(40_000, seed) for seed in range(8)]  # ~2 MiB: decoded in the helper process too
     body = json.dumps({"model": MODEL, "prompt": prompts, "max_tokens": 1}).encode()
-    r, gaps = _post_watching_health(server, "/v1/completions", body)
+    r = _post_watching_health(server, "/v1/completions", body, at_least=1)
     assert r.status_code == 200, r.text[:300]
     out = r.json()
     assert len(out["choices"]) == 8 and out["usage"]["prompt_tokens"] == 8 * 40_000
     got = server.core.engine.prompts[-8:]
     assert all(isinstance(p, array.array) for p in got)  # compact up to the engine (engine_prompt)
     assert [list(p) for p in got] == prompts  # the ids arrive as sent, in order
-    _assert_responsive(gaps, at_least=1)
 
 
 def test_a_batch_near_the_cap_is_served_without_stalling(server) -> None:
@@ -103,7 +109,7 @@ def test_a_batch_near_the_cap_is_served_without_stalling(server) -> None:
     prompts = [_ids(40_000, seed) for seed in range(96)]
     body = json.dumps({"model": MODEL, "prompt": prompts, "max_tokens": 1}).encode()
     assert len(body) > 25 << 20
-    r, gaps = _post_watching_health(server, "/v1/completions", body)
+    r = _post_watching_health(server, "/v1/completions", body)
     assert r.status_code == 200, r.text[:300]
     out = r.json()
     assert len(out["choices"]) == 96 and out["usage"]["prompt_tokens"] == 96 * 40_000
@@ -112,25 +118,22 @@ def test_a_batch_near_the_cap_is_served_without_stalling(server) -> None:
     assert [len(p) for p in got] == [40_000] * 96 and list(got[37]) == prompts[37]
     del got
     server.core.engine.prompts.clear()  # 15 MiB the module's later tests need not carry
-    _assert_responsive(gaps)
 
 
 def test_invalid_json_at_the_end_of_a_big_body_is_named(server) -> None:
     body = _near_cap(lambda n: {"model": MODEL, "prompt": _ids(n), "max_tokens": 1}, 8)
     bad = body[:-1] + b",}"  # a trailing comma: only the last characters are wrong
-    r, gaps = _post_watching_health(server, "/v1/completions", bad)
+    r = _post_watching_health(server, "/v1/completions", bad)
     assert r.status_code == 400, r.text[:300]
     err = r.json()["error"]
     assert err["param"] == "body" and err["message"].startswith(f"body: not valid JSON at character {len(bad) - 1}")
-    _assert_responsive(gaps)
 
 
 def test_a_million_tiny_messages_get_their_400_without_stalling(server) -> None:
     body = _near_cap(lambda n: {"model": MODEL, "messages": [{"role": "user", "content": "hi"}] * n}, 32)
-    r, gaps = _post_watching_health(server, "/v1/chat/completions", body)
+    r = _post_watching_health(server, "/v1/chat/completions", body)
     assert r.status_code == 400, r.text[:300]
     assert r.json()["error"]["param"] == "messages"
-    _assert_responsive(gaps)
 
 
 def test_small_bodies_are_parsed_as_before(server) -> None:
