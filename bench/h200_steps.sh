@@ -13,7 +13,8 @@
 #   back to back and with the host queued ahead, with the SM clock and power cap), serve1 (bench/serve_h200.sh SOLO_ONLY against $SERVE_CONFIG, default
 #   configs/h200-1gpu-20b.yaml, labelled $SERVE_LABEL$TAG),
 #   gemv1/gemv2 (bench.sweep_gemv: GEMM1 / GEMM2 alone at batch 1, SAMPLES random launches of 512, default all, on 120b's
-#   experts; ~3 / ~6 s a launch, mostly its compile), kmoe (bench.kernels --only moe: the MoE rows, the engine's decode layer too),
+#   experts; ~3 / ~6 s a launch, mostly its compile), gemvf (the same for both GEMVs in one launch against today's two,
+#   SAMPLES default 40; KVRELAY_MOE_FUSED_GEMV=1 in ENV_SET is its in-model A/B), kmoe (bench.kernels --only moe: the MoE rows, the engine's decode layer too),
 #   m1ab (batch-1 decode of both models once per KVRELAY_FP8_M1 value in M1_SET: the dense projections' backends A/B),
 #   envab (the same once per item of ENV_SET: "+"-joined VAR=VALUE settings, "-" for none; e.g. the opt-in decode
 #   fusions: ENV_SET="- KVRELAY_DECODE_MERGE_FUSE=1 KVRELAY_DECODE_MERGE_FUSE=1+KVRELAY_MOE_NORM_FUSE=1"),
@@ -74,6 +75,8 @@ for s in ${STEPS:-}; do
     pre20|pre120) bench $s kvrelay.bench.prefill --model gpt-oss-${s#pre}b $M --lengths "${PRE_LENGTHS:-8192}" ;;
     wall20|wall120) bench $s kvrelay.bench.prefill_wall --model gpt-oss-${s#wall}b $M --length 8192 ;;
     gemv1|gemv2) bench $s kvrelay.bench.sweep_gemv --models gpt-oss-120b --tokens 1 --gemms w${s#gemv} --samples "${SAMPLES:-512}" \
+        --budget-s $(( left - 20 )) ;;
+    gemvf) bench $s kvrelay.bench.sweep_gemv --models gpt-oss-120b --tokens 1 --gemms fused --samples "${SAMPLES:-40}" \
         --budget-s $(( left - 20 )) ;;
     m1ab) # batch-1 FP8 backends per projection, in the model (kernels/fp8_gemm.py M1_PINNED): for the i-th
         # KVRELAY_FP8_M1 value of M1_SET (space-separated, e.g. "2880x4096=cublas 5120x2880=gemv-n8-k512-s4-w1-st2"),

@@ -29,7 +29,7 @@ from kvrelay.engine.kv_geometry import FULL, SLIDING
 # generic cuBLAS/CUTLASS names ("gemm", "gemv") that e.g. `_gemv1_kernel` would also match.
 CATEGORIES: tuple[tuple[str, str], ...] = (
     # kernels/moe.py's grouped FP8 expert GEMMs (prefill) and kernels/moe_gemv.py's (decode sizes)
-    ("MoE expert GEMM", r"_grouped_kernel|_grouped_ws_kernel|_gemv[12]_kernel"),
+    ("MoE expert GEMM", r"_grouped_kernel|_grouped_ws_kernel|_gemv[12]_kernel|_moe_fused_kernel"),
     # kernels/moe.py routing + sort, kernels/router.py (the fused residual+norm+router of decode sizes
     # counts here: its router GEMV is most of its bytes), kernels/fused.py's router GEMV, moe_gemv's combine
     ("MoE routing/sort/permute/combine",

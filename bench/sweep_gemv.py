@@ -17,6 +17,12 @@ from L2 (the weights, >= 0.6 GB, are far larger than L2).
     python -m kvrelay.bench.sweep_gemv --models gpt-oss-120b --gemms w1 --samples 512   # all of GEMM1's space
     python -m kvrelay.bench.sweep_gemv --dense --out bench/results   # the dense FP8 GEMV vs cuBLAS instead
 
+--gemms fused times both GEMVs in one launch (kernels/moe_fused.py, KVRELAY_MOE_FUSED_GEMV) against today's two,
+its launches sampled from FUSED_SPACE and checked against today's y (a launch the GPU cannot hold at once, or
+that cannot tile the experts, is recorded as declined):
+
+    python -m kvrelay.bench.sweep_gemv --gemms fused --samples 60 --out bench/results
+
 --dense sweeps kernels/fp8_gemv.py on the attention projections instead (bench/sweep_gemv_dense.py).
 A winner becomes the shape's entry in kernels.moe_gemv.TUNED by hand, with this file's JSON beside it.
 """
@@ -36,6 +42,7 @@ from kvrelay.bench import common as C
 from kvrelay.bench import sweep_gemv_dense as D
 from kvrelay.bench import tune_moe_space as S
 from kvrelay.bench.results_fmt import recheck_text
+from kvrelay.kernels import moe_fused as F
 from kvrelay.kernels import moe_gemv as G
 
 ALPHA, LIMIT = 1.702, 7.0
@@ -44,6 +51,9 @@ CHECK_TOL = 2e-3
 RECHECK_ROUNDS = 3  # today's and the best launch timed again, alternately, after the sweep
 SPACE = {"block_n": (8, 16, 32, 64), "block_k": (128, 256, 512, 1024), "num_warps": (1, 2, 4, 8),
          "num_stages": (1, 2, 3, 4), "late": (False, True)}
+FUSED_SPACE = {"rows2": (16, 32, 64), "block_n1": (16, 32, 64, 128), "block_k": (128, 256, 512), "num_warps": (4, 8),
+               "num_stages": (2, 3, 4), "late": (False, True)}
+GEMMS = ("w1", "w2", "fused")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,11 +80,20 @@ def candidates(rng: random.Random, n: int, two_i: int, hidden: int) -> list[G.Ge
     return pool[:n]
 
 
+def fused_candidates(rng: random.Random, n: int, hidden: int, inter: int) -> list[F.FusedLaunch]:
+    """n distinct random fused launches that tile the experts (kernels.moe_fused.FusedLaunch.rows1)."""
+    pool = [F.FusedLaunch(*v) for v in itertools.product(*FUSED_SPACE.values())]
+    pool = [f for f in pool if f.rows1(hidden, inter) is not None]
+    rng.shuffle(pool)
+    return pool[:n]
+
+
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
 
 
-def sweep_point(ex, tokens: int, top_k: int, cands: list[G.GemvLaunch], args, deadline: float, gen) -> dict:
+def sweep_point(ex, tokens: int, top_k: int, cands: list[G.GemvLaunch], args, deadline: float, gen,
+                fcands: list[F.FusedLaunch] = ()) -> dict:
     dev = ex.w1.device
     h, inter = ex.hidden, ex.w1.shape[1] // 2
     cuda = dev.type == "cuda"
@@ -90,19 +109,33 @@ def sweep_point(ex, tokens: int, top_k: int, cands: list[G.GemvLaunch], args, de
     ref_act = act.clone()
     G.gemv2(ref_act, ids, rw, ex, y, today.w2)
     ref_y = y.clone()
+    nbytes["fused"] = nbytes["w1"] + nbytes["w2"]
+    counters = F.new_fused_counters(dev)
+    fused_act = torch.empty_like(act)
+
+    def both(launch, ids=ids) -> None:
+        """today's two GEMVs (launch None) or both in one launch; y either way"""
+        if launch is None:
+            G.gemv1(x, ids, top_k, ex, ALPHA, LIMIT, fused_act, today.w1)
+            G.gemv2(fused_act, ids, rw, ex, y, today.w2)
+        elif not F.moe_gemv_fused(x, ids, top_k, rw, ex, ALPHA, LIMIT, fused_act, y, counters, launch):
+            raise RuntimeError("declined: the launch does not tile the experts or the GPU cannot hold its grid")
+
     runs = {"w1": lambda l, ids=ids: G.gemv1(x, ids, top_k, ex, ALPHA, LIMIT, act, l),
-            "w2": lambda l, ids=ids: G.gemv2(ref_act, ids, rw, ex, y, l)}
+            "w2": lambda l, ids=ids: G.gemv2(ref_act, ids, rw, ex, y, l), "fused": both}
     # timed calls take the expert sets in turn, so no call finds its experts' weights in L2 from the one before
     turns = itertools.cycle(sets)
     rotating = {g: (lambda l, g=g: runs[g](l, next(turns))) for g in runs}
-    outs = {"w1": (act, ref_act), "w2": (y, ref_y)}
+    outs = {"w1": (act, ref_act), "w2": (y, ref_y), "fused": (y, ref_y)}
+    firsts = {"w1": today.w1, "w2": today.w2, "fused": None}
     res = {"tokens": tokens, "pairs": tokens * top_k, "today": today.label(), "expert_sets": len(sets), "gemms": {}}
     for gemm in args.gemms.split(","):
         rows = []
-        for launch in [getattr(today, gemm), *cands]:
+        for launch in [firsts[gemm], *(fcands if gemm == "fused" else cands)]:
             if time.monotonic() > deadline and rows:
                 break
-            row = {"launch": dataclasses.asdict(launch), "label": launch.label(), "us": None}
+            row = {"launch": None if launch is None else dataclasses.asdict(launch),
+                   "label": f"two GEMVs {today.label()}" if launch is None else launch.label(), "us": None}
             try:
                 out, ref = outs[gemm]
                 out.fill_(float("nan"))
@@ -123,7 +156,8 @@ def sweep_point(ex, tokens: int, top_k: int, cands: list[G.GemvLaunch], args, de
         res["gemms"][gemm] = {"today": rows[0], "best": best, "measured": rows, "floor_us":
                               nbytes[gemm] / (CEIL_TBS * 1e12) * 1e6}
         if best is not None and best["label"] != rows[0]["label"] and rows[0]["us"] is not None:
-            res["gemms"][gemm]["recheck"] = recheck(rotating[gemm], getattr(today, gemm), best, cuda, args.rep_ms)
+            res["gemms"][gemm]["recheck"] = recheck(rotating[gemm], firsts[gemm], best, cuda, args.rep_ms,
+                                                    F.FusedLaunch if gemm == "fused" else G.GemvLaunch)
     return res
 
 
@@ -143,11 +177,12 @@ def expert_sets(num_experts: int, tokens: int, top_k: int, gen, dev) -> list[tor
             .to(torch.int32).reshape(-1) for _ in range(4)]
 
 
-def recheck(run, today: G.GemvLaunch, best: dict, cuda: bool, rep_ms: float, rounds: int = RECHECK_ROUNDS) -> dict:
+def recheck(run, today: G.GemvLaunch | None, best: dict, cuda: bool, rep_ms: float, kind=G.GemvLaunch,
+            rounds: int = RECHECK_ROUNDS) -> dict:
     """Today's launch and the sweep's best timed again, alternately, after the sweep: today's first timing
     comes before every candidate's (2026-12-04: GEMM2's 10.8 us first against 9.2 in an earlier sweep), so the
     speed-up is taken between these medians instead."""
-    launch = G.GemvLaunch(**best["launch"])
+    launch = kind(**best["launch"])
     times = {"today_us": [], "best_us": []}
     for _ in range(rounds):
         times["today_us"].append(1e3 * S.time_ms(lambda: run(today), cuda, 5.0, rep_ms))
@@ -160,8 +195,9 @@ def recheck(run, today: G.GemvLaunch, best: dict, cuda: bool, rep_ms: float, rou
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not args.dense and (not args.gemms or set(args.gemms.split(",")) - {"w1", "w2"}):
-        parser.error(f"--gemms {args.gemms!r}: a comma list of w1 (GEMM1 + SwiGLU) and w2 (GEMM2)")
+    if not args.dense and (not args.gemms or set(args.gemms.split(",")) - set(GEMMS)):
+        parser.error(f"--gemms {args.gemms!r}: a comma list of w1 (GEMM1 + SwiGLU), w2 (GEMM2) and fused (both in "
+                     "one launch)")
     if args.budget_s is None:
         args.budget_s = 75.0 if args.dense else 150.0
     if args.dense:
@@ -172,7 +208,8 @@ def main(argv: list[str] | None = None) -> dict:
     gen = torch.Generator(device=dev).manual_seed(args.seed)
     deadline = time.monotonic() + args.budget_s
     payload = {"env": C.env_info(args.device, "kvrelay.bench.sweep_gemv", argv), "kind": "sweep-gemv",
-               "space": {k: list(v) for k, v in SPACE.items()}, "check_tol": CHECK_TOL, "points": [],
+               "space": {k: list(v) for k, v in SPACE.items()},
+               "fused_space": {k: list(v) for k, v in FUSED_SPACE.items()}, "check_tol": CHECK_TOL, "points": [],
                "complete": True}
     models = [C.resolve_config(m) for m in args.models.split(",")]
     tokens = C.parse_ints(args.tokens)
@@ -180,15 +217,16 @@ def main(argv: list[str] | None = None) -> dict:
     for i, cfg in enumerate(models):
         ex = S.make_experts(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, dev, gen)
         cands = candidates(rng, args.samples, 2 * cfg.intermediate_size, cfg.hidden_size)
+        fcands = fused_candidates(rng, args.samples, cfg.hidden_size, cfg.intermediate_size)
         model_deadline = min(deadline, time.monotonic() + per_model * (1 if i < len(models) - 1 else 10))
         for t in tokens:
             point_deadline = min(model_deadline, time.monotonic() + (model_deadline - time.monotonic()) / max(
                 1, len(tokens) - tokens.index(t)))
-            p = sweep_point(ex, t, cfg.experts_per_token, cands, args, point_deadline, gen)
+            p = sweep_point(ex, t, cfg.experts_per_token, cands, args, point_deadline, gen, fcands)
             p["model"] = cfg.name
             payload["points"].append(p)
             n = sum(len(g["measured"]) for g in p["gemms"].values())
-            payload["complete"] &= n == len(p["gemms"]) * (len(cands) + 1)
+            payload["complete"] &= n == sum(len(fcands if g == "fused" else cands) + 1 for g in p["gemms"])
             _print(con, p)
         del ex
         if dev.type == "cuda":

@@ -436,13 +436,15 @@ GEMV_MAX_PAIRS = 32
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, ex: MoEWeights, *,
                 path: str = "auto", alpha: float = 1.702, limit: float = 7.0, combine: bool = True,
-                norm_counters: torch.Tensor | None = None) -> torch.Tensor | MoePending:
+                norm_counters: torch.Tensor | None = None,
+                fused_counters: torch.Tensor | None = None) -> torch.Tensor | MoePending:
     """Expert mixture for given routing. x [T, H] bf16; ids [T, k]; route_w [T, k] -> [T, H] bf16.
     combine=False (gemv and grouped paths): the weighted expert outputs [T, k, H] before their sum, for a
     caller that fuses the combine into its next kernel (kernels.fused.add_rms_norm), in
     moe_gemv.pair_dtype(x) on both paths. With norm_counters (moe_gemv.new_norm_counters(), combine=False; the
     engine's decode step) the gemv path may instead return a moe_gemv.MoePending: GEMV2 left to the consumer,
-    which fuses the next residual add + norm into it (moe_gemv.moe_gemv says when)."""
+    which fuses the next residual add + norm into it (moe_gemv.moe_gemv says when). fused_counters
+    (moe_fused.new_fused_counters()): the gemv path's two GEMVs in one launch where it can (kernels/moe_fused.py)."""
     if path == "auto":
         path = "gemv" if ids.numel() <= GEMV_MAX_PAIRS else "grouped"
     if x.shape[0] == 0:
@@ -450,7 +452,8 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, ex: M
             return torch.empty(0, ids.shape[1], ex.hidden, dtype=pair_dtype(x), device=x.device)
         return torch.empty(0, ex.hidden, dtype=torch.bfloat16, device=x.device)
     if path == "gemv":
-        return moe_gemv(x, ids, route_w, ex, alpha, limit, combine=combine, norm_counters=norm_counters)
+        return moe_gemv(x, ids, route_w, ex, alpha, limit, combine=combine, norm_counters=norm_counters,
+                        fused_counters=fused_counters)
     if path == "grouped":
         return _moe_grouped(x, ids, route_w, ex, alpha, limit, combine=combine)
     if not combine:

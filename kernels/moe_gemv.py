@@ -39,8 +39,19 @@ def swiglu_parts(g, u, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
 
 
 @triton.jit
+def spin_until(ptr, target):
+    """Until the int32 at `ptr` reaches `target`: a gpu-scope acquire poll (a scalar atomic: one thread a program
+    issues it, all see its value), so this program's later loads see what the writers released before counting
+    (kernels/moe_fused.py)."""
+    seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+
+
+@triton.jit
 def _gemv_tile(x_row, w_ptr, s_ptr, Kdim, n_ok, FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               LATE: tl.constexpr = False, EARLY: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+               LATE: tl.constexpr = False, EARLY: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+               spin_ptr=None, spin_target=0, SPIN: tl.constexpr = False):
     # sum_k W[n, k] * x[k] for one N tile; fp8 block scales are folded into x per 128-wide K block
     # (the tile lies in one 128-row block), so a wide BLOCK_K keeps many bytes in flight per step.
     # LATE: keep a [BLOCK_N, BLOCK_K] fp32 accumulator and reduce over K once after the loop, so the loop
@@ -49,6 +60,8 @@ def _gemv_tile(x_row, w_ptr, s_ptr, Kdim, n_ok, FP8: tl.constexpr, BLOCK_N: tl.c
     # EARLY: the first K step's weight tile and scales are loaded, then the PDL wait (kernels/pdl.py) runs
     # here, then x: the caller passes weight addresses it could form before the wait. The step is peeled
     # out of the loop because the wait must stay outside loops; its sum is the loop's first (0 + s = s).
+    # SPIN (with EARLY; kernels/moe_fused.py): the wait is spin_until(spin_ptr, spin_target) instead, x being
+    # written by other programs of the same launch; x is then read from L2 (.cg), never from an SM's L1.
     offs_k = tl.arange(0, BLOCK_K)
     start = 0
     if EARLY:
@@ -56,8 +69,11 @@ def _gemv_tile(x_row, w_ptr, s_ptr, Kdim, n_ok, FP8: tl.constexpr, BLOCK_N: tl.c
         w0 = tl.load(w_ptr + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if FP8:
             s0 = tl.load(s_ptr + offs_k // 128, mask=k_ok, other=0.0)
-        enter(USE_PDL)
-        xv = tl.load(x_row + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        if SPIN:
+            spin_until(spin_ptr, spin_target)
+        else:
+            enter(USE_PDL)
+        xv = tl.load(x_row + offs_k, mask=k_ok, other=0.0, cache_modifier=".cg" if SPIN else "").to(tl.float32)
         if FP8:
             xv *= s0
         first = w0.to(tl.float32) * xv[None, :]
@@ -73,7 +89,8 @@ def _gemv_tile(x_row, w_ptr, s_ptr, Kdim, n_ok, FP8: tl.constexpr, BLOCK_N: tl.c
             acc = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(start, Kdim, BLOCK_K):
         k_ok = k0 + offs_k < Kdim
-        xv = tl.load(x_row + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        xv = tl.load(x_row + k0 + offs_k, mask=k_ok, other=0.0,
+                     cache_modifier=".cg" if SPIN else "").to(tl.float32)
         if FP8:
             xv *= tl.load(s_ptr + (k0 + offs_k) // 128, mask=k_ok, other=0.0)
         wt = tl.load(w_ptr + k0 + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
@@ -282,6 +299,14 @@ def gemv2_early() -> bool:
 NORM_FUSE_MAX_TOKENS = 4
 
 
+def fused_gemv() -> bool:
+    """Whether the engine's decode MoE runs both GEMVs in one launch (kernels/moe_fused.py):
+    KVRELAY_MOE_FUSED_GEMV, a decode fusion of kernels.select.DECODE_FUSIONS."""
+    from .select import fusion_on
+
+    return fusion_on("KVRELAY_MOE_FUSED_GEMV")
+
+
 def norm_fuse() -> bool:
     """Whether the engine's decode MoE leaves GEMV2 to the next block's fused add + norm (MoePending):
     KVRELAY_MOE_NORM_FUSE, a decode fusion of kernels.select.DECODE_FUSIONS."""
@@ -370,12 +395,14 @@ def pair_dtype(x: torch.Tensor) -> torch.dtype:
 
 def moe_gemv(x, ids, route_w, ex, alpha, limit, block_n1=None, block_n2=None, block_k=None, num_warps=None,
              num_stages=None, combine=True, config: GemvConfig | None = None,
-             norm_counters: torch.Tensor | None = None):
+             norm_counters: torch.Tensor | None = None, fused_counters: torch.Tensor | None = None):
     """Experts `ids` [T, k] of x [T, H] weighted by route_w [T, k] (ex: kernels.moe.MoEWeights, bf16 or fp8),
     -> [T, H] bf16, or with combine=False the weighted outputs [T, k, H] before their sum (in pair_dtype(x)). `config`
     (default: the shape's entry in TUNED) sets both launches; the block_*/num_* arguments override it.
     norm_counters (new_norm_counters(); combine=False only): up to NORM_FUSE_MAX_TOKENS tokens GEMV2 is left to
-    the caller: a MoePending instead of the outputs (the engine passes them where norm_fuse() is on)."""
+    the caller: a MoePending instead of the outputs (the engine passes them where norm_fuse() is on).
+    fused_counters (kernels.moe_fused.new_fused_counters(); the engine passes them where fused_gemv() is on):
+    both GEMVs in one launch where kernels.moe_fused.moe_gemv_fused can (a MoePending takes precedence)."""
     t, k = ids.shape
     if norm_counters is not None and combine:
         raise ValueError("moe_gemv: norm_counters defer the uncombined outputs; combine must be False")
@@ -391,11 +418,20 @@ def moe_gemv(x, ids, route_w, ex, alpha, limit, block_n1=None, block_n2=None, bl
         raise ValueError("gemv tiles must divide 2I and sit inside one 128-row scale block")
     ids_flat = ids.reshape(-1)
     act = torch.empty(t * k, inter, dtype=torch.bfloat16, device=x.device)
-    gemv1(x, ids_flat, k, ex, alpha, limit, act, l1)
-    if norm_counters is not None and t <= NORM_FUSE_MAX_TOKENS:
+    pending = norm_counters is not None and t <= NORM_FUSE_MAX_TOKENS
+    y = None if pending else torch.empty(t * k, h, dtype=pair_dtype(x), device=x.device)
+    fused = False
+    if fused_counters is not None and not pending:
+        from .moe_fused import fused_launch, moe_gemv_fused
+
+        fused = moe_gemv_fused(x, ids_flat, k, route_w.reshape(-1), ex, alpha, limit, act, y, fused_counters,
+                               fused_launch(h, inter))
+    if not fused:
+        gemv1(x, ids_flat, k, ex, alpha, limit, act, l1)
+    if pending:
         return MoePending(act, ids_flat, route_w.reshape(-1), ex, l2, t, k, pair_dtype(x), norm_counters)
-    y = torch.empty(t * k, h, dtype=pair_dtype(x), device=x.device)
-    gemv2(act, ids_flat, route_w.reshape(-1), ex, y, l2)
+    if not fused:
+        gemv2(act, ids_flat, route_w.reshape(-1), ex, y, l2)
     if not combine:
         return y.view(t, k, h)
     out = torch.empty(t, h, dtype=torch.bfloat16, device=x.device)

@@ -63,7 +63,8 @@ def triton_supports_pdl() -> bool:
             and hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents"))
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """Triton runs kernels in its interpreter (TRITON_INTERPRET=1): programs one after another, on CPU tensors."""
     knobs = getattr(triton, "knobs", None)
     if knobs is not None:
         return bool(knobs.runtime.interpret)
@@ -79,7 +80,7 @@ def _device_supports(index: int) -> bool:
 def enabled(device) -> bool:
     """True when kernels launched for `device` use PDL: a CUDA device of compute capability >= 9, a triton
     that supports it, not the interpreter, and KVRELAY_PDL not "0"."""
-    if os.environ.get("KVRELAY_PDL") == "0" or _interpreting():
+    if os.environ.get("KVRELAY_PDL") == "0" or interpreting():
         return False
     dev = device if isinstance(device, torch.device) else torch.device(device)
     if dev.type != "cuda":

@@ -174,6 +174,7 @@ def moe_experts(device):
 DECODE_FUSIONS: dict[str, bool] = {
     "KVRELAY_DECODE_MERGE_FUSE": False,  # split-KV merge + O projection's FP8 input inside the decode kernel
     "KVRELAY_MOE_NORM_FUSE": False,  # the next block's add + norm inside the MoE's GEMV2 launch
+    "KVRELAY_MOE_FUSED_GEMV": False,  # the MoE's two GEMVs in one launch (kernels/moe_fused.py; 2026-12-05)
     "KVRELAY_EMBED_FUSE": False,  # the token lookup inside the first block's norm launch
     "KVRELAY_ROTARY_GATHER": False,  # the rotary rows looked up inside the decode kernel
     "KVRELAY_GRAPH_HEAD_LOGITS": False,  # decode graphs return the head's bf16 logits (no widening launch)

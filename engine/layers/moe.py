@@ -55,12 +55,13 @@ class MoE:
                 self.gpu = _gpu_experts_fp8_chunked(get, self.e0, self.e1, rows1, cols2,
                                                     get("mlp1_bias", (experts, rows1)), bias2)
             if self.fused_router:
-                from kvrelay.kernels import moe_gemv, router as kroute
+                from kvrelay.kernels import moe_fused, moe_gemv, router as kroute
 
-                # the fused router's and the norm-fused GEMV2's (routed_uncombined) arrival counters: allocated
-                # here, before any CUDA-graph capture; each launch leaves its counters zero
+                # the fused router's, the norm-fused GEMV2's and the fused GEMVs' (routed_uncombined) counters:
+                # allocated here, before any CUDA-graph capture; each launch leaves its counters zero
                 self._route_counters = kroute.new_counters(device)
                 self._norm_counters = moe_gemv.new_norm_counters(device)
+                self._fused_counters = moe_fused.new_fused_counters(device)
             return
         self.mlp1 = ExpertLinears(get("mlp1_weight", (experts, rows1)), get("mlp1_bias", (experts, rows1)), quant)
         self.mlp2 = ExpertLinears(get("mlp2_weight", (experts, slice(None), cols2)), bias2, quant)
@@ -103,11 +104,13 @@ class MoE:
         """`uncombined` with the routing already done (fused_route_in), or at the smallest decode batches (with
         KVRELAY_MOE_NORM_FUSE=1, kernels.moe_gemv.norm_fuse) a kernels.moe_gemv.MoePending: the experts' second
         GEMV left to the consumer, which fuses the next residual add + RMSNorm into it (engine/model.py's
-        Block.residual_attention_in) or launches it alone."""
-        from kvrelay.kernels.moe_gemv import norm_fuse
+        Block.residual_attention_in) or launches it alone. With KVRELAY_MOE_FUSED_GEMV=1
+        (kernels.moe_gemv.fused_gemv) the experts' two GEMVs run in one launch (kernels/moe_fused.py)."""
+        from kvrelay.kernels.moe_gemv import fused_gemv, norm_fuse
 
         counters = self._norm_counters if norm_fuse() else None
-        return self._experts(x, gate, experts, combine=False, norm_counters=counters)
+        fused = self._fused_counters if fused_gemv() else None
+        return self._experts(x, gate, experts, combine=False, norm_counters=counters, fused_counters=fused)
 
     def _gpu_forward(self, x: torch.Tensor, combine: bool = True) -> torch.Tensor:
         """Routing and experts on the GPU kernels: no host sync, so a decode step can be graph-captured."""
@@ -122,7 +125,8 @@ class MoE:
         return self._experts(x, gate, experts, combine)
 
     def _experts(self, x: torch.Tensor, gate: torch.Tensor, experts: torch.Tensor, combine: bool,
-                 norm_counters: torch.Tensor | None = None) -> torch.Tensor | MoePending:
+                 norm_counters: torch.Tensor | None = None,
+                 fused_counters: torch.Tensor | None = None) -> torch.Tensor | MoePending:
         from kvrelay.kernels import moe as kmoe
 
         n_local = self.e1 - self.e0
@@ -134,7 +138,7 @@ class MoE:
             experts = torch.where(mine, local, torch.zeros_like(local))
             gate = torch.where(mine, gate, torch.zeros_like(gate))
         return kmoe.moe_experts(x, experts, gate, self.gpu, alpha=self.alpha, limit=self.limit, combine=combine,
-                                norm_counters=norm_counters)
+                                norm_counters=norm_counters, fused_counters=fused_counters)
 
 
 def _gpu_experts(w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, quant: str):

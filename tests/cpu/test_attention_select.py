@@ -82,7 +82,7 @@ def test_decode_fusions_default_off_and_the_variable_wins(monkeypatch):
 
     named = {"KVRELAY_DECODE_MERGE_FUSE": decode_rotary.merge_fuse_enabled, "KVRELAY_MOE_NORM_FUSE": moe_gemv.norm_fuse,
              "KVRELAY_EMBED_FUSE": embedding.embed_fuse_enabled, "KVRELAY_ROTARY_GATHER": rotary.gather_in_attention,
-             "KVRELAY_GRAPH_HEAD_LOGITS": runner.graph_head_logits}
+             "KVRELAY_GRAPH_HEAD_LOGITS": runner.graph_head_logits, "KVRELAY_MOE_FUSED_GEMV": moe_gemv.fused_gemv}
     assert set(named) == set(select.DECODE_FUSIONS)
     for name, fn in named.items():
         monkeypatch.delenv(name, raising=False)

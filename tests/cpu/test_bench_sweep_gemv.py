@@ -47,6 +47,19 @@ def test_gemms_restricts_the_sweep_to_one_gemm(tmp_path):
     assert all(len(p["gemms"]["w1"]["measured"]) == 4 for p in payload["points"])
 
 
+def test_fused_sweep_times_one_launch_against_todays_two(tmp_path):
+    # --gemms fused: today's two GEMVs first, then fused launches (kernels/moe_fused.py), each checked on y
+    payload, out = _run(tmp_path, "--gemms", "fused")
+    assert payload["complete"] and payload["fused_space"]["rows2"]
+    for p in payload["points"]:
+        g = p["gemms"]["fused"]
+        assert g["today"]["label"].startswith("two GEMVs ") and g["today"]["launch"] is None
+        assert len(g["measured"]) == 4 and all(r["label"].startswith("fused-r") for r in g["measured"][1:])
+        for r in g["measured"]:
+            assert r["us"] is not None and r["rel_err"] < 2e-3, r
+        assert g["floor_us"] > 0 and g["best"]["us"] == min(r["us"] for r in g["measured"])
+
+
 def test_an_unknown_gemm_is_refused_by_name(tmp_path):
     res = subprocess.run([sys.executable, "-m", "kvrelay.bench.sweep_gemv", "--device", "cpu", "--models",
                           "gpt-oss-tiny", "--gemms", "w1,w3", "--out", str(tmp_path)],
