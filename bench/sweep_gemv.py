@@ -52,7 +52,7 @@ RECHECK_ROUNDS = 3  # today's and the best launch timed again, alternately, afte
 SPACE = {"block_n": (8, 16, 32, 64), "block_k": (128, 256, 512, 1024), "num_warps": (1, 2, 4, 8),
          "num_stages": (1, 2, 3, 4), "late": (False, True)}
 FUSED_SPACE = {"rows2": (16, 32, 64), "block_n1": (16, 32, 64, 128), "block_k": (128, 256, 512), "num_warps": (4, 8),
-               "num_stages": (2, 3, 4), "late": (False, True)}
+               "num_stages": (2, 3, 4), "late": (False, True), "maxnreg": (None, 80)}
 GEMMS = ("w1", "w2", "fused")
 
 

@@ -6,16 +6,17 @@ for a GEMV twice the size of the other: a cost per launch (the first loads' late
 tail where the last programs run alone), not per byte. One launch pays it once, and its GEMM2 programs stream
 their first W2 tile while the last GEMM1 programs finish.
 
-Layout: program (pair, j) of a (pairs, J) grid owns rows j*R1 .. of the pair's GEMM1 (R1 = 2I/J: bias + clamped
-SwiGLU into act, as _gemv1_kernel) and rows j*R2 .. of its GEMM2 (R2 = H/J: bias and routing weight into y, as
-_gemv2_kernel). GEMM2 needs the pair's whole act row, i.e. all J GEMM1 parts: each program counts itself in the
-pair's counter once its act rows are stored (barrier, then a gpu-scope release), and a GEMM2 part first loads
-its W2 tile, bias and scales (weights: no kernel writes them), then polls the counter (acquire) until it reads J,
-then reads act from L2 (.cg). The last program of a pair past its poll zeroes the pair's counters for the next
-launch. No program polls before its own GEMM1 part is counted, so the launch completes iff all its programs are
-resident at once: `launch` only fuses where the compiled kernel's occupancy (registers, shared memory, warps)
-holds the whole grid on the GPU's SMs, and otherwise runs the two GEMVs as before. (A PDL successor takes SM
-slots only once every program here passed its launch_dependents, i.e. is resident.)
+Layout: the experts' rows are cut into units (pair, j), j < J: GEMM1 rows j*R1 .. of the pair (R1 = 2I/J: bias +
+clamped SwiGLU into act, as _gemv1_kernel) and GEMM2 rows j*R2 .. (R2 = H/J: bias and routing weight into y, as
+_gemv2_kernel). G programs take units g, g + G, ...: first the GEMM1 part of each, then the GEMM2 parts. GEMM2
+needs the pair's whole act row, i.e. all J GEMM1 parts: a GEMM1 part counts itself in the pair's counter once its
+act rows are stored (barrier, then a gpu-scope release), and a GEMM2 part first loads its W2 tile, bias and
+scales (weights: no kernel writes them), then polls the counter (acquire) until it reads J, then reads act from
+L2 (.cg). The pair's last GEMM2 part past its poll zeroes the pair's counters for the next launch. A program
+polls only after all of its GEMM1 parts are counted, so the launch completes when its G programs can all be
+resident at once: G is at most what the compiled kernel's occupancy (registers, shared memory, warps) holds on the GPU's
+SMs (at batch 1 with the default launch every unit has a program of its own: 360 of the H200's 396). (A PDL
+successor takes SM slots only once every program here passed its launch_dependents, i.e. is resident.)
 
 The math is the two GEMVs' (_gemv_tile, swiglu): per-row fp32 sums in one program, rounded to act's bf16
 between the GEMMs; the tiles differ, so the fp32 summation order may too. On CPU (the Triton interpreter runs
@@ -39,51 +40,59 @@ FUSED_MAX_PAIRS = 32  # = kernels.moe.GEMV_MAX_PAIRS: the counters' size
 
 
 @triton.jit
-def _moe_fused_kernel(x, ids, route_w, w1, s1, b1, act, w2, s2, b2, y, cnt, K_TOP, H, INTER, MAXP,
+def _moe_fused_kernel(x, ids, route_w, w1, s1, b1, act, w2, s2, b2, y, cnt, K_TOP, H, INTER, MAXP, PARTS, UNITS,
                       s_xt, s_w1e, s_w1n, s_s1e, s_s1n, s_b1e, s_at, s_w2e, s_w2n, s_s2e, s_s2n, s_b2e, s_yt,
                       FP8: tl.constexpr, ROWS1: tl.constexpr, BLOCK_N1: tl.constexpr, ROWS2: tl.constexpr,
                       BLOCK_K: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, LATE: tl.constexpr,
                       PHASES: tl.constexpr, USE_PDL: tl.constexpr = False):
+    # Unit u = (pair u // PARTS, part j = u % PARTS) of UNITS = pairs * PARTS; program g takes units g, g + G, ...
+    # (G programs): first all its GEMM1 parts, then its GEMM2 parts.
     # kernels/pdl.py: before any load (ids and route_w come from the router kernel just before) or store
     enter(USE_PDL)
-    pair = tl.program_id(0)
-    j = tl.program_id(1)
-    parts = tl.num_programs(1)
-    e = tl.load(ids + pair).to(tl.int64)
-    done = cnt + pair  # GEMM1 parts of this pair stored
-    passed = cnt + MAXP + pair  # GEMM2 parts of this pair past their poll
+    g = tl.program_id(0)
+    step = tl.num_programs(0)
     if PHASES % 2 == 1:
-        tok = pair // K_TOP
-        for t in tl.static_range(ROWS1 // BLOCK_N1):
-            n0 = j * ROWS1 + t * BLOCK_N1
-            offs_n = n0 + tl.arange(0, BLOCK_N1)
-            w_ptr = w1 + e * s_w1e + offs_n.to(tl.int64)[:, None] * s_w1n
-            acc = _gemv_tile(x + tok * s_xt, w_ptr, s1 + e * s_s1e + (n0 // 128) * s_s1n, H, offs_n >= 0,
-                             FP8, BLOCK_N1, BLOCK_K, LATE)
-            acc += tl.load(b1 + e * s_b1e + offs_n).to(tl.float32)
-            a = swiglu(acc, BLOCK_N1, ALPHA, LIMIT)
-            offs_a = n0 // 2 + tl.arange(0, BLOCK_N1 // 2)
-            tl.store(act + pair.to(tl.int64) * s_at + offs_a, a.to(act.dtype.element_ty))
-        # every thread's act stores are done before the one release below (barrier, then the gpu-scope atomic)
-        tl.debug_barrier()
-        tl.atomic_add(done, 1, sem="release", scope="gpu")
+        for u in range(g, UNITS, step):
+            pair = u // PARTS
+            j = u % PARTS
+            e = tl.load(ids + pair).to(tl.int64)
+            tok = pair // K_TOP
+            for t in tl.static_range(ROWS1 // BLOCK_N1):
+                n0 = j * ROWS1 + t * BLOCK_N1
+                offs_n = n0 + tl.arange(0, BLOCK_N1)
+                w_ptr = w1 + e * s_w1e + offs_n.to(tl.int64)[:, None] * s_w1n
+                acc = _gemv_tile(x + tok * s_xt, w_ptr, s1 + e * s_s1e + (n0 // 128) * s_s1n, H, offs_n >= 0,
+                                 FP8, BLOCK_N1, BLOCK_K, LATE)
+                acc += tl.load(b1 + e * s_b1e + offs_n).to(tl.float32)
+                a = swiglu(acc, BLOCK_N1, ALPHA, LIMIT)
+                offs_a = n0 // 2 + tl.arange(0, BLOCK_N1 // 2)
+                tl.store(act + pair.to(tl.int64) * s_at + offs_a, a.to(act.dtype.element_ty))
+            # every thread's act stores are done before the one release below (barrier, then the gpu-scope atomic)
+            tl.debug_barrier()
+            tl.atomic_add(cnt + pair, 1, sem="release", scope="gpu")  # GEMM1 parts of this pair stored
     if PHASES >= 2:
-        n0 = j * ROWS2
-        offs_n = n0 + tl.arange(0, ROWS2)
-        n_ok = offs_n < H
-        rw = tl.load(route_w + pair).to(tl.float32)
-        bias = tl.load(b2 + e * s_b2e + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        w_ptr = w2 + e * s_w2e + offs_n.to(tl.int64)[:, None] * s_w2n
-        # EARLY + SPIN: the first W2 tile and scales are loaded, then the poll, then act (.cg)
-        acc = _gemv_tile(act + pair.to(tl.int64) * s_at, w_ptr, s2 + e * s_s2e + (n0 // 128) * s_s2n, INTER, n_ok,
-                         FP8, ROWS2, BLOCK_K, LATE, True, USE_PDL, done, parts, True)
-        acc += bias
-        acc *= rw
-        tl.store(y + pair.to(tl.int64) * s_yt + offs_n, acc.to(y.dtype.element_ty), mask=n_ok)
-        # past the poll (acquire-ordered after it): the pair's last one resets both counters for the next launch
-        if tl.atomic_add(passed, 1, sem="relaxed", scope="gpu") == parts - 1:
-            tl.atomic_xchg(done, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(passed, 0, sem="relaxed", scope="gpu")
+        for u in range(g, UNITS, step):
+            pair = u // PARTS
+            j = u % PARTS
+            e = tl.load(ids + pair).to(tl.int64)
+            n0 = j * ROWS2
+            offs_n = n0 + tl.arange(0, ROWS2)
+            n_ok = offs_n < H
+            rw = tl.load(route_w + pair).to(tl.float32)
+            bias = tl.load(b2 + e * s_b2e + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            w_ptr = w2 + e * s_w2e + offs_n.to(tl.int64)[:, None] * s_w2n
+            # EARLY + SPIN: the first W2 tile and scales are loaded, then the poll on the pair's GEMM1 parts,
+            # then act (.cg)
+            acc = _gemv_tile(act + pair.to(tl.int64) * s_at, w_ptr, s2 + e * s_s2e + (n0 // 128) * s_s2n, INTER,
+                             n_ok, FP8, ROWS2, BLOCK_K, LATE, True, USE_PDL, cnt + pair, PARTS, True)
+            acc += bias
+            acc *= rw
+            tl.store(y + pair.to(tl.int64) * s_yt + offs_n, acc.to(y.dtype.element_ty), mask=n_ok)
+            # past the poll (acquire-ordered after it), counted: the pair's last part resets both counters for
+            # the next launch (every part of the pair has read the first by then)
+            if tl.atomic_add(cnt + MAXP + pair, 1, sem="relaxed", scope="gpu") == PARTS - 1:
+                tl.atomic_xchg(cnt + pair, 0, sem="relaxed", scope="gpu")
+                tl.atomic_xchg(cnt + MAXP + pair, 0, sem="relaxed", scope="gpu")
 
 
 @dataclass(frozen=True)
@@ -97,10 +106,14 @@ class FusedLaunch:
     num_warps: int = 8
     num_stages: int = 3
     late: bool = True
+    # ptxas' register cap (None: its own choice). The default launch needs 95 registers uncapped (sm_90, triton
+    # 3.6), which leaves room for 2 programs an SM, 264 on an H200, fewer than batch 1's 360 units; at 80 it
+    # needs 79, spills nothing, and 3 an SM fit: a program for each unit.
+    maxnreg: int | None = 80
 
     def label(self) -> str:
         return (f"fused-r{self.rows2}-n{self.block_n1}-k{self.block_k}-w{self.num_warps}-s{self.num_stages}"
-                + ("-late" if self.late else ""))
+                + ("-late" if self.late else "") + (f"-r{self.maxnreg}" if self.maxnreg else ""))
 
     def rows1(self, hidden: int, inter: int) -> tuple[int, int] | None:
         """(GEMM1 rows a program, its tile) for experts (hidden, inter), or None where this launch cannot tile
@@ -148,8 +161,8 @@ def fit_programs(n_regs: int, shared: int, num_warps: int, sms: int, regs: int, 
     """How many programs of a compiled kernel the GPU holds at once, from its registers (allocated per warp in
     units of 256, from one of the SM's four register-file quarters), shared memory (+1 KB the driver reserves a
     block) and warps; conservative (the quarters' rounding can only lower the CUDA occupancy calculator's
-    figure, never raise it): a fused grid above it is not launched, since its polls could then wait for programs
-    that are never resident. sms, regs, threads, smem: the GPU's SMs and each one's registers, threads, shared
+    figure, never raise it): the fused launch's grid stays within it, since its polls could otherwise wait for
+    programs that are never resident. sms, regs, threads, smem: the GPU's SMs and each one's registers, threads, shared
     memory."""
     per_warp = -(-max(n_regs, 1) * 32 // 256) * 256
     by_regs = 4 * ((regs // 4) // per_warp) // num_warps
@@ -161,40 +174,49 @@ def fit_programs(n_regs: int, shared: int, num_warps: int, sms: int, regs: int, 
 def moe_gemv_fused(x, ids_flat, k: int, route_w_flat, ex, alpha: float, limit: float, act: torch.Tensor,
                    y: torch.Tensor, counters: torch.Tensor, launch: FusedLaunch) -> bool:
     """act = GEMV1 (clamped SwiGLU) and y = GEMV2 (route_w * (W2 act + b2)) of every pair (token = pair // k) in
-    one launch where it fits (see the module docstring), on CPU (the interpreter) as two launches of the same
-    kernel. False, with nothing launched, where this launch cannot tile the experts or the GPU cannot hold its
-    grid at once: the caller then runs kernels.moe_gemv's two GEMVs."""
+    one launch of at most as many programs as the GPU holds at once (see the module docstring), on CPU (the
+    interpreter) as two launches of the same kernel. False, with nothing launched, where this launch cannot tile
+    the experts (or no program of it fits an SM): the caller then runs kernels.moe_gemv's two GEMVs."""
     pairs = ids_flat.numel()
     h, inter = ex.hidden, ex.w1.shape[1] // 2
     tiles = launch.rows1(h, inter)
     if tiles is None or pairs > FUSED_MAX_PAIRS or counters.numel() < 2 * FUSED_MAX_PAIRS:
         return False
-    grid = (pairs, h // launch.rows2)
+    parts = h // launch.rows2
+    units = pairs * parts
     s1 = ex.s1 if ex.fp8 else ex.w1
     s2 = ex.s2 if ex.fp8 else ex.w2
     args = (x, ids_flat, route_w_flat, ex.w1, s1, ex.b1, act, ex.w2, s2, ex.b2, y, counters, k, h, inter,
-            FUSED_MAX_PAIRS, x.stride(0), ex.w1.stride(0), ex.w1.stride(1), s1.stride(0), s1.stride(1),
+            FUSED_MAX_PAIRS, parts, units, x.stride(0), ex.w1.stride(0), ex.w1.stride(1), s1.stride(0), s1.stride(1),
             ex.b1.stride(0), act.stride(0), ex.w2.stride(0), ex.w2.stride(1), s2.stride(0), s2.stride(1),
             ex.b2.stride(0), y.stride(0))
     meta = dict(FP8=ex.fp8, ROWS1=tiles[0], BLOCK_N1=tiles[1], ROWS2=launch.rows2,
                 BLOCK_K=launch.block_k, ALPHA=alpha, LIMIT=limit, LATE=launch.late,
                 num_warps=launch.num_warps, num_stages=launch.num_stages)
     if x.device.type != "cuda" or interpreting():
+        grid = (min(units, CPU_PROGRAMS),)
         _moe_fused_kernel[grid](*args, **meta, PHASES=1)
         _moe_fused_kernel[grid](*args, **meta, PHASES=2)
         return True
     pdl = pdl_kwargs(x.device)
+    if launch.maxnreg:
+        meta["maxnreg"] = launch.maxnreg
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     key = (index, ex.fp8, x.dtype, act.dtype, y.dtype, tuple(sorted(meta.items())), tuple(pdl))
     room = _ROOM.get(key)
     if room is None:  # compiled once per variant: its registers and shared memory bound the resident programs
-        compiled = _moe_fused_kernel.warmup(*args, grid=grid, **meta, PHASES=3, **pdl)
+        compiled = _moe_fused_kernel.warmup(*args, grid=(1,), **meta, PHASES=3, **pdl)
         compiled._init_handles()  # loads the binary: its register count
         room = _ROOM[key] = resident_programs(compiled.n_regs, compiled.metadata.shared, launch.num_warps, index)
-    if grid[0] * grid[1] > room:
+    if room < 1:
         return False
-    _moe_fused_kernel[grid](*args, **meta, PHASES=3, **pdl)
+    _moe_fused_kernel[(min(units, room),)](*args, **meta, PHASES=3, **pdl)
     return True
+
+
+# Programs of the two-phase launches on CPU (the interpreter): fewer than the units, so programs loop over
+# several units as on a GPU whose resident programs are fewer than the units (larger decode batches).
+CPU_PROGRAMS = 7
 
 
 _ROOM: dict[tuple, int] = {}  # moe_gemv_fused's variants -> how many of their programs the GPU holds at once

@@ -201,7 +201,7 @@ def test_fused_kernel_compiles_with_the_poll_after_the_wait():
     types = {"x": ptr["bf16"], "ids": ptr["i64"], "route_w": ptr["bf16"], "w1": ptr["fp8"], "s1": ptr["f32"],
              "b1": ptr["bf16"], "act": ptr["bf16"], "w2": ptr["fp8"], "s2": ptr["f32"], "b2": ptr["bf16"],
              "y": ptr["bf16"], "cnt": ptr["i32"],
-             **checks._ints("K_TOP", "H", "INTER", "MAXP", "s_xt", "s_w1e", "s_w1n", "s_s1e", "s_s1n", "s_b1e", "s_at",
+             **checks._ints("K_TOP", "H", "INTER", "MAXP", "PARTS", "UNITS", "s_xt", "s_w1e", "s_w1n", "s_s1e", "s_s1n", "s_b1e", "s_at",
                             "s_w2e", "s_w2n", "s_s2e", "s_s2n", "s_b2e", "s_yt")}
     consts = {"FP8": True, "ROWS1": 64, "BLOCK_N1": 32, "ROWS2": 32, "BLOCK_K": 256, "ALPHA": 1.702, "LIMIT": 7.0,
               "LATE": True, "PHASES": 3}
@@ -219,8 +219,10 @@ def test_fused_kernel_compiles_with_the_poll_after_the_wait():
     names = k.arg_names
     sig = {n: ("constexpr" if n in consts or n == "USE_PDL" else types[n]) for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    launch = moe_fused.DEFAULT_LAUNCH
     compiled = triton.compile(ASTSource(k, signature=sig, constexprs={**consts, "USE_PDL": False}, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 8, "num_stages": 3, "maxnreg": launch.maxnreg})
     ptx = compiled.asm["ptx"]
     release = re.search(r"(red|atom)\.global\.gpu\.release\.add", ptx)
     acquire = re.search(r"(ld|atom)\.global\.gpu\.acquire", ptx)
@@ -231,8 +233,8 @@ def test_fused_kernel_compiles_with_the_poll_after_the_wait():
     assert "ld.global.cg" not in ptx[:acquire.start()] and "ld.global.cg" in ptx[acquire.start():]
     # the poll: a first read, then the loop's (spin_until)
     assert len(re.findall(r"(?:ld|atom)\.global\.gpu\.acquire", ptx)) == 2
-    # the default launch's registers (cuobjdump, which triton ships) leave room on an H200 (132 SMs) for batch 1's
-    # grid: 4 pairs x 90 programs (more registers and it would decline at batch 1, silently)
+    # the default launch's registers (cuobjdump, which triton ships; under its cap, without spills) leave room on an
+    # H200 (132 SMs) for a program per unit at batch 1: 4 pairs x 90 (with fewer, programs would take two units)
     import subprocess
     import tempfile
 
@@ -242,7 +244,7 @@ def test_fused_kernel_compiles_with_the_poll_after_the_wait():
         f.flush()
         usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, timeout=60).stdout
     n_regs = int(re.search(r"REG:(\d+)", usage).group(1))
-    launch = moe_fused.DEFAULT_LAUNCH
+    assert "STL" not in compiled.asm["sass"], "the register cap spills"
     assert (consts["ROWS2"], consts["BLOCK_N1"], consts["BLOCK_K"], consts["LATE"]) == \
         (launch.rows2, launch.block_n1, launch.block_k, launch.late) and launch.num_warps == 8
     room = moe_fused.fit_programs(n_regs, compiled.metadata.shared, 8, 132, 65536, 2048, 233472)

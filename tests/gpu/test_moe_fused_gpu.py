@@ -1,8 +1,8 @@
 """The decode MoE's two GEMVs in one launch (kernels/moe_fused.py, KVRELAY_MOE_FUSED_GEMV) on the GPU, where its
-programs poll each other: at gpt-oss's expert shapes it fits the H200 at decode batches, matches the float32
-reference and the two GEMVs, repeats its bits and leaves its counters zero; replayed from a CUDA graph with PDL
-launch after launch (a hang fails the test after a deadline instead of holding the run); declines a grid the GPU
-cannot hold at once; and the tiny model gives the same tokens with it on and off. (The bits of the two GEMVs
+programs poll each other: at gpt-oss's expert shapes it matches the float32 reference and the two GEMVs, repeats
+its bits and leaves its counters zero; replayed from a CUDA graph with PDL launch after launch (a hang fails the
+test after a deadline instead of holding the run); with fewer resident programs than units (forced) its programs
+loop and give the same bits; and the tiny model gives the same tokens with it on and off. (The bits of the two GEMVs
 under the interpreter, the compile's poll and wait: tests/cpu/test_moe_fused.py.)"""
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def test_fused_matches_the_reference_and_the_two_gemvs(t):
         _finish("fused launch")
     finally:
         moe_fused.moe_gemv_fused = orig
-    assert calls == [True], "the fused launch should fit the GPU at this batch"
+    assert calls == [True], "the fused launch ran"
     assert not cnt.any(), "the last programs past their polls reset the counters"
     two = moe_experts(hx, ids, rw, ex, combine=False)
     assert rel_err(got, two) < 2e-3  # the same math in other tiles: another fp32 order
@@ -116,36 +116,45 @@ def test_replayed_with_pdl_on_one_counter_set(t, monkeypatch):
             _same(a, b, f"replay {i} layer {j}")
 
 
-def test_a_grid_the_gpu_cannot_hold_at_once_is_declined(monkeypatch):
-    """Where the occupancy bound says the grid would not be resident at once (polls could then wait on programs
-    that never start), moe_gemv_fused launches nothing and moe_experts runs the two GEMVs."""
+@pytest.mark.parametrize("room", [7, 131, 0])
+def test_fewer_resident_programs_loop_over_the_units(room, monkeypatch):
+    """Where the occupancy bound allows fewer programs than units (larger batches; here forced), the launch's
+    programs loop over several units each, all GEMM1 parts first, and give the same bits as one program a unit;
+    where no program fits (0), moe_gemv_fused launches nothing and moe_experts runs the two GEMVs."""
     from kvrelay.kernels import moe_fused
     from kvrelay.kernels.moe import moe_experts
 
     dev = _cuda()
     g = torch.Generator(device=dev).manual_seed(40)
     ex = _fp8_experts(dev, g)
-    hx, ids, rw, _ = _tokens(1, dev, g)
+    hx, ids, rw, _ = _tokens(2, dev, g)
     cnt = moe_fused.new_fused_counters(dev)
-    room = []
+    want = moe_experts(hx, ids, rw, ex, combine=False, fused_counters=cnt)  # batch 2: 720 units, <= 396 programs
+    _finish("fused launch")
+    rooms = []
     orig = moe_fused.resident_programs
 
     def tight(*args):
-        room.append(orig(*args))
-        return K * (H // moe_fused.DEFAULT_LAUNCH.rows2) - 1  # one program short of batch 1's grid
+        rooms.append(orig(*args))
+        return room
 
     monkeypatch.setattr(moe_fused, "resident_programs", tight)
-    act = torch.zeros(K, INTER, dtype=torch.bfloat16, device=dev)
-    y = torch.zeros(K, H, dtype=torch.bfloat16, device=dev)
-    assert not moe_fused.moe_gemv_fused(hx, ids.reshape(-1), K, rw.reshape(-1), ex, 1.702, 7.0, act, y, cnt,
-                                        moe_fused.DEFAULT_LAUNCH)
-    torch.cuda.synchronize()
-    assert not act.any() and not y.any() and not cnt.any()
-    print(f"resident programs of the default launch on this GPU: {room}; batch 1 needs "
-          f"{K * (H // moe_fused.DEFAULT_LAUNCH.rows2)}")
-    assert room and room[0] >= K * (H // moe_fused.DEFAULT_LAUNCH.rows2)
-    _same(moe_experts(hx, ids, rw, ex, combine=False, fused_counters=cnt), moe_experts(hx, ids, rw, ex, combine=False),
-          "the two GEMVs")
+    monkeypatch.setattr(moe_fused, "_ROOM", {})
+    act = torch.zeros(2 * K, INTER, dtype=torch.bfloat16, device=dev)
+    y = torch.zeros(2 * K, H, dtype=torch.bfloat16, device=dev)
+    ran = moe_fused.moe_gemv_fused(hx, ids.reshape(-1), K, rw.reshape(-1), ex, 1.702, 7.0, act, y, cnt,
+                                   moe_fused.DEFAULT_LAUNCH)
+    _finish(f"fused launch of {room} programs")
+    assert ran is (room > 0) and not cnt.any()
+    print(f"resident programs of the default launch on this GPU: {rooms}; batch 1 has "
+          f"{K * (H // moe_fused.DEFAULT_LAUNCH.rows2)} units")
+    assert rooms and rooms[0] >= K * (H // moe_fused.DEFAULT_LAUNCH.rows2)  # batch 1: a program a unit
+    if room:
+        _same(y, want.reshape(2 * K, H), "looping programs")
+    else:
+        assert not act.any() and not y.any()
+        _same(moe_experts(hx, ids, rw, ex, combine=False, fused_counters=cnt),
+              moe_experts(hx, ids, rw, ex, combine=False), "the two GEMVs")
 
 
 @pytest.mark.parametrize("quant", ["bf16", "fp8-block128"])
