@@ -213,19 +213,20 @@ def _fp8_experts(e, h, i, dev):
 
 
 def engine_moe_step(res, delta, norm_w, gate_w, gate_b, ex, k: int, counters, eps: float = 1e-5,
-                    norm_counters=None):
+                    norm_counters=None, fused_counters=None):
     """One decode MoE layer at batch sizes the fused router takes, launched as engine/layers/moe.py and
     engine/model.py launch it: the residual add + norm + router + top-k in one kernel (fused_route_in), the
     expert GEMVs without their combine (routed_uncombined), and the combine inside the next residual add +
     RMSNorm, which also writes the next attention's 1x128 FP8 QKV input (K padded to 128). With norm_counters
     (kernels.moe_gemv.new_norm_counters; the engine's KVRELAY_MOE_NORM_FUSE=1) that add + norm runs inside the
-    second GEMV's launch (MoePending.finish_norm): three launches instead of four. Returns the add + norm's
-    (new residual, (fp8 input, scales))."""
+    second GEMV's launch (MoePending.finish_norm): three launches instead of four. With fused_counters
+    (kernels.moe_fused.new_fused_counters; KVRELAY_MOE_FUSED_GEMV=1) both GEMVs run in one launch. Returns the
+    add + norm's (new residual, (fp8 input, scales))."""
     from kvrelay.kernels import fused, moe, router
 
     kp = -(-res.shape[1] // 128) * 128
     x, h, w, ids = router.add_rms_norm_route(res, delta, norm_w, eps, gate_w, gate_b, k, counters)
-    pairs = moe.moe_experts(h, ids, w, ex, combine=False, norm_counters=norm_counters)
+    pairs = moe.moe_experts(h, ids, w, ex, combine=False, norm_counters=norm_counters, fused_counters=fused_counters)
     if norm_counters is not None:
         return pairs.finish_norm(x, norm_w, eps, quant_k=kp)
     return fused.add_rms_norm(x, pairs, norm_w, eps, quant_k=kp)
@@ -275,6 +276,16 @@ def bench_moe(dev):
     fused_step()
     record("moe", "120b decode layer as the engine runs it with KVRELAY_MOE_NORM_FUSE=1 (next norm in GEMV2; graph)",
            triton.testing.do_bench_cudagraph(fused_step, rep=100, return_mode="median"), nbytes=active,
+           target="<= 35 us (issue 11)", note=f"floor {floor_us:.1f} us")
+    # ... with KVRELAY_MOE_FUSED_GEMV=1's launches: both GEMVs in one (kernels/moe_fused.py)
+    from kvrelay.kernels import moe_fused
+
+    fused_counters = moe_fused.new_fused_counters(dev)
+    one_step = lambda: engine_moe_step(res, delta, norm_w, gate_w, gate_b, ex, K, counters,
+                                       fused_counters=fused_counters)
+    one_step()
+    record("moe", "120b decode layer as the engine runs it with KVRELAY_MOE_FUSED_GEMV=1 (GEMVs in one launch; graph)",
+           triton.testing.do_bench_cudagraph(one_step, rep=100, return_mode="median"), nbytes=active,
            target="<= 35 us (issue 11)", note=f"floor {floor_us:.1f} us")
     # batch 64 decode and 4096/16384-token prefill through the grouped path: the config the engine uses (the
     # GPU's tuned table when kernels/configs has one, bench/tune_moe.py) beside today's heuristic

@@ -41,6 +41,13 @@ def test_engine_moe_step_matches_a_float32_layer():
     fx, (fq, fs) = engine_moe_step(res, delta, norm_w, gate_w, gate_b, ex, k, counters, norm_counters=norm_counters)
     assert torch.equal(fx, x_new) and torch.equal(fq.view(torch.uint8), q8.view(torch.uint8)) and torch.equal(fs, sc)
     assert not norm_counters.any()
+    # KVRELAY_MOE_FUSED_GEMV=1's launches (both GEMVs in one): the float32 bounds below, other tiles
+    from kvrelay.kernels import moe_fused
+
+    assert moe_fused.DEFAULT_LAUNCH.rows1(h, i) is not None  # the default launch tiles these experts
+    fused_counters = moe_fused.new_fused_counters("cpu")
+    ux, (uq, us) = engine_moe_step(res, delta, norm_w, gate_w, gate_b, ex, k, counters, fused_counters=fused_counters)
+    assert not fused_counters.any() and refs.rel_err(ux, x_new) < 2e-3
 
     x1 = (res.float() + delta.float()).bfloat16()
     hn = _rms(x1, norm_w).bfloat16()
