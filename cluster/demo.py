@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 
-READY = "kvrelay-ready "
+from kvrelay.cluster.serve import READY, ready_info
 METRICS = " metrics "
 
 
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(target=_pump, args=(proc.stdout, lines, verbose), daemon=True).start()
     status = 1
     try:
-        ready = json.loads(_wait_for(lines, proc, READY, 150).split(READY, 1)[1])
+        ready = ready_info(_wait_for(lines, proc, READY, 150))
         print(f"cluster up in {time.perf_counter() - t_start:.1f} s: gRPC {ready['grpc']}, HTTP {ready['http']}")
         status = _chat(ready, lines, proc)
     finally:
@@ -104,7 +104,8 @@ def _chat(ready: dict, lines: queue.Queue, proc: subprocess.Popen) -> int:
 
     reason = pb.FinishReason.Name(finish).removeprefix("FINISH_REASON_").lower() if finish else "none"
     print(f"\n\n{n_tokens} tokens in {elapsed:.2f} s, finish reason {reason}")
-    m = json.loads(_wait_for(lines, proc, f"request {rid}{METRICS}", 10).split(METRICS, 1)[1])
+    line = _wait_for(lines, proc, f"request {rid}{METRICS}", 10)
+    m = json.JSONDecoder().raw_decode(line, line.index(METRICS) + len(METRICS))[0]  # another process's text may follow
     print(f"  TTFT (client)      {ttft * 1000:8.1f} ms" if ttft is not None else "  TTFT (client)        n/a")
     print(f"  TTFT (server)      {m['ttft_s'] * 1000:8.1f} ms   (queue {m['queue_s'] * 1000:.1f} ms)")
     print(f"  prefill            {m['prefill_s'] * 1000:8.1f} ms   ({m['prompt_tokens']} prompt tokens)")

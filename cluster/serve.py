@@ -20,6 +20,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger("kvrelay.serve")
+READY = "kvrelay-ready "  # the line serve prints once it serves: READY + a JSON object (ready_info)
+
+
+def ready_info(line: str) -> dict | None:
+    """The JSON object of a `kvrelay-ready {...}` line, wherever on the line the marker starts; None for any
+    other line. Only the object is read: whatever another process appended to the line is not (the router's
+    stdout and its workers' forwarded logs may share one pipe; seen once in CI, 2026-12-05)."""
+    at = line.find(READY)
+    if at < 0:
+        return None
+    return json.JSONDecoder().raw_decode(line, at + len(READY))[0]
+
+
+def _say(text: str) -> None:
+    """`text` and its newline to stdout in one write: print() writes the newline separately, and a worker's
+    log line forwarded to the same pipe in between ran into the ready line (the e2e tests parse it)."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
 
 
 @dataclass
@@ -353,13 +371,13 @@ async def _serve(cluster: Cluster, drain_timeout_s: float, t0: float, api_keys=N
              "startup_s": round(time.perf_counter() - t0, 2)}
     names = server.core.model_names
     alias = "" if names == (client.model_name,) else f" as {', '.join(names)}"
-    print(f"kvrelay: serving {client.model_name}{alias}\n  gRPC  {server.grpc_target}\n  HTTP  {server.http_url}"
+    _say(f"kvrelay: serving {client.model_name}{alias}\n  gRPC  {server.grpc_target}\n  HTTP  {server.http_url}"
           f"  (OpenAI-compatible: {server.http_url}/v1/chat/completions)\n  Ray   {ready['ray']} "
           f"namespace {topo.ray.namespace}  (kvrelay status --address {ready['ray']})\n"
           f"  Auth  {f'{len(server.api_keys)} API key(s) required on /v1 and gRPC' if server.api_keys else 'none'}"
           f"{'; TLS on HTTP and gRPC' if server.tls else ''}"
           f"{f'; {r.rate_limit_rpm} requests/min per client' if server.rate_limit else ''}\n"
-          f"kvrelay-ready {json.dumps(ready)}", flush=True)
+          f"{READY}{json.dumps(ready)}")
     # A signal ends serving, or the Ray cluster going away under us (`ray down`, `ray stop`): a router
     # whose workers are gone must not outlive them. (RouterServer.wait() is not used: cancelling its
     # pending wait_for_termination() cancels gRPC's own shutdown future, and the later stop() fails.)

@@ -10,7 +10,6 @@ group), never `ray stop`: other clusters run on the same machine.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -24,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-READY = "kvrelay-ready "
+from kvrelay.cluster.serve import ready_info
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -73,7 +72,7 @@ def start_serve(*args: str, env: dict | None = None, ready_timeout_s: float = 18
             tail = "".join((err if split_stderr else lines)[-30:])
             assert proc.poll() is None, "serve exited early:\n" + tail
             assert time.monotonic() < deadline, f"serve not ready within {ready_timeout_s:.0f} s:\n" + tail
-            ready = next((json.loads(ln.split(READY, 1)[1]) for ln in list(lines) if ln.startswith(READY)), None)
+            ready = next((info for ln in list(lines) if (info := ready_info(ln)) is not None), None)
             if ready is not None:
                 return Served(proc, lines, err, ready)
             time.sleep(0.2)

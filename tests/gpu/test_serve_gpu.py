@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvrelay.cluster.serve import ready_info
+
 pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,8 +69,9 @@ class Server:
         def pump() -> None:
             for line in self.proc.stdout:
                 self.lines.append(line)
-                if line.startswith("kvrelay-ready "):
-                    self.ready.update(json.loads(line.split(" ", 1)[1]))
+                info = ready_info(line)
+                if info is not None:
+                    self.ready.update(info)
                     ready.set()
 
         threading.Thread(target=pump, daemon=True).start()
