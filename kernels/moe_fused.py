@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe_gemv import _gemv_tile, swiglu
+from .moe_gemv import _gemv_tile, gemv1_tile
 from .pdl import enter, interpreting, pdl_kwargs
 
 FUSED_MAX_PAIRS = 32  # = kernels.moe.GEMV_MAX_PAIRS: the counters' size
@@ -58,15 +58,8 @@ def _moe_fused_kernel(x, ids, route_w, w1, s1, b1, act, w2, s2, b2, y, cnt, K_TO
             e = tl.load(ids + pair).to(tl.int64)
             tok = pair // K_TOP
             for t in tl.static_range(ROWS1 // BLOCK_N1):
-                n0 = j * ROWS1 + t * BLOCK_N1
-                offs_n = n0 + tl.arange(0, BLOCK_N1)
-                w_ptr = w1 + e * s_w1e + offs_n.to(tl.int64)[:, None] * s_w1n
-                acc = _gemv_tile(x + tok * s_xt, w_ptr, s1 + e * s_s1e + (n0 // 128) * s_s1n, H, offs_n >= 0,
-                                 FP8, BLOCK_N1, BLOCK_K, LATE)
-                acc += tl.load(b1 + e * s_b1e + offs_n).to(tl.float32)
-                a = swiglu(acc, BLOCK_N1, ALPHA, LIMIT)
-                offs_a = n0 // 2 + tl.arange(0, BLOCK_N1 // 2)
-                tl.store(act + pair.to(tl.int64) * s_at + offs_a, a.to(act.dtype.element_ty))
+                gemv1_tile(x + tok * s_xt, e, j * ROWS1 + t * BLOCK_N1, act + pair.to(tl.int64) * s_at, w1, s1, b1,
+                           H, s_w1e, s_w1n, s_s1e, s_s1n, s_b1e, FP8, BLOCK_N1, BLOCK_K, ALPHA, LIMIT, LATE)
             # every thread's act stores are done before the one release below (barrier, then the gpu-scope atomic)
             tl.debug_barrier()
             tl.atomic_add(cnt + pair, 1, sem="release", scope="gpu")  # GEMM1 parts of this pair stored

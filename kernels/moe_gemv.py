@@ -114,17 +114,25 @@ def _gemv1_kernel(x, ids, w, s, b, act, K_TOP, Kdim, s_xt, s_we, s_wn, s_se, s_s
     # K loop (triton#11905).
     enter(USE_PDL)
     pair = tl.program_id(0)
-    n0 = tl.program_id(1) * BLOCK_N
     tok = pair // K_TOP
     e = tl.load(ids + pair).to(tl.int64)
+    gemv1_tile(x + tok * s_xt, e, tl.program_id(1) * BLOCK_N, act + pair.to(tl.int64) * s_at, w, s, b, Kdim,
+               s_we, s_wn, s_se, s_sn, s_be, FP8, BLOCK_N, BLOCK_K, ALPHA, LIMIT, LATE)
+
+
+@triton.jit
+def gemv1_tile(x_row, e, n0, act_row, w, s, b, Kdim, s_we, s_wn, s_se, s_sn, s_be, FP8: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+               LATE: tl.constexpr):
+    # GEMV1's rows n0 .. n0 + BLOCK_N of expert e (int64) for the activation row x_row: W1 x + b1, clamped SwiGLU,
+    # stored as act_row's BLOCK_N / 2 values from n0 / 2 (kernels/moe_fused.py runs it too)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     w_ptr = w + e * s_we + offs_n.to(tl.int64)[:, None] * s_wn
-    acc = _gemv_tile(x + tok * s_xt, w_ptr, s + e * s_se + (n0 // 128) * s_sn, Kdim, offs_n >= 0,
-                     FP8, BLOCK_N, BLOCK_K, LATE)
+    acc = _gemv_tile(x_row, w_ptr, s + e * s_se + (n0 // 128) * s_sn, Kdim, offs_n >= 0, FP8, BLOCK_N, BLOCK_K,
+                     LATE)
     acc += tl.load(b + e * s_be + offs_n).to(tl.float32)
     a = swiglu(acc, BLOCK_N, ALPHA, LIMIT)
-    offs_a = n0 // 2 + tl.arange(0, BLOCK_N // 2)
-    tl.store(act + pair.to(tl.int64) * s_at + offs_a, a.to(act.dtype.element_ty))
+    tl.store(act_row + n0 // 2 + tl.arange(0, BLOCK_N // 2), a.to(act_row.dtype.element_ty))
 
 
 @triton.jit
