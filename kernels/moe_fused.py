@@ -18,7 +18,7 @@ resident at once: G is at most what the compiled kernel's occupancy (registers, 
 SMs (at batch 1 with the default launch every unit has a program of its own: 360 of the H200's 396). (A PDL
 successor takes SM slots only once every program here passed its launch_dependents, i.e. is resident.)
 
-The math is the two GEMVs' (_gemv_tile, swiglu): per-row fp32 sums in one program, rounded to act's bf16
+The math is the two GEMVs' (moe_gemv.gemv1_tile, gemv2_tile): per-row fp32 sums in one program, rounded to act's bf16
 between the GEMMs; the tiles differ, so the fp32 summation order may too. On CPU (the Triton interpreter runs
 programs one after another, so a poll would wait forever) the same kernel runs as two launches, GEMM1's parts
 then GEMM2's (PHASES 1, then 2: the counters and their reset still run), which is what the CPU tests check.
@@ -33,10 +33,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe_gemv import _gemv_tile, gemv1_tile
+from .moe import GEMV_MAX_PAIRS
+from .moe_gemv import gemv1_tile, gemv2_tile
 from .pdl import enter, interpreting, pdl_kwargs
 
-FUSED_MAX_PAIRS = 32  # = kernels.moe.GEMV_MAX_PAIRS: the counters' size
+FUSED_MAX_PAIRS = GEMV_MAX_PAIRS  # the counters' size: the most pairs the GEMV path takes
 
 
 @triton.jit
@@ -68,19 +69,12 @@ def _moe_fused_kernel(x, ids, route_w, w1, s1, b1, act, w2, s2, b2, y, cnt, K_TO
             pair = u // PARTS
             j = u % PARTS
             e = tl.load(ids + pair).to(tl.int64)
-            n0 = j * ROWS2
-            offs_n = n0 + tl.arange(0, ROWS2)
-            n_ok = offs_n < H
             rw = tl.load(route_w + pair).to(tl.float32)
-            bias = tl.load(b2 + e * s_b2e + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-            w_ptr = w2 + e * s_w2e + offs_n.to(tl.int64)[:, None] * s_w2n
-            # EARLY + SPIN: the first W2 tile and scales are loaded, then the poll on the pair's GEMM1 parts,
-            # then act (.cg)
-            acc = _gemv_tile(act + pair.to(tl.int64) * s_at, w_ptr, s2 + e * s_s2e + (n0 // 128) * s_s2n, INTER,
-                             n_ok, FP8, ROWS2, BLOCK_K, LATE, True, USE_PDL, cnt + pair, PARTS, True)
-            acc += bias
-            acc *= rw
-            tl.store(y + pair.to(tl.int64) * s_yt + offs_n, acc.to(y.dtype.element_ty), mask=n_ok)
+            # EARLY + SPIN: the first W2 tile, scales and bias are loaded, then the poll on the pair's GEMM1
+            # parts, then act (.cg)
+            gemv2_tile(act + pair.to(tl.int64) * s_at, e, rw, j * ROWS2, w2, s2, b2, y + pair.to(tl.int64) * s_yt,
+                       INTER, H, s_w2e, s_w2n, s_s2e, s_s2n, s_b2e, FP8, ROWS2, BLOCK_K, LATE, True, USE_PDL,
+                       cnt + pair, PARTS, True)
             # past the poll (acquire-ordered after it), counted: the pair's last part resets both counters for
             # the next launch (every part of the pair has read the first by then)
             if tl.atomic_add(cnt + MAXP + pair, 1, sem="relaxed", scope="gpu") == PARTS - 1:

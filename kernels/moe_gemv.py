@@ -149,20 +149,30 @@ def _gemv2_pair(act, ids, route_w, w, s, b, y, Kdim, Ndim, s_at, s_we, s_wn, s_s
     # kernel writes ids/route_w again before this one completes (PDL overlaps two kernels at most). .cg:
     # from L2, never an L1 line of an earlier step. act (GEMV1's output) is read after the wait.
     pair = tl.program_id(0)
-    n0 = tl.program_id(1) * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < Ndim
     if not EARLY:
         enter(USE_PDL)  # before any load (ids, route_w, act) or store, as in _gemv1_kernel
     e = tl.load(ids + pair, cache_modifier=".cg").to(tl.int64)
     rw = tl.load(route_w + pair, cache_modifier=".cg").to(tl.float32)
+    gemv2_tile(act + pair.to(tl.int64) * s_at, e, rw, tl.program_id(1) * BLOCK_N, w, s, b,
+               y + pair.to(tl.int64) * s_yt, Kdim, Ndim, s_we, s_wn, s_se, s_sn, s_be, FP8, BLOCK_N, BLOCK_K, LATE,
+               EARLY, USE_PDL)
+
+
+@triton.jit
+def gemv2_tile(act_row, e, rw, n0, w, s, b, y_row, Kdim, Ndim, s_we, s_wn, s_se, s_sn, s_be, FP8: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LATE: tl.constexpr, EARLY: tl.constexpr,
+               USE_PDL: tl.constexpr, spin_ptr=None, spin_target=0, SPIN: tl.constexpr = False):
+    # GEMV2's rows n0 .. n0 + BLOCK_N of expert e (int64) for the pair's act_row: rw * (W2 act + b2) in fp32,
+    # stored into y_row in its dtype. EARLY / SPIN: _gemv_tile's wait (kernels/moe_fused.py passes SPIN).
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < Ndim
     bias = tl.load(b + e * s_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     w_ptr = w + e * s_we + offs_n.to(tl.int64)[:, None] * s_wn
-    acc = _gemv_tile(act + pair.to(tl.int64) * s_at, w_ptr, s + e * s_se + (n0 // 128) * s_sn, Kdim, n_ok,
-                     FP8, BLOCK_N, BLOCK_K, LATE, EARLY, USE_PDL)
+    acc = _gemv_tile(act_row, w_ptr, s + e * s_se + (n0 // 128) * s_sn, Kdim, n_ok, FP8, BLOCK_N, BLOCK_K, LATE,
+                     EARLY, USE_PDL, spin_ptr, spin_target, SPIN)
     acc += bias
     acc *= rw
-    tl.store(y + pair.to(tl.int64) * s_yt + offs_n, acc.to(y.dtype.element_ty), mask=n_ok)
+    tl.store(y_row + offs_n, acc.to(y_row.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
