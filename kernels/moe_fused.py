@@ -117,9 +117,15 @@ class FusedLaunch:
 
 
 DEFAULT_LAUNCH = FusedLaunch()
-# Measured per expert shape (hidden, inter) once an H200 has timed it (bench/sweep_gemv.py --gemms fused); until
-# then every shape uses DEFAULT_LAUNCH (the tuned GEMV2's tile, GEMM1 in the same tiles).
-TUNED: dict[tuple[int, int], FusedLaunch] = {}
+# Measured per expert shape (hidden, inter) on the H200 (bench/sweep_gemv.py --gemms fused); other shapes use
+# DEFAULT_LAUNCH (the tuned GEMV2's tile, GEMM1 in the same tiles). gpt-oss 20b and 120b share (2880, 2880):
+# 2026-12-05 at 6788b29, 1 token, 4 pairs, 24 random launches: GEMM1 in one 64-row tile a program (rows1 caps
+# block_n1 at a program's rows), a 512 K step, no LATE reduction: 30.5 us against today's two GEMVs' 36.8 us,
+# where DEFAULT_LAUNCH lost in the model (kmoe's engine layer: 40.9 against 36.3 us).
+TUNED: dict[tuple[int, int], FusedLaunch] = {
+    (2880, 2880): FusedLaunch(rows2=32, block_n1=128, block_k=512, num_warps=8, num_stages=4, late=False,
+                              maxnreg=80),
+}
 
 
 def fused_launch(hidden: int, inter: int) -> FusedLaunch:
