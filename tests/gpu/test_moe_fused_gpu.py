@@ -117,19 +117,28 @@ def test_replayed_with_pdl_on_one_counter_set(t, monkeypatch):
 
 
 @pytest.mark.parametrize("room", [7, 131, 0])
-def test_fewer_resident_programs_loop_over_the_units(room, monkeypatch):
+@pytest.mark.parametrize("which", ["default", "tuned"])
+def test_fewer_resident_programs_loop_over_the_units(room, which, monkeypatch):
     """Where the occupancy bound allows fewer programs than units (larger batches; here forced), the launch's
-    programs loop over several units each, all GEMM1 parts first, and give the same bits as one program a unit;
-    where no program fits (0), moe_gemv_fused launches nothing and moe_experts runs the two GEMVs."""
+    programs loop over several units each, all GEMM1 parts first, and give the same bits as the same launch
+    unbounded; where no program fits (0), moe_gemv_fused launches nothing and moe_experts runs the two GEMVs.
+    For DEFAULT_LAUNCH and the launch tuned for gpt-oss's experts (moe_fused.TUNED)."""
     from kvrelay.kernels import moe_fused
     from kvrelay.kernels.moe import moe_experts
 
     dev = _cuda()
+    launch = moe_fused.DEFAULT_LAUNCH if which == "default" else moe_fused.fused_launch(H, INTER)
+    assert which == "default" or launch is moe_fused.TUNED[(H, INTER)]
     g = torch.Generator(device=dev).manual_seed(40)
     ex = _fp8_experts(dev, g)
     hx, ids, rw, _ = _tokens(2, dev, g)
     cnt = moe_fused.new_fused_counters(dev)
-    want = moe_experts(hx, ids, rw, ex, combine=False, fused_counters=cnt)  # batch 2: 720 units, <= 396 programs
+
+    def fused(act, y):
+        return moe_fused.moe_gemv_fused(hx, ids.reshape(-1), K, rw.reshape(-1), ex, 1.702, 7.0, act, y, cnt, launch)
+
+    want = torch.zeros(2 * K, H, dtype=torch.bfloat16, device=dev)
+    assert fused(torch.zeros(2 * K, INTER, dtype=torch.bfloat16, device=dev), want)  # as many programs as fit
     _finish("fused launch")
     rooms = []
     orig = moe_fused.resident_programs
@@ -142,15 +151,14 @@ def test_fewer_resident_programs_loop_over_the_units(room, monkeypatch):
     monkeypatch.setattr(moe_fused, "_ROOM", {})
     act = torch.zeros(2 * K, INTER, dtype=torch.bfloat16, device=dev)
     y = torch.zeros(2 * K, H, dtype=torch.bfloat16, device=dev)
-    ran = moe_fused.moe_gemv_fused(hx, ids.reshape(-1), K, rw.reshape(-1), ex, 1.702, 7.0, act, y, cnt,
-                                   moe_fused.DEFAULT_LAUNCH)
+    ran = fused(act, y)
     _finish(f"fused launch of {room} programs")
     assert ran is (room > 0) and not cnt.any()
-    print(f"resident programs of the default launch on this GPU: {rooms}; batch 1 has "
-          f"{K * (H // moe_fused.DEFAULT_LAUNCH.rows2)} units")
-    assert rooms and rooms[0] >= K * (H // moe_fused.DEFAULT_LAUNCH.rows2)  # batch 1: a program a unit
+    print(f"resident programs of {launch.label()} on this GPU: {rooms}; batch 1 has {K * (H // launch.rows2)} units")
+    if which == "default":
+        assert rooms and rooms[0] >= K * (H // launch.rows2)  # batch 1: a program a unit
     if room:
-        _same(y, want.reshape(2 * K, H), "looping programs")
+        _same(y, want, "looping programs")
     else:
         assert not act.any() and not y.any()
         _same(moe_experts(hx, ids, rw, ex, combine=False, fused_counters=cnt),

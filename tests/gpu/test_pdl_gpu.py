@@ -43,10 +43,14 @@ _GEMV = "gemv-n32-k256-s4-w4-st2"
     ("bf16", "triton", False), ("fp8-block128", "flashinfer", True)])
 def test_model_decode_steps_equal_with_and_without_pdl(quant, decode, gemv, monkeypatch):
     from kvrelay.engine.runner import Runner
-    from kvrelay.kernels import decode_rotary, fp8_gemv, fused, moe_gemv, pdl, router, triton_attention
+    from kvrelay.kernels import decode_rotary, fp8_gemv, fused, moe_gemv, pdl, router, select, triton_attention
     from kvrelay.kernels.fp8_gemm import Fp8BlockLinear
 
     dev = _pdl_device()
+    if decode == "flashinfer" and select.attention_backend(dev) != "flashinfer":
+        # without FlashInfer (or with KVRELAY_ATTENTION forcing another backend) decode runs Triton's kernels,
+        # not the rotary + KV write launch this case checks
+        pytest.skip(f"FlashInfer is not the attention backend here ({select.attention_backend(dev)})")
     # decode attention on FlashInfer (the default) or on the Triton split-KV kernels (select.py's override)
     monkeypatch.setenv("KVRELAY_DECODE_ATTENTION", decode)
     if gemv:
