@@ -58,6 +58,7 @@ def collect(topology, timeout_s: float = 10.0) -> list[dict]:
                     refs.append((row, actor.status.remote()))
                 except ValueError:
                     row["error"] = "not running (no such actor)"
+    silent = []
     for row, ref in refs:
         try:
             st = ray.get(ref, timeout=timeout_s)
@@ -65,8 +66,19 @@ def collect(topology, timeout_s: float = 10.0) -> list[dict]:
             row["state"] = "healthy" if row["healthy"] else "unhealthy"
         except ray.exceptions.GetTimeoutError:
             row["error"] = f"no answer within {timeout_s:g} s"
+            silent.append(row)
         except ray.exceptions.RayActorError as e:
             row["error"] = f"dead ({type(e).__name__})"
+            silent.append(row)
+    if silent:
+        # A hung worker keeps its status call waiting, often while the supervisor takes it for hung and
+        # starts its replacement: report what the supervisor says now, not what it said before the wait.
+        now = (read_state(topology.ray.namespace) or {}).get("workers", {})
+        for row in silent:
+            sup = now.get(f"{row['role']}/{row['rank']}", {})
+            if sup.get("state") in ("restarting", "failed"):
+                row["state"], row["restarts"] = sup["state"], sup.get("restarts", row["restarts"])
+                row["error"] = f"{sup['state']}: {sup.get('last_error')}"
     return rows
 
 

@@ -91,8 +91,9 @@ def completion(url: str, prompt: list[int], max_tokens: int, *, stream: bool, pr
     return out
 
 
-def worker_row(run, role: str) -> dict:
-    return next(r for r in run.cluster.statuses() if r["role"] == role and r["tp_rank"] == 0)
+def worker_row(run, role: str, timeout_s: float = 10.0) -> dict:
+    """Its rank-0 row of `kvrelay status` (asking each worker for at most `timeout_s`)."""
+    return next(r for r in run.cluster.statuses(timeout_s) if r["role"] == role and r["tp_rank"] == 0)
 
 
 def kill_by_pid(run, role: str) -> int:

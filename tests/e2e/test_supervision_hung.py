@@ -60,8 +60,11 @@ def stopped():
 
 
 def _restarting_within(run, role: str, since: float, bound_s: float) -> float:
-    """Seconds from `since` until `kvrelay status` shows the worker restarting (at most `bound_s`)."""
-    while worker_row(run, role)["state"] != "restarting":
+    """Seconds from `since` until `kvrelay status` shows the worker restarting (at most `bound_s`). Each
+    poll asks the workers for at most 0.5 s: the hung one never answers, and a poll that started just before
+    the supervisor took it for hung would otherwise wait on it until Ray reports its kill (seconds on a
+    loaded 2-core machine; seen in CI)."""
+    while worker_row(run, role, timeout_s=0.5)["state"] != "restarting":
         assert time.monotonic() - since < bound_s, f"{role} worker not taken for hung within {bound_s} s"
         time.sleep(0.05)
     return time.monotonic() - since
@@ -77,8 +80,14 @@ def test_hung_decode_worker_is_replaced_and_its_requests_resume(running, referen
         futs = _submit_running_together(pool, run, server, jobs, progress, "stop")
         old_pid = worker_row(run, "decode")["pid"]
         t_stop = stopped(old_pid)
+        # `kvrelay status` started as the worker hangs waits on it until the supervisor kills it, and then
+        # shows what the supervisor did meanwhile (restarting), not a dead worker (the replacement cannot
+        # be up yet: it starts only once Ray has processed the old one's death).
+        waiting = concurrent.futures.ThreadPoolExecutor(1).submit(worker_row, run, "decode", 60.0)
         # Detected within the timeout plus one supervision check (0.5 s) and its status round trip.
         detected = _restarting_within(run, "decode", t_stop, WORKER_TIMEOUT_S + 3.0)
+        late_row = waiting.result(timeout=60)
+        assert late_row["state"] == "restarting" and "hung" in late_row["error"], late_row
         states = wait_states(run, "decode", restarts=1)
         results = [f.result(timeout=120) for f in futs]
     assert states[-1] == "healthy", states
