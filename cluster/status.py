@@ -48,10 +48,7 @@ def collect(topology, timeout_s: float = 10.0) -> list[dict]:
                        "healthy": False, "state": "down", "restarts": sup.get("restarts", 0),
                        "reprefills": sup.get("reprefills", {}) if tp_rank == 0 else {}}
                 rows.append(row)
-                if sup.get("state") in ("restarting", "failed"):
-                    # Its replacement is loading (a status call would wait for its constructor).
-                    row["state"] = sup["state"]
-                    row["error"] = f"{sup['state']}: {sup.get('last_error')}"
+                if _from_supervisor(row, sup):  # its replacement is loading (a status call would wait for it)
                     continue
                 try:
                     actor = ray.get_actor(name, namespace=topology.ray.namespace)
@@ -75,11 +72,18 @@ def collect(topology, timeout_s: float = 10.0) -> list[dict]:
         # starts its replacement: report what the supervisor says now, not what it said before the wait.
         now = (read_state(topology.ray.namespace) or {}).get("workers", {})
         for row in silent:
-            sup = now.get(f"{row['role']}/{row['rank']}", {})
-            if sup.get("state") in ("restarting", "failed"):
-                row["state"], row["restarts"] = sup["state"], sup.get("restarts", row["restarts"])
-                row["error"] = f"{sup['state']}: {sup.get('last_error')}"
+            _from_supervisor(row, now.get(f"{row['role']}/{row['rank']}", {}))
     return rows
+
+
+def _from_supervisor(row: dict, sup: dict) -> bool:
+    """Whether the supervisor's published entry for the row's worker says restarting or failed; if so the
+    row takes that state, its restart count and its reason."""
+    if sup.get("state") not in ("restarting", "failed"):
+        return False
+    row["state"], row["restarts"] = sup["state"], sup.get("restarts", row["restarts"])
+    row["error"] = f"{sup['state']}: {sup.get('last_error')}"
+    return True
 
 
 def _reachable(address: str, timeout_s: float) -> bool:

@@ -76,14 +76,14 @@ def test_hung_decode_worker_is_replaced_and_its_requests_resume(running, referen
     want = undisturbed(server.http_url, reference, jobs)
     progress = [[] for _ in jobs]
     before = _retries("decode_unresponsive") + _retries("decode_died")
-    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+    with concurrent.futures.ThreadPoolExecutor(len(jobs) + 1) as pool:  # the jobs and one status call
         futs = _submit_running_together(pool, run, server, jobs, progress, "stop")
         old_pid = worker_row(run, "decode")["pid"]
         t_stop = stopped(old_pid)
         # `kvrelay status` started as the worker hangs waits on it until the supervisor kills it, and then
         # shows what the supervisor did meanwhile (restarting), not a dead worker (the replacement cannot
         # be up yet: it starts only once Ray has processed the old one's death).
-        waiting = concurrent.futures.ThreadPoolExecutor(1).submit(worker_row, run, "decode", 60.0)
+        waiting = pool.submit(worker_row, run, "decode", 60.0)
         # Detected within the timeout plus one supervision check (0.5 s) and its status round trip.
         detected = _restarting_within(run, "decode", t_stop, WORKER_TIMEOUT_S + 3.0)
         late_row = waiting.result(timeout=60)
