@@ -35,6 +35,7 @@ from . import moe_configs, moe_ws
 from .fp8_gemm import BLOCK, quantize_act_1x128
 from .moe_configs import GemmConfig, GroupedConfig
 from .moe_gemv import MoePending, moe_gemv, pair_dtype
+from .moe_mxfp4 import MAX_SCALE, moe_mxfp4
 # the pair sort lives in kernels/moe_sort.py; re-exported here, where its callers (and tests) look for it
 from .moe_sort import SORT_KERNEL_MAX_PAIRS, quantize_sorted, sort_by_expert, tile_order  # noqa: F401
 from .moe_gemv import swiglu as _swiglu  # the clamped SwiGLU, fused into both paths' GEMM1
@@ -108,7 +109,8 @@ def route_topk(router_logits: torch.Tensor, k: int, bias: torch.Tensor | None = 
 @dataclass
 class MoEWeights:
     """Stacked expert weights. fp8: w* e4m3 with K padded to a multiple of 128 and block scales
-    [E, ceil(N/128), Kp/128]; bf16: scales None. Biases bf16."""
+    [E, ceil(N/128), Kp/128]; bf16: scales None; mx (MXFP4 as shipped, kernels/moe_mxfp4.py): w* the bytes
+    [E, N, K/2] and s* the E8M0 scale bytes [E, N, K/32]. Biases bf16."""
 
     w1: torch.Tensor   # [E, 2I, Hp]
     b1: torch.Tensor   # [E, 2I]
@@ -120,10 +122,11 @@ class MoEWeights:
     inter: int = 0
     # the grouped GEMMs' TMA descriptors of w1/w2, built once per (weight, tile) (_weight_desc)
     descs: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    mx: bool = False
 
     @property
     def fp8(self) -> bool:
-        return self.s1 is not None
+        return self.s1 is not None and not self.mx
 
     @property
     def num_experts(self) -> int:
@@ -141,6 +144,21 @@ class MoEWeights:
     def from_bf16(cls, w1, b1, w2, b2) -> "MoEWeights":
         return cls(w1.contiguous(), b1.contiguous(), w2.contiguous(), b2.contiguous(), None, None,
                    w1.shape[2], w2.shape[2])
+
+    @classmethod
+    def from_mxfp4(cls, w1, s1, b1, w2, s2, b2) -> "MoEWeights":
+        """From the checkpoint's blocks [E, N, K/32, 16] and scales [E, N, K/32] (uint8), kept as they are: the
+        blocks are only viewed as [E, N, K/2] (no copy when contiguous)."""
+        for name, blocks, scales in (("mlp1", w1, s1), ("mlp2", w2, s2)):
+            if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
+                raise ValueError(f"{name}: MXFP4 blocks {list(blocks.shape)} {blocks.dtype} do not match scales "
+                                 f"{list(scales.shape)} {scales.dtype}")
+            if scales.numel() and int(scales.max()) > MAX_SCALE:
+                raise ValueError(f"{name}: an MXFP4 scale byte is {int(scales.max())}, above {MAX_SCALE} (weights "
+                                 f"beyond 2^{MAX_SCALE - 127}): not a gpt-oss checkpoint this kernel serves")
+        flat = lambda blk: blk.contiguous().view(*blk.shape[:-2], -1)  # noqa: E731
+        return cls(flat(w1), b1.contiguous(), flat(w2), b2.contiguous(), s1.contiguous(), s2.contiguous(),
+                   w1.shape[-2] * 32, w2.shape[-2] * 32, mx=True)
 
     @classmethod
     def from_fp8(cls, w1, s1, b1, w2, s2, b2) -> "MoEWeights":
@@ -445,6 +463,8 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, ex: M
     engine's decode step) the gemv path may instead return a moe_gemv.MoePending: GEMV2 left to the consumer,
     which fuses the next residual add + norm into it (moe_gemv.moe_gemv says when). fused_counters
     (moe_fused.new_fused_counters()): the gemv path's two GEMVs in one launch where it can (kernels/moe_fused.py)."""
+    if ex.mx:  # MXFP4 experts: their own kernels (the opt-in decode fusions are FP8/bf16-only)
+        return moe_mxfp4(x, ids, route_w, ex, alpha, limit, combine=combine, path=path)
     if path == "auto":
         path = "gemv" if ids.numel() <= GEMV_MAX_PAIRS else "grouped"
     if x.shape[0] == 0:

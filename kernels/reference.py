@@ -79,6 +79,35 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
     return gate * torch.sigmoid(alpha * gate) * (up + 1)
 
 
+def mxfp4_dequant(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 bytes [..., K/2] (or [..., K/32, 16]) + E8M0 scales [..., K/32] -> float32 [..., K], computed from
+    the E2M1 fields (sign, 2-bit exponent, 1-bit mantissa), not a table: the float32 reference the MXFP4 kernels
+    (kernels/moe_mxfp4.py) are tested against, independent of engine/mxfp4.py's table decode."""
+    b = blocks.reshape(*scales.shape, 16).to(torch.int32)
+    codes = torch.stack((b & 15, b >> 4), dim=-1).flatten(-2)  # element 2j low nibble, 2j + 1 high
+    exp, man = (codes >> 1) & 3, (codes & 1).float()
+    mag = torch.where(exp == 0, man * 0.5, (1.0 + man * 0.5) * torch.exp2(exp.float() - 1))
+    val = torch.where((codes & 8) != 0, -mag, mag)
+    return (val * torch.exp2(scales.float() - 127).unsqueeze(-1)).flatten(-2)
+
+
+def moe_experts_mxfp4_ref(x, ids, route_w, w1, s1, b1, w2, s2, b2, alpha: float = 1.702,
+                          limit: float = 7.0, act_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Float32 expert mixture for given routing with MXFP4 weights (w1 [E, 2I, H/2] bytes + s1 [E, 2I, H/32];
+    w2 [E, H, I/2] + s2 [E, H, I/32]): x [T, H], ids / route_w [T, k] -> the weighted outputs [T, k, H], each
+    pair w_j (W2 act + b2) with act = clamped SwiGLU(W1 x + b1), every step in float32 (act_dtype: act rounded
+    to it between the GEMMs, as the served kernels store it in bf16)."""
+    t, k = ids.shape
+    out = torch.zeros(t, k, w2.shape[1], dtype=torch.float32, device=x.device)
+    for e in torch.unique(ids).tolist():
+        tok, slot = torch.where(ids == e)
+        h = x[tok].float() @ mxfp4_dequant(w1[e], s1[e]).T + b1[e].float()
+        act = clamped_swiglu(h, alpha, limit).to(act_dtype).float()
+        y = act @ mxfp4_dequant(w2[e], s2[e]).T + b2[e].float()
+        out[tok, slot] = y * route_w[tok, slot].float()[:, None]
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------
 # Paged attention with sinks
 # ---------------------------------------------------------------------------------------------------
