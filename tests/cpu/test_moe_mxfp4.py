@@ -28,7 +28,8 @@ def _weights(seed: int = 3):
 def _routing(t: int, seed: int = 4):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(t, H, generator=g).bfloat16()
-    ids = torch.stack([torch.randperm(E, generator=g)[:K_TOP] for _ in range(t)])
+    ids = torch.stack([torch.randperm(E, generator=g)[:K_TOP] for _ in range(t)]) if t else \
+        torch.empty(0, K_TOP, dtype=torch.int64)
     rw = torch.softmax(torch.randn(t, K_TOP, generator=g), -1).bfloat16()
     return x, ids, rw
 
