@@ -44,6 +44,7 @@ from kvrelay.bench.estimates import (  # noqa: F401
     projection_flops,
     weight_bytes,
 )
+from kvrelay.engine.config import MODEL_QUANTS
 from kvrelay.engine.kv_geometry import FULL
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -342,8 +343,9 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="gpt-oss-20b", help="preset name (gpt-oss-20b, gpt-oss-120b, "
                    "gpt-oss-tiny, tiny) or a checkpoint directory")
     p.add_argument("--dummy", action="store_true", help="seeded random weights of the model's shape")
-    p.add_argument("--quant", default="fp8-block128", choices=["fp8-block128", "bf16", "fp8-block128-lmhead"],
-                   help="fp8-block128-lmhead: the unembedding in FP8 too (engine/config.MODEL_QUANTS)")
+    p.add_argument("--quant", default="fp8-block128", choices=list(MODEL_QUANTS),
+                   help="fp8-block128-lmhead: the unembedding in FP8 too; mxfp4: the experts as shipped "
+                        "(engine/config.MODEL_QUANTS)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--attention", default="auto", choices=["auto", "engine", "reference", "triton", "flashinfer"],

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from kvrelay.engine import kv_geometry
-from kvrelay.engine.config import head_quant, layer_quant
+from kvrelay.engine.config import expert_quant, head_quant, layer_quant
 
 USD_PER_GPU_HOUR = 3.0
 # Measured on the H200 (docs: h200-notes.md); used only to put achieved rates in context.
@@ -116,10 +116,11 @@ def decode_bytes_per_step(cfg, batch: int, context: int, quant: str) -> float:
     """Rough HBM bytes one decode step must read: dense weights, the experts the batch touches (expected
     distinct experts of `batch` x top-k uniform picks), and the KV of every sequence."""
     wbytes = 1.0 if layer_quant(quant) != "bf16" else 2.0
+    xbytes = {"mxfp4": 17 / 32, "fp8-block128": 1.0}.get(expert_quant(quant), 2.0)  # MXFP4: 4 bits + a scale byte / 32
     h, i, e, k = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.experts_per_token
     dense = cfg.qkv_width * h + h * cfg.q_width
     touched = e * (1.0 - (1.0 - k / e) ** batch)
-    per_layer = wbytes * (dense + touched * 3 * i * h) + 2.0 * e * h  # router stays bf16
+    per_layer = wbytes * dense + xbytes * touched * 3 * i * h + 2.0 * e * h  # router stays bf16
     kv_token = 2 * cfg.num_key_value_heads * cfg.head_dim * 2  # K and V, bf16
     kv = 0.0
     for layer in range(cfg.num_hidden_layers):
@@ -133,10 +134,13 @@ def weight_bytes(cfg, quant: str, *, resident: bool = False) -> float:
     """Bytes of the weights as served: the four GEMM weights in fp8 (+ tiny scales) or bf16. resident=True:
     what they hold in GPU memory, an FP8 weight's K (its last dim) padded to a multiple of 128 as the kernels
     keep it (2880 -> 2944: +2.2%) and its fp32 128x128 block scales counted."""
-    from kvrelay.engine.weights import canonical_shapes, is_fp8_target
+    from kvrelay.engine.weights import canonical_shapes, is_expert_weight, is_fp8_target
 
     total = 0.0
     for name, shape in canonical_shapes(cfg).items():
+        if expert_quant(quant) == "mxfp4" and is_expert_weight(name):
+            total += math.prod(shape) * 17 / 32  # kept as shipped: blocks + one scale byte a 32 weights
+            continue
         fp8 = head_quant(quant) != "bf16" if name == "unembedding.weight" else (
             layer_quant(quant) != "bf16" and is_fp8_target(name))
         if fp8 and resident:

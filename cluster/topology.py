@@ -24,7 +24,7 @@ import yaml
 from kvrelay.engine.config import DEFAULT_GRAPH_BATCH_SIZES
 from kvrelay.engine.partition import ParallelConfigError, check_partition, valid_tp_sizes
 
-Quant = Literal["fp8-block128", "bf16", "fp8-block128-lmhead"]  # engine/config.MODEL_QUANTS
+Quant = Literal["fp8-block128", "bf16", "fp8-block128-lmhead", "mxfp4", "mxfp4-bf16"]  # engine/config.MODEL_QUANTS
 Device = Literal["cpu", "cuda"]
 Policy = Literal["least-loaded", "round-robin", "kv-aware"]  # cluster/routing.py: kv-aware
 LogFormat = Literal["text", "json"]

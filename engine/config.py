@@ -30,12 +30,20 @@ DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 # of a decode step (1.16 GB at batch 1 for gpt-oss), at the cost of logits within FP8 rounding of the bf16
 # head's (TensorRT-LLM's quantised lm_head; vLLM and the published FP8 recipes keep it bf16, as we do by
 # default).
-MODEL_QUANTS = ("bf16", "fp8-block128", "fp8-block128-lmhead")  # engine/layers/linear.QUANTS + the FP8 head
+# mxfp4: the experts served from the MXFP4 blocks OpenAI ships (kernels/moe_mxfp4.py), the attention GEMMs FP8
+# blocks; mxfp4-bf16: the same experts, the attention GEMMs bf16.
+MODEL_QUANTS = ("bf16", "fp8-block128", "fp8-block128-lmhead", "mxfp4", "mxfp4-bf16")
 
 
 def layer_quant(quant: str) -> str:
-    """The quantisation of the transformer blocks' GEMM weights under a model quant (MODEL_QUANTS)."""
-    return "fp8-block128" if quant.startswith("fp8") else "bf16"
+    """The quantisation of the transformer blocks' dense GEMM weights (attention) under a model quant
+    (MODEL_QUANTS): one of engine/layers/linear.QUANTS."""
+    return "fp8-block128" if quant.startswith("fp8") or quant == "mxfp4" else "bf16"
+
+
+def expert_quant(quant: str) -> str:
+    """The quantisation of the MoE experts under a model quant: layer_quant's, or mxfp4."""
+    return "mxfp4" if quant.startswith("mxfp4") else layer_quant(quant)
 
 
 def head_quant(quant: str) -> str:
@@ -134,11 +142,12 @@ class ModelConfig:
         one byte per parameter, embedding, unembedding (one under fp8-block128-lmhead) and the rest two."""
         h, d, e, i = self.hidden_size, self.head_dim, self.num_experts, self.intermediate_size
         attn = h * (self.num_attention_heads + 2 * self.num_key_value_heads) * d + self.num_attention_heads * d * h
-        experts = e * 3 * h * i
-        gemm = self.num_hidden_layers * (attn + experts)
+        experts = self.num_hidden_layers * e * 3 * h * i
         other = self.vocab_size * h + self.num_hidden_layers * h * e  # embedding, routers (bf16)
         head = self.vocab_size * h * (1 if head_quant(quant) == "fp8-block128" else 2)
-        return gemm * (1 if layer_quant(quant) == "fp8-block128" else 2) + 2 * other + head
+        per_param = {"fp8-block128": 1.0, "bf16": 2.0, "mxfp4": 17 / 32}  # MXFP4: 16 bytes + 1 scale a 32 weights
+        return int(self.num_hidden_layers * attn * per_param[layer_quant(quant)]
+                   + experts * per_param[expert_quant(quant)]) + 2 * other + head
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

@@ -16,6 +16,8 @@ import os
 import sys
 import time
 
+from kvrelay.engine.config import MODEL_QUANTS
+
 # <|return|> and <|call|>: the assistant's turn-ending tokens in the harmony format.
 HARMONY_STOP_IDS = (200002, 200012)
 TOKENIZER_HINT = (
@@ -38,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible runs)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    parser.add_argument("--quant", choices=("bf16", "fp8-block128", "fp8-block128-lmhead"), default="bf16")
+    parser.add_argument("--quant", choices=MODEL_QUANTS, default="bf16")
     parser.add_argument("--dummy", action="store_true", help="random weights of the model's shape")
     parser.add_argument("--weights-seed", type=int, default=0, help="seed of the --dummy weights")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvrelay.engine.config import MODEL_QUANTS, ModelConfig, head_quant, layer_quant
+from kvrelay.engine.config import MODEL_QUANTS, ModelConfig, expert_quant, head_quant, layer_quant
 from kvrelay.engine.kv_cache import BatchLayout, KVCache
 from kvrelay.engine.layers.attention import Attention, AttentionFn, BatchAttention, GpuAttention
 from kvrelay.engine.layers.embedding import Embedding, EmbeddingRows, Unembedding, embed_fuse_enabled
@@ -37,14 +37,14 @@ if TYPE_CHECKING:  # imported where used: kernels.moe_gemv imports triton, which
 
 class Block:
     def __init__(self, weights: WeightGetter, cfg: ModelConfig, layer: int, *, shard: Shard, quant: str,
-                 device, dtype: torch.dtype):
+                 device, dtype: torch.dtype, experts_quant: str | None = None):
         self.layer = layer
         self.shard = shard
         eps = cfg.rms_norm_eps
         self.attn_norm = RMSNorm(weights, f"block.{layer}.attn.norm.scale", eps, device)
         self.attn = Attention(weights, cfg, layer, shard=shard, quant=quant, device=device, dtype=dtype)
         self.mlp_norm = RMSNorm(weights, f"block.{layer}.mlp.norm.scale", eps, device)
-        self.mlp = MoE(weights, cfg, layer, shard=shard, quant=quant, device=device, dtype=dtype)
+        self.mlp = MoE(weights, cfg, layer, shard=shard, quant=experts_quant or quant, device=device, dtype=dtype)
 
         # GPU: the glue between the big kernels fused (kernels/fused.py): residual add (with the previous
         # block's MoE combine) + RMSNorm + the QKV GEMM's FP8 activation quantisation in one launch,
@@ -177,7 +177,7 @@ class GptOss:
         common = dict(shard=shard, device=device, dtype=dtype)
         self.embedding = Embedding(weights, cfg, **common)
         self.rotary = YarnRotary(cfg, device=device, dtype=dtype)
-        self.blocks = [Block(weights, cfg, i, quant=layer_quant(quant), **common)
+        self.blocks = [Block(weights, cfg, i, quant=layer_quant(quant), experts_quant=expert_quant(quant), **common)
                        for i in range(cfg.num_hidden_layers)]
         self.norm = RMSNorm(weights, "norm.scale", cfg.rms_norm_eps, device)
         self.fused_head = select.fuse_glue(self.device)

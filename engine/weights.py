@@ -9,89 +9,35 @@ dtype) from the headers when the source is opened, so a bad checkpoint fails bef
 
 from __future__ import annotations
 
-import hashlib
-import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from kvrelay.engine import mxfp4
 from kvrelay.engine.config import ModelConfig, load_model_config
+from kvrelay.engine.dummy_weights import DummySource
+# the base every format subclasses, and the names the rest of the engine imports from here
+from kvrelay.engine.weight_source import (  # noqa: F401
+    EXPERT_WEIGHTS,
+    FP8_SUFFIXES,
+    Region,
+    Slices,
+    WeightError,
+    WeightSource,
+    canonical_shapes,
+    is_expert_weight,
+    is_fp8_target,
+    normalise_slices,
+)
 from kvrelay.kernels.fp8 import BLOCK as FP8_BLOCK
 from kvrelay.kernels.fp8 import dequantize_weight_block128
 
 FLOAT = ("BF16", "F16", "F32")
 INDEX_FILE = "model.safetensors.index.json"
 MANIFEST_FILE = "manifest.json"
-# Canonical tensors stored as FP8 (+ `<name>.scale`) by the converter: the four GEMM weights per layer.
-FP8_SUFFIXES = ("attn.qkv.weight", "attn.out.weight", "mlp.mlp1_weight", "mlp.mlp2_weight")
-EXPERT_WEIGHTS = ("mlp.mlp1_weight", "mlp.mlp2_weight")
-
-Slices = Union[slice, int, tuple[Union[slice, int], ...]]
-Region = tuple[tuple[int, int], ...]
-
-
-class WeightError(Exception):
-    """A checkpoint is missing, malformed, or does not match the model config."""
-
-
-def canonical_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    h, e, i, v = cfg.hidden_size, cfg.num_experts, cfg.intermediate_size, cfg.vocab_size
-    shapes: dict[str, tuple[int, ...]] = {"embedding.weight": (v, h)}
-    for n in range(cfg.num_hidden_layers):
-        p = f"block.{n}."
-        shapes.update({
-            p + "attn.norm.scale": (h,),
-            p + "attn.qkv.weight": (cfg.qkv_width, h),
-            p + "attn.qkv.bias": (cfg.qkv_width,),
-            p + "attn.sinks": (cfg.num_attention_heads,),
-            p + "attn.out.weight": (h, cfg.q_width),
-            p + "attn.out.bias": (h,),
-            p + "mlp.norm.scale": (h,),
-            p + "mlp.gate.weight": (e, h),
-            p + "mlp.gate.bias": (e,),
-            p + "mlp.mlp1_weight": (e, 2 * i, h),
-            p + "mlp.mlp1_bias": (e, 2 * i),
-            p + "mlp.mlp2_weight": (e, h, i),
-            p + "mlp.mlp2_bias": (e, h),
-        })
-    shapes["norm.scale"] = (h,)
-    shapes["unembedding.weight"] = (v, h)
-    return shapes
-
-
-def is_fp8_target(name: str) -> bool:
-    return name.endswith(FP8_SUFFIXES)
-
-
-def is_expert_weight(name: str) -> bool:
-    return name.endswith(EXPERT_WEIGHTS)
-
-
-def normalise_slices(name: str, shape: tuple[int, ...], slices: Slices) -> tuple[Region, tuple[int, ...]]:
-    """Slices over the leading dims -> a full (start, stop) region and the dims an int index removes."""
-    items = slices if isinstance(slices, tuple) else (slices,)
-    if len(items) > len(shape):
-        raise WeightError(f"tensor '{name}' has {len(shape)} dims but {len(items)} slices were given")
-    region, squeeze = [], []
-    for d, size in enumerate(shape):
-        s = items[d] if d < len(items) else slice(None)
-        if isinstance(s, int):
-            if not -size <= s < size:
-                raise WeightError(f"tensor '{name}': index {s} out of range for dim {d} of size {size}")
-            s = s % size
-            squeeze.append(d)
-            region.append((s, s + 1))
-            continue
-        if not isinstance(s, slice) or s.step not in (None, 1):
-            raise WeightError(f"tensor '{name}': only ints and contiguous slices are supported, got {s!r}")
-        start, stop, _ = s.indices(size)
-        region.append((start, max(start, stop)))
-    return tuple(region), tuple(squeeze)
 
 
 def _py(region: Region) -> tuple[slice, ...]:
@@ -160,58 +106,16 @@ class _Store:
         return self._open(self.files[name]).get_slice(name)[_py(region)]
 
 
-class WeightSource:
-    """Canonical-name access to one checkpoint; subclasses implement `_read` for their layout."""
-
-    format: str = "abstract"
-
-    def __init__(self, cfg: ModelConfig, path: Path | None):
-        self.cfg = cfg
-        self.path = path
-        self._shapes = canonical_shapes(cfg)
-
-    def names(self) -> tuple[str, ...]:
-        return tuple(self._shapes)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        if name not in self._shapes:
-            raise WeightError(f"unknown tensor '{name}' (not a canonical gpt-oss name for {self.cfg.name})")
-        return self._shapes[name]
-
-    def get(self, name: str, slices: Slices = (), dtype: torch.dtype | None = None,
-            device: torch.device | str | None = None) -> torch.Tensor:
-        """The region `slices` of canonical tensor `name`; dtype None keeps the stored dtype (bf16 for
-        dequantised experts/FP8)."""
-        region, squeeze = normalise_slices(name, self.shape(name), slices)
-        dev = torch.device(device) if device is not None else torch.device("cpu")
-        t = self._read(name, region, dev)
-        t = t.to(device=dev, dtype=dtype or t.dtype)
-        for d in reversed(squeeze):
-            t = t.squeeze(d)
-        return t.contiguous()
-
-    def get_fp8(self, name: str, slices: Slices = ()) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(fp8, 128x128 block scale) of a region when the tensor is stored FP8, else None."""
-        self.shape(name)
-        return None
-
-    def validate(self) -> None:
-        for name in self._shapes:
-            self._check(name)
-
-    def _check(self, name: str) -> None:
-        raise NotImplementedError
-
-    def _read(self, name: str, region: Region, device: torch.device) -> torch.Tensor:
-        raise NotImplementedError
-
-
 def _read_mxfp4(store: _Store, blocks: str, scales: str, region: Region, device: torch.device) -> torch.Tensor:
     *lead, (c0, c1) = region
     g0, g1, off = mxfp4.block_range(c0, c1)
     b = store.read(blocks, (*lead, (g0, g1), (0, mxfp4.BYTES_PER_BLOCK))).to(device)
     s = store.read(scales, (*lead, (g0, g1))).to(device)
     return mxfp4.dequantize_mxfp4(b, s, torch.bfloat16)[..., off:off + c1 - c0]
+
+
+def _raw_mxfp4(store: _Store, blocks: str, scales: str, groups: Region) -> tuple[torch.Tensor, torch.Tensor]:
+    return store.read(blocks, (*groups, (0, mxfp4.BYTES_PER_BLOCK))), store.read(scales, groups)
 
 
 def _check_mxfp4(store: _Store, name: str, shape: tuple[int, ...], blocks: str, scales: str) -> None:
@@ -242,6 +146,9 @@ class OriginalSource(WeightSource):
         if is_expert_weight(name):
             return _read_mxfp4(self.store, name + ".blocks", name + ".scales", region, device)
         return self.store.read(name, region)
+
+    def _read_mxfp4(self, name: str, groups: Region, device: torch.device):
+        return _raw_mxfp4(self.store, name + ".blocks", name + ".scales", groups) if is_expert_weight(name) else None
 
 
 _HF_RENAMES = {
@@ -319,6 +226,13 @@ class HFSource(WeightSource):
             return self.store.read(hf, (e, cols, rows)).transpose(-1, -2)
         return self.store.read(prefix + _HF_RENAMES[rest], region)
 
+    def _read_mxfp4(self, name: str, groups: Region, device: torch.device):
+        if not (self.mxfp4_experts and is_expert_weight(name)):
+            return None
+        prefix, rest = self._split(name)
+        hf = prefix + _HF_EXPERTS[rest]
+        return _raw_mxfp4(self.store, hf + "_blocks", hf + "_scales", groups)
+
 
 class ConvertedSource(WeightSource):
     """Our converted checkpoint: canonical names; GEMM weights optionally FP8 with `<name>.scale` blocks."""
@@ -376,62 +290,6 @@ class ConvertedSource(WeightSource):
         for d in reversed(squeeze):
             w, s = w.squeeze(d), s.squeeze(d)
         return w.contiguous(), s.contiguous()
-
-
-_DUMMY_ROWS = 512  # rows per independently seeded chunk; a slice regenerates only the chunks it touches
-
-
-def _dummy_init(name: str) -> tuple[float, float]:
-    """(mean, std) giving realistic magnitudes, so benchmarks see plausible activations and routing."""
-    if name.endswith("norm.scale"):
-        return 1.0, 0.02
-    if name.endswith("sinks"):
-        return 0.0, 1.0
-    if name.endswith("bias"):
-        return 0.0, 0.01
-    return 0.0, 0.02
-
-
-class DummySource(WeightSource):
-    """Seeded random weights generated on the target device, deterministic per (name, chunk of rows).
-
-    A tensor [*lead, R, C] is produced in chunks of `_DUMMY_ROWS` rows for each leading index, each from its
-    own generator seeded by (seed, name, index, chunk), so any slice equals the same region of the full
-    tensor and no rank materialises more than the chunks it needs. Values depend on the device type
-    (CPU and CUDA generators differ); all ranks of one deployment use the same type.
-    """
-
-    format = "dummy"
-
-    def __init__(self, cfg: ModelConfig, seed: int):
-        super().__init__(cfg, None)
-        self.seed = seed
-
-    def _check(self, name: str) -> None:
-        return None
-
-    def _chunk_seed(self, name: str, lead: tuple[int, ...], chunk: int) -> int:
-        key = f"{self.seed}|{name}|{lead}|{chunk}".encode()
-        return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & ((1 << 63) - 1)
-
-    def _read(self, name: str, region: Region, device: torch.device) -> torch.Tensor:
-        shape = self._shapes[name]
-        full = shape if len(shape) >= 2 else (1, *shape)
-        reg = region if len(shape) >= 2 else ((0, 1), *region)
-        *lead_reg, (r0, r1), (c0, c1) = reg
-        rows, cols = full[-2], full[-1]
-        mean, std = _dummy_init(name)
-        out = torch.empty([b - a for a, b in reg], dtype=torch.bfloat16, device=device)
-        for li in itertools.product(*(range(a, b) for a, b in lead_reg)):
-            dst = out[tuple(i - a for i, (a, _) in zip(li, lead_reg))]
-            for k in range(r0 // _DUMMY_ROWS, -(-r1 // _DUMMY_ROWS)):
-                k0, k1 = k * _DUMMY_ROWS, min((k + 1) * _DUMMY_ROWS, rows)
-                gen = torch.Generator(device=device)
-                gen.manual_seed(self._chunk_seed(name, li, k))
-                chunk = torch.randn(k1 - k0, cols, generator=gen, device=device, dtype=torch.float32)
-                lo, hi = max(r0, k0), min(r1, k1)
-                dst[lo - r0:hi - r0] = (chunk[lo - k0:hi - k0, c0:c1] * std + mean).to(torch.bfloat16)
-        return out if len(shape) >= 2 else out[0]
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from kvrelay.engine.mxfp4 import dequantize_mxfp4
 from kvrelay.engine.parallel import ParallelContext
 
 QUANTS = ("bf16", "fp8-block128")  # what one layer's weights can be
@@ -111,10 +112,29 @@ class Linear:
         return fp8_block_linear_ref(x, self.weight, self.weight_scale, self.bias).to(x.dtype)
 
 
-class ExpertLinears:
-    """A stack of per-expert linears, weights [E_local, out, in], biases [E_local, out]."""
+class Mxfp4Linear:
+    """y = x W^T + b with W kept as MXFP4 blocks [out, in/32, 16] + scales [out, in/32] (the checkpoint's bytes),
+    decoded to x's dtype at each call: exact in bf16 and float32 (every MXFP4 value is), so this is the bf16 or
+    float32 linear of the checkpoint's own dequantised weight. The CPU path of model.quant mxfp4."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, quant: str = "bf16"):
+    def __init__(self, blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+        self.blocks, self.scales, self.bias = blocks, scales, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        return F.linear(x, dequantize_mxfp4(self.blocks, self.scales, x.dtype), bias)
+
+
+class ExpertLinears:
+    """A stack of per-expert linears, weights [E_local, out, in], biases [E_local, out]; quant mxfp4: weight is
+    (blocks [E_local, out, in/32, 16], scales [E_local, out, in/32])."""
+
+    def __init__(self, weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor,
+                 quant: str = "bf16"):
+        if quant == "mxfp4":
+            blocks, scales = weight
+            self.experts = [Mxfp4Linear(blocks[e], scales[e], bias[e]) for e in range(blocks.shape[0])]
+            return
         self.experts = [Linear(weight[e], bias[e], quant) for e in range(weight.shape[0])]
 
     def __call__(self, e: int, x: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvrelay.engine.layers.linear import ExpertLinears, Linear, Shard, WeightGetter
+from kvrelay.engine.mxfp4 import quantize_mxfp4
 from kvrelay.kernels import select
 from kvrelay.kernels.reference import clamped_swiglu, route_topk
 
@@ -47,6 +48,21 @@ class MoE:
         # GPU: stacked experts for the Triton kernels (routing, decode GEMV, grouped GEMM; FP8 with
         # 128x128 block scales). CPU: one reference Linear per expert.
         self.gpu = None
+        if quant == "mxfp4":
+            b1, s1, b2, s2 = _mxfp4_experts(weights, p, experts, rows1, cols2, device)
+            bias1 = get("mlp1_bias", (experts, rows1))
+            if select.use_gpu_kernels(device) and torch.device(device).type != "meta":
+                from kvrelay.kernels.moe import MoEWeights
+
+                self.gpu = MoEWeights.from_mxfp4(b1, s1, bias1, b2, s2, bias2)
+                if self.fused_router:
+                    from kvrelay.kernels import router as kroute
+
+                    self._route_counters = kroute.new_counters(device)
+                return
+            self.mlp1 = ExpertLinears((b1, s1), bias1, quant)
+            self.mlp2 = ExpertLinears((b2, s2), bias2, quant)
+            return
         if select.use_gpu_kernels(device) and torch.device(device).type != "meta":
             if quant == "bf16":
                 self.gpu = _gpu_experts(get("mlp1_weight", (experts, rows1)), get("mlp1_bias", (experts, rows1)),
@@ -139,6 +155,22 @@ class MoE:
             gate = torch.where(mine, gate, torch.zeros_like(gate))
         return kmoe.moe_experts(x, experts, gate, self.gpu, alpha=self.alpha, limit=self.limit, combine=combine,
                                 norm_counters=norm_counters, fused_counters=fused_counters)
+
+
+def _mxfp4_experts(weights: WeightGetter, p: str, experts: slice, rows1: slice, cols2: slice, device):
+    """(blocks1, scales1, blocks2, scales2) of this rank's experts in MXFP4 as the checkpoint stores them
+    (engine/weights.WeightSource.get_mxfp4), on `device`. A checkpoint without MXFP4 experts (bf16, converted
+    FP8, a test's tensors) has them quantised here, round to nearest, a few experts at a time."""
+    out = []
+    for name, region in (("mlp1_weight", (experts, rows1)), ("mlp2_weight", (experts, slice(None), cols2))):
+        got = weights.get_mxfp4(p + name, region, device=device) if hasattr(weights, "get_mxfp4") else None
+        if got is None:
+            first, end = experts.indices(1 << 30)[:2]
+            parts = [quantize_mxfp4(weights.get(p + name, slices=(slice(e, min(e + 8, end)), *region[1:]),
+                                                dtype=torch.float32, device=device)) for e in range(first, end, 8)]
+            got = (torch.cat([b for b, _ in parts]), torch.cat([s for _, s in parts]))
+        out.extend(got)
+    return tuple(out)
 
 
 def _gpu_experts(w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, quant: str):

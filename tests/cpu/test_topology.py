@@ -91,7 +91,7 @@ def test_checkpoint_path_relative_to_file(tmp_path: Path) -> None:
         ("model: {name: gpt-oss-20b, dummy: 'yes'}\n",
          "model.dummy: expected a boolean, got str 'yes'"),
         ("model: {name: gpt-oss-20b, quant: int4}\n",
-         "model.quant: 'int4' is not one of 'fp8-block128', 'bf16', 'fp8-block128-lmhead'"),
+         "model.quant: 'int4' is not one of 'fp8-block128', 'bf16', 'fp8-block128-lmhead', 'mxfp4', 'mxfp4-bf16'"),
         ("model: {name: gpt-oss-20b}\ndecode: {cuda_graph_batch_sizes: [1, two]}\n",
          "decode.cuda_graph_batch_sizes[1]: expected an integer, got str 'two'"),
         ("model: {name: gpt-oss-20b}\ndecode: {cuda_graph_batch_sizes: [4, 2]}\n",
