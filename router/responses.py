@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvrelay.router.engine_client import EngineUnavailable
+from kvrelay.router.http_models import warn_unknown
 from kvrelay.router.responses_models import (
     ResponsesOptions,
     ResponsesRequest,
@@ -53,6 +54,7 @@ def add_routes(app: FastAPI, core: RouterCore, check_model, store: ResponseStore
     async def create_response(body: ResponsesRequest) -> Any:
         if (bad := check_model(body.model)) is not None:
             return bad
+        warn_unknown(body, "/v1/responses")
         opts = check_options(body)
         history: tuple[ChatMessage, ...] = ()
         if body.previous_response_id:
