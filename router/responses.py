@@ -13,7 +13,6 @@ and call before the result.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -24,6 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvrelay.router.engine_client import EngineUnavailable
 from kvrelay.router.http_models import warn_unknown
+from kvrelay.router.http_streams import sse_json
 from kvrelay.router.responses_models import (
     ResponsesOptions,
     ResponsesRequest,
@@ -274,4 +274,4 @@ def _new_id(prefix: str) -> str:
 
 
 def _sse(event: dict[str, Any]) -> bytes:
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
+    return f"event: {event['type']}\ndata: {sse_json(event)}\n\n".encode()
