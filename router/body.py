@@ -22,6 +22,7 @@ import asyncio
 import email.message
 import json
 import os
+import re
 import tempfile
 from typing import Any, Callable
 
@@ -32,6 +33,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
 from kvrelay.router import render_pool
+from kvrelay.router.validation import ValidationError, check_json_text
 
 # json.loads + validation of a body this small take ~2 ms in-process: less than the round trip's copies.
 SMALL_BODY_BYTES = 256 * 1024
@@ -46,6 +48,26 @@ DECODE_TIMEOUT_S = 120.0
 # pickling it into the pipe would hold the GIL for the copy (~20 ms for 32 MiB here).
 _SPILL_DIR = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 _INT32 = 1 << 31
+
+
+# A lone surrogate can only enter a body as a JSON escape (raw surrogate bytes are not UTF-8, refused
+# when the body is decoded): bodies without one, nearly all, are not walked.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def check_body_text(body: bytes, data: Any = None) -> None:
+    """Every string of a JSON body, whatever field holds it (text for the tokenizer or one a reply echoes:
+    model, metadata, request_id), must be Unicode text: a ValidationError naming the first that is not
+    (validation.check_unicode). `data`: the body already decoded; a body that is not JSON is left to the
+    decoder to report."""
+    if _SURROGATE_ESCAPE.search(body) is None:
+        return
+    if data is None:
+        try:
+            data = json.loads(body)
+        except ValueError:
+            return
+    check_json_text(data, "")
 
 
 def _is_json(request: Request) -> bool:
@@ -91,7 +113,8 @@ def _errors(exc: pydantic.ValidationError) -> list[dict[str, Any]]:
 
 def decode(path: str, annotation: Any) -> tuple:
     """In the helper process, the body spilled to `path`: ("ok", model) | ("json", msg, pos) |
-    ("unreadable", UnicodeDecodeError's fields) | ("invalid", errors) | ("too_many", count)."""
+    ("unreadable", UnicodeDecodeError's fields) | ("text", field, message) (`check_body_text`) |
+    ("invalid", errors) | ("too_many", count)."""
     with open(path, "rb") as f:
         body = f.read()
     try:
@@ -100,6 +123,10 @@ def decode(path: str, annotation: Any) -> tuple:
         return ("json", e.msg, e.pos)
     except UnicodeDecodeError as e:  # not UTF-8 (http_errors names it): the byte, not the 32 MiB around it
         return ("unreadable", e.encoding, e.object[e.start:e.end], e.start, e.end, e.reason)
+    try:
+        check_body_text(body, data)
+    except ValidationError as e:
+        return ("text", e.field, e.message)
     del body
     try:
         value = pydantic.TypeAdapter(annotation).validate_python(data)
@@ -167,6 +194,7 @@ class OffLoopJsonRoute(APIRoute):
                     raise HTTPException(status_code=400, detail="There was an error parsing the body") from e
                 if spill is None:
                     request._body = b"".join(chunks)  # Starlette's cache: FastAPI parses it as before
+                    check_body_text(request._body)
                     return await handler(request)
                 fut = render_pool.submit(decode, spill.name, annotation)
                 out = await asyncio.wait_for(asyncio.wrap_future(fut), DECODE_TIMEOUT_S)
@@ -182,6 +210,8 @@ class OffLoopJsonRoute(APIRoute):
                 raise HTTPException(status_code=400, detail="There was an error parsing the body") from cause
             if out[0] == "invalid":
                 raise RequestValidationError(out[1])
+            if out[0] == "text":
+                raise ValidationError(out[1], out[2])
             if out[0] == "too_many":
                 return JSONResponse(_too_many_body(), status_code=413)
             # Starlette's caches: FastAPI sees a body (it never needs its bytes once parsed) and finds it

@@ -12,6 +12,7 @@ import logging
 from typing import AsyncIterator
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from kvrelay.router import harmony, health
 from kvrelay.router.engine_client import EngineOverloaded, EngineUnavailable
@@ -163,6 +164,51 @@ async def _engine_errors(context: grpc.aio.ServicerContext) -> AsyncIterator[Non
     except Exception as exc:
         log.exception("engine failed during a stream")
         await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {exc}")
+
+
+class _Undecodable:
+    """A request whose bytes protobuf refused (a string field that is not UTF-8: the wire's bad text)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.message = f"request: {error} (protobuf strings must be UTF-8 text)"
+
+
+def _lenient(message_cls):
+    def deserialize(data: bytes):
+        try:
+            return message_cls.FromString(data)
+        except DecodeError as exc:
+            return _Undecodable(exc)
+    return deserialize
+
+
+def _refusing_undecodable(method, streaming: bool):
+    if streaming:
+        async def stream(request, context: grpc.aio.ServicerContext):
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            async for response in method(request, context):
+                yield response
+        return stream
+
+    async def unary(request, context: grpc.aio.ServicerContext):
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        return await method(request, context)
+    return unary
+
+
+def add_to_server(servicer: "RouterServicer", server: grpc.aio.Server) -> None:
+    """pb_grpc.add_RouterServicer_to_server, but a request protobuf cannot decode is INVALID_ARGUMENT saying
+    why: grpc's own deserializer failure is UNKNOWN, with a traceback in the log, for a client's error."""
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["Router"].methods:
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(_refusing_undecodable(getattr(servicer, method.name), method.server_streaming),
+                                     request_deserializer=_lenient(getattr(pb, method.input_type.name)),
+                                     response_serializer=getattr(pb, method.output_type.name).SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kvrelay.v1.Router", handlers),))
+    server.add_registered_method_handlers("kvrelay.v1.Router", handlers)
 
 
 class RouterServicer(pb_grpc.RouterServicer):

@@ -26,7 +26,7 @@ from kvrelay.router.body import OffLoopJsonRoute
 from kvrelay.router.health import readiness
 from kvrelay.router.limits import RateLimiter
 from kvrelay.router.http_errors import error_body, install_error_handlers
-from kvrelay.router.http_models import ChatCompletionRequest, CompletionRequest
+from kvrelay.router.http_models import ChatCompletionRequest, CompletionRequest, warn_unknown
 from kvrelay.router.http_streams import ChatStream, ChoiceBatch, ChoiceStream, CompletionStream
 from kvrelay.router.service import Prepared, RouterCore, encode_prompt_text, new_request_id
 from kvrelay.router.types import GenerateRequest
@@ -85,6 +85,7 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None, rate_limit: Ra
     async def chat_completions(body: ChatCompletionRequest) -> Any:
         if (bad := check_model(body.model)) is not None:
             return bad
+        warn_unknown(body, "/v1/chat/completions")
         n = body.n or 1
         rid = body.request_id or new_request_id("chatcmpl")  # the response's id, in every log line about it
         # to_chat too off the loop: converting a long message list is Python work the loop need not wait on.
@@ -108,6 +109,7 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None, rate_limit: Ra
     async def completions(body: CompletionRequest) -> Any:
         if (bad := check_model(body.model)) is not None:
             return bad
+        warn_unknown(body, "/v1/completions")
         sampling = body.sampling()
         prompts = await core.off_loop(_prompt_list, body.prompt, core.max_context, core.vocab_size)
         n = body.n or 1

@@ -8,6 +8,8 @@ generic schema error.
 from __future__ import annotations
 
 import json
+import logging
+import re
 from typing import Any, ClassVar, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -19,28 +21,92 @@ from kvrelay.router.validation import MAX_MESSAGES, ValidationError
 MAX_N = 16  # choices per request (n); one prefill, its KV forked per choice (cluster/fork_group.py)
 
 
-class _Body(BaseModel):
-    # Clients send fields we do not use (user, metadata, ...); ignoring them is what OpenAI does too.
-    model_config = ConfigDict(extra="ignore")
+log = logging.getLogger("kvrelay.router.http_api")
 
 
-class FunctionCallIn(_Body):
+class BodyModel(BaseModel):
+    """The one rule for body fields an endpoint does not know, on every HTTP endpoint (chat completions,
+    completions, Responses, the tokenizer's): accepted, ignored, and named in a warning (`warn_unknown`), as
+    vLLM does by default, because benchmark and eval clients (lm-eval, aiperf, guidellm, `extra_body`) send
+    other servers' vendor fields. A parameter OpenAI or vLLM defines is never ignored that way: it is a
+    declared field (honoured, or refused by name unless neutral) or listed in `REFUSED_EXTRAS`."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+# OpenAI's and vLLM's parameters that change the output and that kvrelay does not serve, sent as extras:
+# name -> (its neutral values, why it is refused otherwise). The chat-only ones are refused on chat.
+REFUSED_EXTRAS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "use_beam_search": ((False, None), "beam search is not supported"),
+    "include_stop_str_in_output": ((False, None), "not supported: a matched stop string is left out of the text"),
+    "bad_words": ((None, []), "not supported"),
+    "allowed_token_ids": ((None,), "not supported"),
+    "truncate_prompt_tokens": ((None,), "not supported: a prompt that does not fit is refused"),
+    "logits_processors": ((None, []), "not supported"),
+}
+CHAT_REFUSED_EXTRAS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "functions": ((None, []), "the deprecated functions API is not supported; send tools"),
+    "function_call": ((None,), "the deprecated functions API is not supported; send tool_choice"),
+    "add_generation_prompt": ((True, None), "the prompt always ends with the assistant's turn opening"),
+    "continue_final_message": ((False, None), "not supported: the reply is a new assistant turn"),
+    "chat_template": ((None,), "gpt-oss prompts are rendered by harmony, not a chat template"),
+    "prediction": ((None,), "predicted outputs are not supported"),
+    "modalities": ((None, ["text"]), "only text output is supported"),
+    "audio": ((None,), "audio output is not supported"),
+}
+_warned: set[tuple[str, str]] = set()
+
+
+def unknown_fields(model: BaseModel, where: str = "") -> list[str]:
+    """The body's fields (nested objects' too, by path) that its model does not declare."""
+    out = [f"{where}{name}" for name in (model.model_extra or {})]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            out += unknown_fields(value, f"{where}{name}.")
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if isinstance(item, BaseModel):
+                    out += unknown_fields(item, f"{where}{name}[{i}].")
+    return out
+
+
+def warn_unknown(model: BaseModel, route: str, known: tuple[str, ...] = ()) -> None:
+    """Log the fields `BodyModel`'s rule ignores: once per route and field (a benchmark sends the same extras on
+    every request; the first says it all), at debug level after that. `known`: extras read elsewhere."""
+    for name in unknown_fields(model):
+        if name in known or name in REFUSED_EXTRAS or name in CHAT_REFUSED_EXTRAS:  # neutral: checked
+            continue
+        key = (route, re.sub(r"\[\d+\]", "[]", name))
+        level = logging.DEBUG if key in _warned else logging.WARNING
+        if len(_warned) < 4096:
+            _warned.add(key)
+        log.log(level, "%s: ignored the body field %r, which this endpoint does not know", route, name)
+
+
+def check_refused_extras(model: BaseModel, table: dict[str, tuple[tuple[Any, ...], str]]) -> None:
+    for name, value in (model.model_extra or {}).items():
+        if name in table and value not in table[name][0]:
+            raise ValidationError(name, table[name][1])
+
+
+class FunctionCallIn(BodyModel):
     name: str
     arguments: str = ""
 
 
-class ToolCallIn(_Body):
+class ToolCallIn(BodyModel):
     id: str = ""
     type: str = "function"
     function: FunctionCallIn
 
 
-class ContentPart(_Body):
+class ContentPart(BodyModel):
     type: str
     text: Optional[str] = None
 
 
-class MessageIn(_Body):
+class MessageIn(BodyModel):
     role: str
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
@@ -48,25 +114,30 @@ class MessageIn(_Body):
     tool_calls: Optional[list[ToolCallIn]] = None
     reasoning_content: Optional[str] = None
     reasoning: Optional[str] = None
+    # What the API's own assistant messages carry, sent back as history: known, nothing to render.
+    refusal: Optional[str] = None
+    annotations: Any = None
+    audio: Any = None
+    function_call: Any = None
 
 
-class FunctionDefIn(_Body):
+class FunctionDefIn(BodyModel):
     name: str
     description: str = ""
     parameters: Any = None
 
 
-class ToolIn(_Body):
+class ToolIn(BodyModel):
     type: str = "function"
     function: FunctionDefIn
 
 
-class StreamOptions(_Body):
+class StreamOptions(BodyModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage so far on every chunk
 
 
-class _Sampling(_Body):
+class _Sampling(BodyModel):
     model: Optional[str] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None
@@ -99,6 +170,7 @@ class _Sampling(_Body):
     def common_checks(self) -> None:
         if self.n is not None and not 1 <= self.n <= MAX_N:
             raise ValidationError("n", f"must be in [1, {MAX_N}], got {self.n}")
+        check_refused_extras(self, REFUSED_EXTRAS)
         if self.logit_bias:
             raise ValidationError("logit_bias", "not supported yet (only an empty map)")
         for name in ("guided_regex", "guided_choice", "guided_grammar"):
@@ -129,6 +201,7 @@ class ChatCompletionRequest(_Sampling):
 
     def to_chat(self) -> ChatRequest:
         self.common_checks()
+        check_refused_extras(self, CHAT_REFUSED_EXTRAS)
         if self.echo:
             raise ValidationError("echo", "not supported for chat; /v1/completions echoes its prompt")
         if self.prompt_logprobs is not None:

@@ -44,8 +44,24 @@ def _usage(u: Usage | None) -> dict[str, Any] | None:
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
 
+# Line breaks to str.splitlines (and so to clients that cut an event stream with it: httpx's aiter_lines,
+# guidellm) that JSON leaves raw (the others, \v \f \x1c-\x1e, are control characters it escapes): a data line
+# holding one would be cut in two. Escaped, the JSON means the same.
+_SPLITLINES_BREAKS = (("\u2028", "\\u2028"), ("\u2029", "\\u2029"), ("\x85", "\\u0085"))
+
+
+def sse_json(payload: Any) -> str:
+    """JSON for an SSE data line: UTF-8 text as it is (not \\u escapes: half the bytes for CJK), but
+    for the three characters `_SPLITLINES_BREAKS` escapes."""
+    data = json.dumps(payload, ensure_ascii=False)
+    for char, escaped in _SPLITLINES_BREAKS:
+        if char in data:  # a scan each, in C; rare enough that the replace almost never runs
+            data = data.replace(char, escaped)
+    return data
+
+
 def _sse(payload: dict[str, Any] | str) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    data = payload if isinstance(payload, str) else sse_json(payload)
     return f"data: {data}\n\n".encode()
 
 

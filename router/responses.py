@@ -13,7 +13,6 @@ and call before the result.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -23,6 +22,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvrelay.router.engine_client import EngineUnavailable
+from kvrelay.router.http_models import warn_unknown
+from kvrelay.router.http_streams import sse_json
 from kvrelay.router.responses_models import (
     ResponsesOptions,
     ResponsesRequest,
@@ -53,6 +54,7 @@ def add_routes(app: FastAPI, core: RouterCore, check_model, store: ResponseStore
     async def create_response(body: ResponsesRequest) -> Any:
         if (bad := check_model(body.model)) is not None:
             return bad
+        warn_unknown(body, "/v1/responses")
         opts = check_options(body)
         history: tuple[ChatMessage, ...] = ()
         if body.previous_response_id:
@@ -272,4 +274,4 @@ def _new_id(prefix: str) -> str:
 
 
 def _sse(event: dict[str, Any]) -> bytes:
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
+    return f"event: {event['type']}\ndata: {sse_json(event)}\n\n".encode()

@@ -6,7 +6,8 @@ A Responses request maps onto the same `ChatRequest` the chat completions route 
 `function_call_output` -> the tool's answer, matched by `call_id`), function tools -> the developer
 message's `functions` namespace, `reasoning.effort` -> the system message's `Reasoning:`. Every field
 OpenAI defines is read; one we do not honour is refused with a 400 naming it (unless it holds its neutral
-value), and a field neither OpenAI nor vLLM (its sampling extensions) defines is refused too, never dropped.
+value); a field neither OpenAI nor vLLM (its sampling extensions) defines is ignored with a warning, the
+rule of every HTTP endpoint (http_models.BodyModel).
 
 Each chat message remembers where it came from (`input[3]`, `instructions`, `previous_response_id`), so a
 problem the shared chat validation finds is reported under the Responses field name.
@@ -17,12 +18,12 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict
-
+from kvrelay.router.http_models import BodyModel
 from kvrelay.router.types import ChatMessage, ResponseFormat, SamplingOptions, ToolCall, ToolSpec
 from kvrelay.router.validation import ValidationError
 
@@ -52,10 +53,10 @@ _UNSUPPORTED = {
 }
 
 
-class _Strict(BaseModel):
-    # Responses clients send only OpenAI's fields; anything else is a typo or a feature we would be
-    # ignoring, so it is refused by name (FastAPI's 400: "<field>: Extra inputs are not permitted").
-    model_config = ConfigDict(extra="forbid")
+class _Strict(BodyModel):
+    """Every field OpenAI defines is declared (honoured, or refused by name unless neutral: `_UNSUPPORTED`);
+    one neither OpenAI nor vLLM defines follows the rule of every HTTP endpoint (http_models.BodyModel):
+    ignored, and named in a warning."""
 
 
 class ReasoningIn(_Strict):
@@ -180,6 +181,8 @@ def check_options(body: ResponsesRequest) -> ResponsesOptions:
     # reply: a required or named call, or a JSON final answer (its tools' calls are constrained too).
     constrained = choice == "required" or bool(function) or response_format is not None
     tools, echo = _tools(body.tools, strict_ok=constrained)
+    if body.repetition_penalty is not None and not math.isfinite(body.repetition_penalty):
+        raise ValidationError("repetition_penalty", f"must be a finite number, got {body.repetition_penalty}")
     if body.repetition_penalty not in (None, 1.0):
         raise ValidationError("repetition_penalty", f"not supported yet (only 1, the neutral value; presence_penalty "
                                                     f"and frequency_penalty are), got {body.repetition_penalty:g}")

@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2_grpc
 
 from kvrelay.router.auth import ApiKeys, GrpcKeyInterceptor
 from kvrelay.router.engine_client import EngineClient
+from kvrelay.router import grpc_service
 from kvrelay.router.grpc_service import RouterServicer
 from kvrelay.router.http_api import create_app
 from kvrelay.router.health import HealthServicer
@@ -27,7 +28,6 @@ from kvrelay.router.limits import GrpcRateLimitInterceptor, RateLimiter, TlsFile
 from kvrelay.router.metrics import GrpcErrorInterceptor
 from kvrelay.router.parser import new_call_id
 from kvrelay.router.service import RouterCore, utc_today
-from kvrelay.v1 import router_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class RouterServer:
         interceptors = [GrpcErrorInterceptor()] + ([GrpcKeyInterceptor(self.api_keys)] if self.api_keys else []) + (
             [GrpcRateLimitInterceptor(self.rate_limit)] if self.rate_limit else [])
         self._grpc = grpc.aio.server(interceptors=interceptors)
-        pb_grpc.add_RouterServicer_to_server(RouterServicer(self.core), self._grpc)
+        grpc_service.add_to_server(RouterServicer(self.core), self._grpc)  # undecodable requests: INVALID_ARGUMENT
         self.health = HealthServicer(self.core.engine)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         await self.health.start()

@@ -22,7 +22,7 @@ from kvrelay.engine import grammar
 from kvrelay.engine.structured import Body, StructuredOutput
 from kvrelay.router import harmony
 from kvrelay.router.types import ChatRequest, ResponseFormat
-from kvrelay.router.validation import ValidationError
+from kvrelay.router.validation import ValidationError, check_json_text
 
 ANY_OBJECT = '{"type":"object"}'
 
@@ -45,6 +45,7 @@ def check_schema(schema_json: str, where: str) -> None:
         raise ValidationError(where, f"not valid JSON: {exc.msg} at position {exc.pos}") from None
     if not isinstance(schema, (dict, bool)):
         raise ValidationError(where, "must be a JSON Schema (an object)")
+    check_json_text(schema, where)  # an escaped lone surrogate: named, not the grammar's parse error
     try:
         grammar.check_schema(grammar.schema_text(schema))
     except grammar.SchemaError as exc:

@@ -11,19 +11,27 @@ from __future__ import annotations
 from typing import Any, Optional, Union
 
 from fastapi import FastAPI
-from pydantic import BaseModel, ConfigDict
-
+from pydantic import model_validator
 from kvrelay.router import harmony
-from kvrelay.router.http_models import ChatCompletionRequest
-from kvrelay.router.validation import ValidationError, check_token_ids
+from kvrelay.router.http_models import BodyModel, ChatCompletionRequest, warn_unknown
+from kvrelay.router.validation import ValidationError, json_kind, check_token_ids
 
 
-class TokenizeCompletion(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TokenizeCompletion(BodyModel):
     model: Optional[str] = None
-    prompt: str
+    # Any here, checked by the route: a wrong type is then named as `prompt`'s problem, not as the chat
+    # form's missing `messages` (the first error of the union).
+    prompt: Any = None
     add_special_tokens: bool = True  # accepted as vLLM does; o200k_harmony adds no BOS/EOS to text
     return_token_strs: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_a_chat(cls, data: Any) -> Any:
+        # A body with messages is the chat form (its errors are the chat's), never text with extras.
+        if isinstance(data, dict) and "messages" in data:
+            raise ValueError("a chat body (it has messages)")
+        return data
 
 
 class TokenizeChat(ChatCompletionRequest):
@@ -31,8 +39,7 @@ class TokenizeChat(ChatCompletionRequest):
     return_token_strs: bool = False
 
 
-class Detokenize(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class Detokenize(BodyModel):
     model: Optional[str] = None
     tokens: list[int]
 
@@ -48,8 +55,14 @@ def add_routes(app: FastAPI, core, check_model, prompt_ids) -> None:
     async def tokenize(body: Union[TokenizeChat, TokenizeCompletion]) -> Any:
         if (bad := check_model(body.model)) is not None:
             return bad
+        warn_unknown(body, "/tokenize")
         if isinstance(body, TokenizeChat):
             ids = list((await core.off_loop(core.prepare_chat, body.to_chat())).prompt_ids)
+        elif not isinstance(body.prompt, str):
+            raise ValidationError("prompt", "required: the text to tokenize (a string), or messages for a chat"
+                                  if body.prompt is None else
+                                  f"must be a string (the text to tokenize), got {json_kind(body.prompt)}; a chat "
+                                  "is tokenized from messages, and token ids need no tokenizing")
         else:
             ids = await core.off_loop(prompt_ids, body.prompt)
         return response(ids, body.return_token_strs)
@@ -58,6 +71,7 @@ def add_routes(app: FastAPI, core, check_model, prompt_ids) -> None:
     async def detokenize(body: Detokenize) -> Any:
         if (bad := check_model(body.model)) is not None:
             return bad
+        warn_unknown(body, "/detokenize")
         check_token_ids(body.tokens, "tokens", min(core.vocab_size, harmony.VOCAB_SIZE))
         try:
             return {"prompt": harmony.decode_tokens(body.tokens)}

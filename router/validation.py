@@ -47,8 +47,41 @@ def _scans():
     return _SCANS
 
 
+def check_unicode(text: str, field: str) -> None:
+    """Refuse a lone surrogate (JSON's "\\ud800" without its pair), the one thing a Python str holds that
+    is not Unicode text: harmony's renderer fails on it (an HTTP 500 before this check), the tokenizer
+    silently replaces it, and no reply could echo it as UTF-8. Refused rather than replaced (OpenAI
+    replaces it): the client learns that its text was not what it meant to send."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValidationError(field, f"character {exc.start} is U+{ord(text[exc.start]):04X}, a lone surrogate "
+                                     "(a JSON \\ud800-\\udfff escape without its pair): not Unicode text, it "
+                                     "cannot be encoded as UTF-8; send valid text") from None
+
+
+def check_json_text(value: Any, field: str) -> None:
+    """`check_unicode` on every string of a decoded JSON value, keys included, naming its path
+    (`messages[0].content[1].text`); `field` is the value's own path ("" for a whole body)."""
+    stack = [(value, field)]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, str):
+            check_unicode(node, where or "body")
+        elif isinstance(node, dict):
+            for key, sub in node.items():
+                check_unicode(key, f"{where or 'body'} (a key)")
+                stack.append((sub, f"{where}.{key}" if where else key))
+        elif isinstance(node, list):
+            stack.extend((sub, f"{where}[{i}]") for i, sub in enumerate(node))
+
+
 def check_text(text: str, field: str) -> None:
-    """Refuse text the tokenizer would spend seconds to minutes on (see MAX_TEXT_RUN)."""
+    """Refuse text that is not Unicode (`check_unicode`) or that the tokenizer would spend seconds to
+    minutes on (see MAX_TEXT_RUN)."""
+    check_unicode(text, field)
     if len(text) <= MAX_TEXT_RUN:
         return
     space_run, nonspace_run, word, class_run = _scans()
@@ -107,6 +140,9 @@ class ResolvedSampling:
     prompt_logprobs: int | None = None
 
 
+FLOAT_SAMPLING = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p", "repetition_penalty")
+
+
 def check_token_ids(ids: tuple[int, ...] | list[int], field: str, vocab_size: int = VOCAB_SIZE) -> None:
     if not ids or (min(ids) >= 0 and max(ids) < vocab_size):  # two C loops; the Python one only names the bad id
         return
@@ -133,6 +169,10 @@ def resolve_sampling(
     s: SamplingOptions, *, prompt_len: int, max_context: int, vocab_size: int = VOCAB_SIZE
 ) -> ResolvedSampling:
     """Check the caller's sampling options against the prompt and the context; fill defaults."""
+    for name in FLOAT_SAMPLING:  # JSON's 1e400 is inf, and Python's json reads NaN: neither is a setting
+        value = getattr(s, name)
+        if value is not None and not math.isfinite(value):
+            raise ValidationError(name, f"must be a finite number, got {value}")
     if s.temperature is not None and not (s.temperature >= 0 and math.isfinite(s.temperature)):
         raise ValidationError("temperature", f"must be >= 0, got {s.temperature}")
     if s.top_p is not None and not 0 < s.top_p <= 1:
@@ -196,6 +236,7 @@ def check_stop_strings(stops: tuple[str, ...] | list[str], field: str = "stop") 
     if len(stops) > MAX_STOP_STRINGS:
         raise ValidationError(field, f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(stops)}")
     for i, text in enumerate(stops):
+        check_unicode(text, f"{field}[{i}]")
         if not text:
             # An empty string would match before the first character: every request would return "".
             raise ValidationError(f"{field}[{i}]", "stop strings must not be empty")
@@ -227,6 +268,10 @@ def check_chat(request: ChatRequest) -> None:
     if len(request.tools) > MAX_TOOLS:
         raise ValidationError("tools", f"at most {MAX_TOOLS} tools per request (OpenAI's limit), got "
                                        f"{len(request.tools)}")
+    rf = request.response_format
+    if rf is not None:  # the schema's strings: structured.check_schema
+        check_unicode(rf.name, f"{rf.field.rsplit('.', 1)[0]}.name")
+        check_unicode(rf.description, f"{rf.field.rsplit('.', 1)[0]}.description")
     names: set[str] = set()
     for i, tool in enumerate(request.tools):
         check_tool(tool, f"tools[{i}]")
@@ -242,7 +287,11 @@ def check_chat(request: ChatRequest) -> None:
 def check_message(msg: ChatMessage, where: str, earlier_call_ids: set[str]) -> None:
     check_text(msg.content, f"{where}.content")
     check_text(msg.reasoning, f"{where}.reasoning")
+    for attr in ("role", "name", "tool_call_id", "channel", "recipient"):  # header text
+        check_unicode(getattr(msg, attr), f"{where}.{attr}")
     for j, call in enumerate(msg.tool_calls):
+        check_unicode(call.id, f"{where}.tool_calls[{j}].id")
+        check_unicode(call.name, f"{where}.tool_calls[{j}].function.name")
         check_text(call.arguments, f"{where}.tool_calls[{j}].function.arguments")
     if msg.role not in ROLES:
         raise ValidationError(f"{where}.role", f"unknown role {msg.role!r}; expected one of {', '.join(ROLES)}")
@@ -278,6 +327,7 @@ def check_message(msg: ChatMessage, where: str, earlier_call_ids: set[str]) -> N
 def check_tool(tool: ToolSpec, where: str) -> None:
     check_text(tool.description, f"{where}.description")
     check_text(tool.parameters_json, f"{where}.parameters")
+    check_unicode(tool.name, f"{where}.name")
     if not _TOOL_NAME.match(tool.name):
         raise ValidationError(
             f"{where}.name", f"{tool.name!r} is not a valid function name (1-64 of A-Z a-z 0-9 _ -)"
@@ -289,7 +339,9 @@ def check_tool(tool: ToolSpec, where: str) -> None:
     except json.JSONDecodeError as exc:
         raise ValidationError(f"{where}.parameters", f"not valid JSON: {exc.msg} at position {exc.pos}") from None
     if not isinstance(schema, dict):
-        raise ValidationError(f"{where}.parameters", f"must be a JSON Schema object, got {_json_kind(schema)}")
+        raise ValidationError(f"{where}.parameters", f"must be a JSON Schema object, got {json_kind(schema)}")
+    # Its text may escape a lone surrogate (a JSON \ud800: how gRPC's parameters_json_schema can carry one).
+    check_json_text(schema, f"{where}.parameters")
     if "type" in schema and schema["type"] != "object":
         raise ValidationError(f"{where}.parameters.type", f"function parameters must be 'object', got {schema['type']!r}")
     check_schema(schema, f"{where}.parameters")
@@ -300,7 +352,7 @@ def check_schema(node: Any, where: str) -> None:
     if isinstance(node, bool):  # `true`/`false` are valid schemas
         return
     if not isinstance(node, dict):
-        raise ValidationError(where, f"a schema must be an object, got {_json_kind(node)}")
+        raise ValidationError(where, f"a schema must be an object, got {json_kind(node)}")
     if "type" in node:
         kinds = node["type"] if isinstance(node["type"], list) else [node["type"]]
         for kind in kinds:
@@ -316,13 +368,13 @@ def check_schema(node: Any, where: str) -> None:
     for key in _SUBSCHEMA_MAPS:
         if key in node:
             if not isinstance(node[key], dict):
-                raise ValidationError(f"{where}.{key}", f"must be an object, got {_json_kind(node[key])}")
+                raise ValidationError(f"{where}.{key}", f"must be an object, got {json_kind(node[key])}")
             for name, sub in node[key].items():
                 check_schema(sub, f"{where}.{key}.{name}")
     for key in _SUBSCHEMA_LISTS:
         if key in node:
             if not isinstance(node[key], list):
-                raise ValidationError(f"{where}.{key}", f"must be an array, got {_json_kind(node[key])}")
+                raise ValidationError(f"{where}.{key}", f"must be an array, got {json_kind(node[key])}")
             for j, sub in enumerate(node[key]):
                 check_schema(sub, f"{where}.{key}[{j}]")
     for key in _SUBSCHEMA_SINGLE:
@@ -330,7 +382,7 @@ def check_schema(node: Any, where: str) -> None:
             check_schema(node[key], f"{where}.{key}")
 
 
-def _json_kind(value: Any) -> str:
+def json_kind(value: Any) -> str:
     if isinstance(value, bool):
         return "boolean"
     if value is None:

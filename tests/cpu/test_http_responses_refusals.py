@@ -58,7 +58,6 @@ def client(server, engine):
     ({"top_k": -1}, "top_k"),
     ({"presence_penalty": 3}, "presence_penalty"),
     ({"repetition_penalty": 1.2}, "repetition_penalty"),
-    ({"frequency_penalty_typo": 1}, "frequency_penalty_typo"),
     ({"input": None}, "input"),
     ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0].content[0].type"),
