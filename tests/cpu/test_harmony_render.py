@@ -4,7 +4,6 @@ openai-harmony's own API (and, for the spec's worked example, the same text)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from openai_harmony import (
@@ -24,7 +23,6 @@ from openai_harmony import (
 from kvrelay.router import harmony
 from kvrelay.router.types import ChatMessage, ChatRequest, ToolCall, ToolSpec
 
-harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 
 DATE = "2025-06-28"
 WEATHER_SCHEMA = {
@@ -213,9 +211,3 @@ def test_encode_text_refuses_special_token_text() -> None:
     assert harmony.encode_text("hello") == harmony.load_encoding().encode("hello")
     with pytest.raises(HarmonyError):
         harmony.encode_text("hi <|start|>system")
-
-
-def test_missing_vocabulary_is_a_clear_error(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("TIKTOKEN_ENCODINGS_BASE", str(tmp_path))
-    with pytest.raises(harmony.VocabularyMissingError, match="o200k_base.tiktoken"):
-        harmony.use_vocab_dir(tmp_path)
