@@ -3,8 +3,9 @@
 gpt-oss's tokenizer (o200k_harmony) is o200k_base.tiktoken plus harmony's special tokens. openai-harmony
 loads that file from the folder in $TIKTOKEN_ENCODINGS_BASE and otherwise downloads it, which fails on a
 machine without internet access; the structured-output grammar (engine/grammar.py) reads the same file.
-So the file ships with kvrelay as package data (engine/o200k/, MIT, published by OpenAI with tiktoken:
-engine/o200k/LICENSE), and $TIKTOKEN_ENCODINGS_BASE, when set, overrides it.
+So the file ships with kvrelay as package data (engine/o200k-vocab/, MIT, published by OpenAI with
+tiktoken: engine/o200k-vocab/LICENSE), and $TIKTOKEN_ENCODINGS_BASE, when set, overrides it. (The folder's
+name is no Python identifier, so setuptools does not take it for an undeclared package.)
 
 The router, its render-pool helper process, the workers (structured outputs) and `kvrelay generate` all
 resolve it here; `kvrelay serve` and `kvrelay config check` check it before anything starts
@@ -23,7 +24,7 @@ VOCAB_FILE = "o200k_base.tiktoken"
 # The hash tiktoken's openai_public.py (and openai-harmony's loader) expect for o200k_base: a copy that
 # differs is truncated or corrupt, and would tokenize wrongly rather than fail.
 SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
-PACKAGED_DIR = Path(__file__).resolve().parent / "o200k"
+PACKAGED_DIR = Path(__file__).resolve().parent / "o200k-vocab"
 
 
 class VocabularyError(RuntimeError):

@@ -1,4 +1,4 @@
-"""The o200k vocabulary ships with kvrelay (engine/vocab.py, engine/o200k/): found with no environment,
+"""The o200k vocabulary ships with kvrelay (engine/vocab.py, engine/o200k-vocab/): found with no environment,
 checked against tiktoken's published hash, overridable by $TIKTOKEN_ENCODINGS_BASE; a server that cannot
 load it refuses to start (`kvrelay serve` and `kvrelay config check`, one line naming the fix) instead of
 saying it is ready and answering every chat with a 500."""

@@ -39,7 +39,7 @@ def test_wheel_layout(wheel: Path) -> None:
         assert f"kvrelay/{sub.replace('.', '/')}/__init__.py" in names, sub
     assert "kvrelay/configs/cpu-tiny.yaml" in names
     # The o200k vocabulary harmony loads offline, and its licence: a fresh install needs nothing beside it.
-    assert {"kvrelay/engine/o200k/o200k_base.tiktoken", "kvrelay/engine/o200k/LICENSE"} <= set(names)
+    assert {"kvrelay/engine/o200k-vocab/o200k_base.tiktoken", "kvrelay/engine/o200k-vocab/LICENSE"} <= set(names)
     assert not any(n.startswith("kvrelay/tests") for n in names)
 
 

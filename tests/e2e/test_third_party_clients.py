@@ -6,7 +6,7 @@
   is_greedy and the task's accuracy must equal a float64 reference from Runner.score on the same model; and
   a generate_until task, whose outputs must equal the same requests sent to the server directly.
 - aiperf: a short streaming completions profile (its tiktoken-backed `builtin` tokenizer, the vocabulary
-  shipped with kvrelay, engine/o200k/): every request must succeed and stream the tokens it asked for.
+  shipped with kvrelay, engine/o200k-vocab/): every request must succeed and stream the tokens it asked for.
 
 The clients live in their own venv (.venv-clients, `make clients-venv`, pins in clients/requirements.txt):
 their pins are not ours.
