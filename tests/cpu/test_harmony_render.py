@@ -10,14 +10,12 @@ from openai_harmony import (
     Author,
     Conversation,
     DeveloperContent,
-    HarmonyEncodingName,
     HarmonyError,
     Message,
     ReasoningEffort,
     Role,
     SystemContent,
     ToolDescription,
-    load_harmony_encoding,
 )
 
 from kvrelay.router import harmony
@@ -39,7 +37,7 @@ WEATHER_TOOL = ToolSpec("get_current_weather", "Gets the current weather in the 
 
 @pytest.fixture(scope="module")
 def enc():
-    return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+    return harmony.load_encoding()  # openai-harmony's own encoding, over the vocabulary kvrelay ships
 
 
 def _system(effort: ReasoningEffort = ReasoningEffort.MEDIUM) -> Message:
