@@ -8,11 +8,6 @@ export KVRELAY_CLIENTS_VENV := $(abspath $(CLIENTS_VENV))
 # A plain `torch` requirement pulls a multi-GB CUDA build; pin the CPU build explicitly for CPU machines.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
-# openai-harmony loads the o200k vocabulary from here instead of downloading it.
-TOKENIZER_DIR ?= $(abspath ../shared/tokenizer)
-ifneq ($(wildcard $(TOKENIZER_DIR)/o200k_base.tiktoken),)
-export TIKTOKEN_ENCODINGS_BASE ?= $(TOKENIZER_DIR)
-endif
 # Loopback only: Ray binds 127.0.0.1 with this set; UCX (NIXL) uses the loopback device.
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 export UCX_NET_DEVICES ?= lo

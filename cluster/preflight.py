@@ -10,7 +10,11 @@ instead of after Ray and every worker started (tens of seconds to minutes) as an
 - memory: the workers' weights and KV pools fit the memory of this machine (CPU: the RAM available; GPU:
   each GPU's memory, as nvidia-smi reports it), when the cluster is a local one (no `ray.address`);
 - host tier: the prefix cache's host tiers (`prefill.prefix_cache_host_gib` per caching worker) fit
-  the RAM available, with the CPU workers' own needs on a CPU cluster.
+  the RAM available, with the CPU workers' own needs on a CPU cluster;
+- vocabulary: the o200k vocabulary harmony's tokenizer needs (engine/vocab.py: shipped with kvrelay, or
+  $TIKTOKEN_ENCODINGS_BASE) is there, is o200k_base, and openai-harmony loads it; without it a server
+  would say it is ready and then answer every chat, completion and /tokenize with a 500. Not a key of the
+  topology, so its line names the variable or the install instead of the file.
 """
 
 from __future__ import annotations
@@ -43,7 +47,25 @@ def run_checks(topo, *, memory_bytes: Callable[[], int | None] | None = None,
                  check_host_tier(topo, memory_bytes or available_memory)]
     except PreflightError as e:
         raise PreflightError(f"{where}: {e}") from None
-    return lines
+    return lines + [check_vocabulary()]  # last, so the topology's checks keep their places in the list
+
+
+def check_vocabulary() -> str:
+    """The vocabulary as the router will load it (the same cached encoding: loading it here costs the
+    serve process nothing later, ~0.4 s for `kvrelay config check`)."""
+    from kvrelay.engine import vocab
+    from kvrelay.router import harmony
+
+    try:
+        vocab.vocab_file()  # first: the encoding below is cached once loaded, the file is checked every time
+        harmony.load_encoding()
+    except vocab.VocabularyError as e:
+        raise PreflightError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - openai-harmony's HarmonyError on a file whose hash was right
+        raise PreflightError(f"openai-harmony cannot load {vocab.vocab_dir() / vocab.VOCAB_FILE}: "
+                             f"{' '.join(str(e).split())}") from None
+    where = f"{vocab.ENV}={vocab.override()}" if vocab.override() else "shipped with kvrelay"
+    return f"vocabulary {vocab.VOCAB_FILE} ({where}): sha256 as tiktoken publishes it, harmony loads it"
 
 
 def check_weights(topo) -> str:

@@ -257,7 +257,6 @@ def run(args: argparse.Namespace) -> int:
     except PreflightError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    _find_vocab()
     t0 = time.perf_counter()
     print(f"kvrelay: starting {topo.prefill.workers} prefill (TP{topo.prefill.tp}) + {topo.decode.workers} "
           f"decode (EP{topo.decode.ep} TP{topo.decode.tp}) worker(s) for {topo.model.name} on {topo.device}",
@@ -299,25 +298,6 @@ def _startup_reason(e: BaseException) -> str | None:
 
     m = re.search(r"KVDoesNotFit: (.*)", str(e))
     return m.group(1).strip() if m else None
-
-
-def _find_vocab() -> None:
-    """Harmony chat needs o200k_base.tiktoken offline. Use $TIKTOKEN_ENCODINGS_BASE, else the copy a
-    development checkout keeps next to it (../shared/tokenizer); without either, Generate still works
-    and Chat answers with the tokenizer's own error, so only warn."""
-    import os
-    from pathlib import Path
-
-    from kvrelay.router import harmony
-
-    if os.environ.get("TIKTOKEN_ENCODINGS_BASE"):
-        return
-    shared = Path(__file__).resolve().parents[2] / "shared" / "tokenizer"
-    if (shared / "o200k_base.tiktoken").is_file():
-        harmony.use_vocab_dir(shared)
-    else:
-        log.warning("TIKTOKEN_ENCODINGS_BASE is not set and %s has no vocabulary: Chat requests will fail "
-                    "until it points at a folder with o200k_base.tiktoken", shared)
 
 
 async def _watch_ray(gcs_address: str, cluster: Cluster, stop: asyncio.Event, every_s: float = 1.0,

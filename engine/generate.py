@@ -4,7 +4,7 @@
     kvrelay generate --model tests/data/gpt-oss-tiny-original --prompt-ids 1,2,3 --greedy
     kvrelay generate --model tiny --dummy --prompt-ids 1,2,3 --tp 2          # 2 CPU ranks over gloo
 
---prompt renders one harmony user turn (openai-harmony, offline vocabulary from TIKTOKEN_ENCODINGS_BASE)
+--prompt renders one harmony user turn (openai-harmony, offline vocabulary: engine/vocab.py)
 and stops on <|return|> / <|call|>; --prompt-ids feeds raw ids and stops only on --max-new-tokens.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -20,11 +19,6 @@ from kvrelay.engine.config import MODEL_QUANTS
 
 # <|return|> and <|call|>: the assistant's turn-ending tokens in the harmony format.
 HARMONY_STOP_IDS = (200002, 200012)
-TOKENIZER_HINT = (
-    "openai-harmony could not load the o200k_base vocabulary. Point TIKTOKEN_ENCODINGS_BASE at a folder "
-    "holding o200k_base.tiktoken (this repository's machines: /work/shared/tokenizer), e.g. "
-    "`export TIKTOKEN_ENCODINGS_BASE=/work/shared/tokenizer`."
-)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,14 +46,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _harmony():
-    try:
-        from openai_harmony import HarmonyEncodingName, load_harmony_encoding
+    """The gpt-oss encoding; RuntimeError (one line naming the fix) when the vocabulary cannot be used."""
+    from openai_harmony import HarmonyEncodingName, load_harmony_encoding
 
+    from kvrelay.engine import vocab
+
+    path = vocab.export()  # VocabularyError, a RuntimeError, says what to fix
+    try:
         return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
-    except Exception as e:  # the library raises its own HarmonyError type; any failure means no vocab
-        base = os.environ.get("TIKTOKEN_ENCODINGS_BASE")
-        where = f" (TIKTOKEN_ENCODINGS_BASE={base})" if base else " (TIKTOKEN_ENCODINGS_BASE is not set)"
-        raise RuntimeError(f"{TOKENIZER_HINT}{where}: {e}") from e
+    except Exception as e:  # the library raises its own HarmonyError type
+        raise RuntimeError(f"openai-harmony could not load the o200k vocabulary {path}: {e}") from e
 
 
 def _render_user_turn(encoding, text: str) -> list[int]:

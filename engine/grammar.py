@@ -15,8 +15,8 @@ decode step of 10+ ms that they overlap with); compilation is 50-100x cheaper wi
 matters because tool calls bring their own schemas with every request; and xgrammar's wheel pulls torch,
 transformers, triton and apache-tvm-ffi as runtime dependencies where llguidance pulls none.
 
-The vocabulary is always the real one: the grammar is built over o200k_harmony read from
-$TIKTOKEN_ENCODINGS_BASE (the file openai-harmony loads), 201,088 ids. A model whose logits are narrower
+The vocabulary is always the real one: the grammar is built over o200k_harmony read from the file
+openai-harmony loads (engine/vocab.py: shipped with kvrelay, or $TIKTOKEN_ENCODINGS_BASE), 201,088 ids. A model whose logits are narrower
 (the tiny 1024-token test model) gets the mask cut to its width; harmony chat is refused on it anyway.
 """
 
@@ -25,10 +25,9 @@ from __future__ import annotations
 import base64
 import functools
 import json
-import os
-from pathlib import Path
 
-VOCAB_FILE = "o200k_base.tiktoken"
+from kvrelay.engine import vocab
+
 N_VOCAB = 201088  # rows of gpt-oss's embedding table
 MASK_WORDS = (N_VOCAB + 31) // 32  # int32 words of one bitmask row
 
@@ -61,18 +60,10 @@ class SchemaError(ValueError):
     """The schema cannot be compiled into a grammar (message from the grammar engine)."""
 
 
-def _vocab_path() -> Path:
-    base = os.environ.get("TIKTOKEN_ENCODINGS_BASE")
-    if not base or not (Path(base) / VOCAB_FILE).is_file():
-        raise RuntimeError(f"structured outputs need the o200k vocabulary: set TIKTOKEN_ENCODINGS_BASE to a "
-                           f"folder holding {VOCAB_FILE} (got {base!r})")
-    return Path(base) / VOCAB_FILE
-
-
 def mergeable_ranks() -> dict[bytes, int]:
     """o200k's BPE tokens as bytes -> id (what tiktoken loads)."""
     ranks = {}
-    with open(_vocab_path(), "rb") as f:
+    with open(vocab.vocab_file(), "rb") as f:
         for line in f:
             if line.strip():
                 tok, rank = line.split()
@@ -95,12 +86,11 @@ def tokenizer():
 
 
 def warm_up() -> None:
-    """Build `tokenizer()` on a daemon thread when the vocabulary is there, so the first structured
-    request a worker serves does not wait ~1 s for it on the step thread."""
+    """Build `tokenizer()` on a daemon thread, so the first structured request a worker serves does not
+    wait ~1 s for it on the step thread."""
     import threading
 
-    base = os.environ.get("TIKTOKEN_ENCODINGS_BASE")
-    if base and (Path(base) / VOCAB_FILE).is_file() and tokenizer.cache_info().currsize == 0:
+    if tokenizer.cache_info().currsize == 0:
         threading.Thread(target=_warm, name="kvrelay-grammar-warmup", daemon=True).start()
 
 

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
 import time
-from pathlib import Path
 
 from openai_harmony import (
     Author,
@@ -29,6 +27,7 @@ from openai_harmony import (
     load_harmony_encoding,
 )
 
+from kvrelay.engine import vocab
 from kvrelay.router.types import ChatMessage, ChatRequest
 
 # Special token ids of o200k_harmony (spec 1.2); fixed by the vocabulary, checked against the encoding
@@ -52,38 +51,14 @@ DEFAULT_KNOWLEDGE_CUTOFF = "2024-06"
 TOOL_NAMESPACE = "functions"
 
 _EFFORTS = {"low": ReasoningEffort.LOW, "medium": ReasoningEffort.MEDIUM, "high": ReasoningEffort.HIGH}
-_VOCAB_FILE = "o200k_base.tiktoken"
-
-
-class VocabularyMissingError(RuntimeError):
-    pass
-
-
-def use_vocab_dir(path: Path | str) -> None:
-    """Point harmony at `path` unless $TIKTOKEN_ENCODINGS_BASE already says where the vocabulary is."""
-    base = os.environ.setdefault("TIKTOKEN_ENCODINGS_BASE", str(path))
-    if not (Path(base) / _VOCAB_FILE).is_file():
-        raise VocabularyMissingError(
-            f"{_VOCAB_FILE} not found in {base} (TIKTOKEN_ENCODINGS_BASE); the harmony tokenizer needs it "
-            "offline. Copy it there or set TIKTOKEN_ENCODINGS_BASE to a folder that holds it."
-        )
 
 
 @functools.lru_cache(maxsize=1)
 def load_encoding() -> HarmonyEncoding:
-    """The gpt-oss encoding, loaded offline from $TIKTOKEN_ENCODINGS_BASE.
-
-    Without the variable, openai-harmony tries to download the vocabulary and fails on machines with no
-    network with an unhelpful message, so we check first and say how to fix it.
-    """
-    base = os.environ.get("TIKTOKEN_ENCODINGS_BASE")
-    if not base:
-        raise VocabularyMissingError(
-            "TIKTOKEN_ENCODINGS_BASE is not set: point it at a folder holding "
-            f"{_VOCAB_FILE} (this checkout keeps one in ../shared/tokenizer)"
-        )
-    if not (Path(base) / _VOCAB_FILE).is_file():
-        raise VocabularyMissingError(f"TIKTOKEN_ENCODINGS_BASE={base} has no {_VOCAB_FILE}")
+    """The gpt-oss encoding, loaded offline from the vocabulary engine/vocab.py resolves (the copy shipped
+    with kvrelay, or $TIKTOKEN_ENCODINGS_BASE). Checked first: without the file openai-harmony would try
+    to download it and fail offline with a message that names no fix (vocab.VocabularyError does)."""
+    vocab.export()
     return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
 
 

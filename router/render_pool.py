@@ -41,7 +41,8 @@ def _executor() -> concurrent.futures.ProcessPoolExecutor:
     with _lock:
         if _pool is None:
             # spawn, not fork: the router process has threads (gRPC, Ray, the event loop) a fork would copy
-            # mid-state. The child inherits TIKTOKEN_ENCODINGS_BASE and loads the vocabulary itself.
+            # mid-state. The child loads the vocabulary itself, from where engine/vocab.py resolves it (the packaged
+            # copy, or the TIKTOKEN_ENCODINGS_BASE override it inherits).
             _pool = concurrent.futures.ProcessPoolExecutor(max_workers=1,
                                                            mp_context=multiprocessing.get_context("spawn"))
             atexit.register(_pool.shutdown, wait=False, cancel_futures=True)  # not left to teardown's GC

@@ -3,13 +3,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import httpx
 
 from kvrelay.router import harmony
 
-harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 
 DATE = "2025-06-28"
 MODEL = "gpt-oss-test"

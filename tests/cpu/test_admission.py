@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import openai
@@ -19,8 +18,6 @@ from kvrelay.router.client import RouterClient
 from kvrelay.router.engine_client import EngineOverloaded
 from kvrelay.router.scripted_engine import ScriptedEngineClient
 from kvrelay.router.server import BackgroundRouter
-
-harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 
 
 def test_line_keeps_arrival_order_and_is_bounded() -> None:

@@ -3,7 +3,6 @@ official openai client and our gRPC client with and without a key, open probes, 
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import grpc
 import httpx
@@ -16,7 +15,6 @@ from kvrelay.router.client import RouterClient
 
 from scripted_router import scripted_router_fixtures
 
-harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 MODEL = "gpt-oss-test"
 REPLY = harmony.load_encoding().encode("<|channel|>final<|message|>Hi there.<|return|>", allowed_special="all")
 

@@ -134,12 +134,10 @@ def _check_result(payload: dict, tmp_path: Path) -> list[dict]:
 
 def test_against_the_real_router(tmp_path, model_single_thread) -> None:
     from kvrelay.engine.llm import LLM
-    from kvrelay.router import harmony
     from kvrelay.router.engine_client import InProcessEngineClient
     from kvrelay.router.auth import ApiKeys
     from kvrelay.router.server import BackgroundRouter
 
-    harmony.use_vocab_dir(REPO.parent / "shared" / "tokenizer")
     client = InProcessEngineClient(LLM(str(TINY), device="cpu"))
     try:
         # A router that wants an API key: the benchmark sends it, and never stores it.

@@ -9,7 +9,6 @@ import http.client
 import json
 import random
 import time
-from pathlib import Path
 
 import httpx
 
@@ -19,7 +18,6 @@ from kvrelay.router.limits import MAX_BODY_BYTES
 from health_probe import post_watching_health
 from scripted_router import scripted_router_fixtures
 
-harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 MODEL = "m"
 MAX_CONTEXT = 1 << 20
 

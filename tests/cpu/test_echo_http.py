@@ -4,7 +4,6 @@ over the in-process engine against a float64 reference from Runner.score on the 
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import httpx
 import openai
@@ -19,7 +18,6 @@ from kvrelay.router.types import SamplingOptions
 
 from scripted_router import reset, scripted_router_fixtures
 
-harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 MODEL = "gpt-oss-test"
 GEN = [3, 4, 5, 6]
 

@@ -6,7 +6,6 @@ INVALID_ARGUMENT naming a field, and the router keeps serving."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import grpc
 import httpx
@@ -20,7 +19,6 @@ from kvrelay.v1 import router_pb2_grpc as pb_grpc
 
 from scripted_router import scripted_router_fixtures
 
-harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 MODEL = "gpt-oss-fuzz"
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 

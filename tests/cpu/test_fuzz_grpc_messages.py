@@ -8,7 +8,6 @@ details start with the field it is about."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import grpc
 import pytest
@@ -22,7 +21,6 @@ from kvrelay.v1 import router_pb2 as pb
 
 from scripted_router import scripted_router_fixtures
 
-harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 SERVICE = pb.DESCRIPTOR.services_by_name["Router"]
 METHODS = [m.name for m in SERVICE.methods]
 EXAMPLES = 40

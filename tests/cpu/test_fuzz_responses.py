@@ -6,7 +6,6 @@ message, a stream ends in response.completed or response.incomplete, and the rou
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import httpx
 from hypothesis import HealthCheck, event, given, settings
@@ -17,7 +16,6 @@ from kvrelay.router.responses_models import ResponsesRequest
 
 from scripted_router import scripted_router_fixtures
 
-harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 MODEL = "gpt-oss-fuzz"
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 FIELDS = sorted(ResponsesRequest.model_fields)

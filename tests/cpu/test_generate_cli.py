@@ -10,7 +10,6 @@ import pytest
 from kvrelay.cluster.cli import main
 
 FIXTURE = Path(__file__).resolve().parents[1] / "data" / "gpt-oss-tiny-original"
-TOKENIZER = Path("/work/shared/tokenizer")
 pytestmark = pytest.mark.usefixtures("model_single_thread")
 
 
@@ -39,8 +38,8 @@ def test_seeded_sampling_is_reproducible(capsys):
 
 
 def test_harmony_prompt_on_full_vocab_dummy(capsys, monkeypatch):
-    assert (TOKENIZER / "o200k_base.tiktoken").is_file(), f"the o200k vocabulary must be at {TOKENIZER}"
-    monkeypatch.setenv("TIKTOKEN_ENCODINGS_BASE", str(TOKENIZER))
+    monkeypatch.delenv("TIKTOKEN_ENCODINGS_BASE", raising=False)  # the vocabulary shipped with the package
+    monkeypatch.setenv("TIKTOKEN_RS_CACHE_DIR", "/nonexistent")  # and no download cache to fall back on
     rc, out, _ = _run(capsys, "--model", "gpt-oss-tiny", "--dummy", "--prompt", "Hello", "--max-new-tokens", "3",
                       "--json")
     assert rc == 0
@@ -49,11 +48,14 @@ def test_harmony_prompt_on_full_vocab_dummy(capsys, monkeypatch):
     assert len(result["token_ids"]) <= 3 and isinstance(result["text"], str)
 
 
-def test_clear_errors(capsys, monkeypatch):
-    monkeypatch.delenv("TIKTOKEN_ENCODINGS_BASE", raising=False)
+def test_clear_errors(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("TIKTOKEN_ENCODINGS_BASE", str(tmp_path))  # an override without the file
     monkeypatch.setenv("TIKTOKEN_RS_CACHE_DIR", "/nonexistent")  # no cached vocab either
     rc, _, err = _run(capsys, "--model", "tiny", "--dummy", "--prompt", "Hi")
-    assert rc == 2 and "TIKTOKEN_ENCODINGS_BASE" in err
+    assert rc == 2 and f"TIKTOKEN_ENCODINGS_BASE={tmp_path} has no o200k_base.tiktoken: unset" in err
+    monkeypatch.delenv("TIKTOKEN_ENCODINGS_BASE")
+    rc, _, err = _run(capsys, "--model", "tiny", "--dummy", "--prompt", "Hi")  # the packaged one loads
+    assert rc == 2 and "has a vocabulary of 1024" in err, err
     rc, _, err = _run(capsys, "--model", str(FIXTURE), "--prompt-ids", "1,x")
     assert rc == 2 and "comma-separated" in err
     rc, _, err = _run(capsys, "--model", str(FIXTURE), "--prompt-ids", "1,99999")

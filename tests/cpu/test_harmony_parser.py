@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -13,8 +12,6 @@ from openai_harmony import Role
 from kvrelay.router import harmony
 from kvrelay.router.parser import MAX_HEADER_TOKENS, Detokenizer, HarmonyStreamParser
 from kvrelay.router.types import ContentDelta, ReasoningDelta, ToolCallArgumentsDelta, ToolCallStart
-
-harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 
 
 @pytest.fixture(scope="module")

@@ -4,27 +4,23 @@ openai-harmony's own API (and, for the spec's worked example, the same text)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from openai_harmony import (
     Author,
     Conversation,
     DeveloperContent,
-    HarmonyEncodingName,
     HarmonyError,
     Message,
     ReasoningEffort,
     Role,
     SystemContent,
     ToolDescription,
-    load_harmony_encoding,
 )
 
 from kvrelay.router import harmony
 from kvrelay.router.types import ChatMessage, ChatRequest, ToolCall, ToolSpec
 
-harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 
 DATE = "2025-06-28"
 WEATHER_SCHEMA = {
@@ -41,7 +37,7 @@ WEATHER_TOOL = ToolSpec("get_current_weather", "Gets the current weather in the 
 
 @pytest.fixture(scope="module")
 def enc():
-    return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+    return harmony.load_encoding()  # openai-harmony's own encoding, over the vocabulary kvrelay ships
 
 
 def _system(effort: ReasoningEffort = ReasoningEffort.MEDIUM) -> Message:
@@ -213,9 +209,3 @@ def test_encode_text_refuses_special_token_text() -> None:
     assert harmony.encode_text("hello") == harmony.load_encoding().encode("hello")
     with pytest.raises(HarmonyError):
         harmony.encode_text("hi <|start|>system")
-
-
-def test_missing_vocabulary_is_a_clear_error(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("TIKTOKEN_ENCODINGS_BASE", str(tmp_path))
-    with pytest.raises(harmony.VocabularyMissingError, match="o200k_base.tiktoken"):
-        harmony.use_vocab_dir(tmp_path)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
 import grpc
 import httpx
@@ -16,7 +15,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvrelay.router import harmony
 from kvrelay.router.auth import ApiKeys
 from kvrelay.router.client import RouterClient
 from kvrelay.router.scripted_engine import ScriptedEngineClient
@@ -24,7 +22,6 @@ from kvrelay.router.server import BackgroundRouter
 from kvrelay.router.types import SamplingOptions
 from waiting import wait_for
 
-harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 

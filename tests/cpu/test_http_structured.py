@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import httpx
 import jsonschema
@@ -23,7 +22,6 @@ from kvrelay.router import harmony
 from kvrelay.router.scripted_engine import ScriptedEngineClient
 from kvrelay.router.server import BackgroundRouter
 
-harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 
 MODEL = "gpt-oss-test"
 SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},

@@ -6,17 +6,13 @@ from __future__ import annotations
 import io
 import json
 import logging
-from pathlib import Path
 
 import httpx
 import pytest
 
-from kvrelay.router import harmony
 from kvrelay.router.scripted_engine import ScriptedEngineClient
 from kvrelay.router.server import BackgroundRouter
 from kvrelay.workers import logs
-
-harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 
 
 def test_json_formatter_carries_the_request_fields():

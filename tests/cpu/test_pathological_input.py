@@ -4,7 +4,6 @@ off the event loop: /health keeps answering within 100 ms meanwhile (real HTTP s
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -15,7 +14,6 @@ from kvrelay.router.validation import MAX_MESSAGES, MAX_TEXT_RUN, ValidationErro
 from health_probe import post_watching_health
 from scripted_router import scripted_router_fixtures
 
-harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 MODEL = "m"
 
 

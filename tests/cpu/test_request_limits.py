@@ -4,20 +4,17 @@ parsed, declared or not), and tools per chat (400 / INVALID_ARGUMENT naming `too
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import grpc
 import httpx
 import pytest
 
-from kvrelay.router import harmony, limits
+from kvrelay.router import limits
 from kvrelay.router.client import RouterClient
 from kvrelay.router.types import ChatMessage, ToolSpec
 from kvrelay.router.validation import MAX_TOOLS
 
 from scripted_router import scripted_router_fixtures
-
-harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 
 
 engine, srv = scripted_router_fixtures([[200002]], model_name="gpt-oss-limits", max_context=4096, server_name="srv")

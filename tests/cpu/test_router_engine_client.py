@@ -14,11 +14,9 @@ from types import SimpleNamespace
 import pytest
 
 from kvrelay.engine.sampling import SamplingParams, TokenOutput
-from kvrelay.router import harmony
 from kvrelay.router.engine_client import EngineClient, InProcessEngineClient
 from waiting import wait_for
 
-harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "tests" / "data" / "gpt-oss-tiny-original"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import replace
-from pathlib import Path
 
 import grpc
 import pytest
@@ -20,7 +19,6 @@ from kvrelay.v1 import router_pb2_grpc as pb_grpc
 from scripted_router import reset, scripted_router_fixtures
 from waiting import wait_for
 
-harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 
 DATE = "2025-06-28"
 TOOL = ToolSpec("get_weather", "Weather for a city.",

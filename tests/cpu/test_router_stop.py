@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import httpx
@@ -26,7 +25,6 @@ from kvrelay.v1 import router_pb2_grpc as pb_grpc
 
 from scripted_router import reset, scripted_router_fixtures
 
-harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 
 DATE = "2025-06-28"
 MODEL = "gpt-oss-test"

@@ -9,7 +9,6 @@ Bounded for CI: a fixed number of examples per operation, derandomized (the same
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import httpx
 import pytest
@@ -22,7 +21,6 @@ from kvrelay.router import harmony
 
 from scripted_router import scripted_router_fixtures
 
-harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 MODEL = "gpt-oss-schema"
 EXAMPLES = int(os.environ.get("KVRELAY_SCHEMATHESIS_EXAMPLES", "20"))
 pytestmark = pytest.mark.timeout(300)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import openai
 import pytest
@@ -11,8 +10,6 @@ from kvrelay.router import harmony
 from kvrelay.router.client import RouterClient
 from kvrelay.router.scripted_engine import ScriptedEngineClient
 from kvrelay.router.server import BackgroundRouter
-
-harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 
 
 def test_every_served_name_is_listed_and_accepted() -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import jsonschema
 import numpy as np
@@ -25,7 +24,6 @@ from kvrelay.router import harmony, structured
 from kvrelay.router.types import ChatMessage, ChatRequest, ResponseFormat, ToolSpec
 from kvrelay.router.validation import ValidationError
 
-harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 
 BOUNDED = {"type": "object", "properties": {
     "ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},

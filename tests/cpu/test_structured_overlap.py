@@ -6,7 +6,6 @@ rows that end at different steps and a row that joins mid-run."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import jsonschema
 from openai_harmony import Role
@@ -18,7 +17,6 @@ from kvrelay.engine.sampling import SamplingParams
 from kvrelay.router import harmony, structured
 from kvrelay.router.types import ChatMessage, ChatRequest, ResponseFormat, ToolSpec
 
-harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 
 BOUNDED = {"type": "object", "properties": {
     "ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},

@@ -15,7 +15,6 @@ import openai
 import pytest
 
 from kvrelay.cluster.topology import TopologyError, parse_topology
-from kvrelay.router import harmony
 from kvrelay.router.auth import ApiKeys
 from kvrelay.router.client import RouterClient
 from kvrelay.router.limits import RateLimiter, TlsFiles
@@ -23,7 +22,6 @@ from kvrelay.router.scripted_engine import ScriptedEngineClient
 from kvrelay.router.server import BackgroundRouter
 from kvrelay.router.types import SamplingOptions
 
-harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 MODEL = "gpt-oss-test"
 
 

@@ -3,7 +3,6 @@ encoding and rendering (what /v1/completions and /v1/chat/completions feed the m
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import httpx
 import pytest
@@ -12,7 +11,6 @@ from kvrelay.router import harmony
 from kvrelay.router.scripted_engine import ScriptedEngineClient
 from kvrelay.router.server import BackgroundRouter
 
-harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
 DATE = "2025-06-28"
 
 

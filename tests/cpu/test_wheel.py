@@ -6,6 +6,7 @@ check is about our packaging (package-dir mapping, package data), not about down
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import sysconfig
@@ -37,6 +38,8 @@ def test_wheel_layout(wheel: Path) -> None:
     for sub in SUBPACKAGES:
         assert f"kvrelay/{sub.replace('.', '/')}/__init__.py" in names, sub
     assert "kvrelay/configs/cpu-tiny.yaml" in names
+    # The o200k vocabulary harmony loads offline, and its licence: a fresh install needs nothing beside it.
+    assert {"kvrelay/engine/o200k-vocab/o200k_base.tiktoken", "kvrelay/engine/o200k-vocab/LICENSE"} <= set(names)
     assert not any(n.startswith("kvrelay/tests") for n in names)
 
 
@@ -62,8 +65,13 @@ def test_wheel_installs_and_imports(wheel: Path, tmp_path: Path) -> None:
         "        if not m.ispkg:\n"
         "            importlib.import_module(f'kvrelay.{sub}.{m.name}')\n"
         "from kvrelay.cluster.topology import load_topology\n"
+        "from kvrelay.engine import vocab\n"
+        "assert str(vocab.vocab_file()).startswith(site), vocab.vocab_file()\n"
+        "from kvrelay.router import harmony\n"
+        "assert harmony.encode_text('hello world') == [24912, 2375]\n"
         "print(load_topology(None).model.name)\n"
     )
-    r = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "TIKTOKEN_ENCODINGS_BASE"}  # the installed copy, only
+    r = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "gpt-oss-tiny"

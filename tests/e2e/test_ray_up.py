@@ -83,12 +83,11 @@ def sshd(tmp_path):
     home = tmp_path / "home"
     home.mkdir()
     venv_bin = Path(sys.executable).parent
-    vocab = os.environ.get("TIKTOKEN_ENCODINGS_BASE", str(REPO.parent / "shared" / "tokenizer"))
     # Ray's token auth, as a secured deployment runs it: the token on every node, the mode in the profile.
     (home / ".ray").mkdir()
     (home / ".ray" / "auth_token").write_text(secrets.token_hex(32))
-    profile = (f'export PATH="{venv_bin}:$PATH" TIKTOKEN_ENCODINGS_BASE="{vocab}" RAY_USAGE_STATS_ENABLED=0 '
-               'RAY_AUTH_MODE=token\n')
+    # No TIKTOKEN_ENCODINGS_BASE: the nodes read the vocabulary shipped with the package, as a user's do.
+    profile = f'export PATH="{venv_bin}:$PATH" RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=token\n'
     for rc in (".bashrc", ".bash_profile", ".profile"):
         (home / rc).write_text(profile)
     # Every session runs with the throwaway home, so `~` in the cluster file lands in tmp_path.

@@ -5,8 +5,6 @@ conversation, and `previous_response_id` continues a stored response on the clus
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import openai
 import pytest
 
@@ -35,9 +33,6 @@ def _norm(value):
 def test_responses_create_and_stream_agree_on_the_cluster():
     from conftest import serving
 
-    from kvrelay.router import harmony
-
-    harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
     with serving(TOPOLOGY) as (run, server):
         client = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0, timeout=120)
         request = dict(model=run.client.model_name, input="Say hi.", instructions="Be brief.",

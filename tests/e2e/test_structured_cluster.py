@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-from pathlib import Path
 
 import jsonschema
 import openai
@@ -37,9 +36,6 @@ MESSAGES = [{"role": "user", "content": "Will it rain in Paris?"}]
 def test_random_weights_answer_valid_json_and_tool_calls_on_the_cluster(colocate):
     from conftest import serving
 
-    from kvrelay.router import harmony
-
-    harmony.use_vocab_dir(Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer")
     with serving(TOPOLOGY + ("colocate: true\n" if colocate else "")) as (run, server):
         client = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0, timeout=120)
         model = run.client.model_name

@@ -6,7 +6,7 @@
   is_greedy and the task's accuracy must equal a float64 reference from Runner.score on the same model; and
   a generate_until task, whose outputs must equal the same requests sent to the server directly.
 - aiperf: a short streaming completions profile (its tiktoken-backed `builtin` tokenizer, the vocabulary
-  from shared/tokenizer): every request must succeed and stream the tokens it asked for.
+  shipped with kvrelay, engine/o200k-vocab/): every request must succeed and stream the tokens it asked for.
 
 The clients live in their own venv (.venv-clients, `make clients-venv`, pins in clients/requirements.txt):
 their pins are not ours.
@@ -26,12 +26,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvrelay.engine import vocab
 from serve_proc import serving_cli
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
-TOKENIZER_DIR = REPO.parent / "shared" / "tokenizer"
 O200K_URL = "https://openaipublic.blob.core.windows.net/encodings/o200k_base.tiktoken"
 
 MC_DOCS = [
@@ -138,7 +138,6 @@ def _samples(out: Path, task: str) -> list[dict]:
 def test_lm_eval_loglikelihood_and_generate_until(served, reference, tmp_path):
     from kvrelay.router import harmony
 
-    harmony.use_vocab_dir(TOKENIZER_DIR)
     lm_eval = clients_venv() / "bin" / "lm_eval"
     tasks, out = _write_tasks(tmp_path), tmp_path / "out"
     args = (f"model={served['model']},base_url={served['http']}/v1/completions,tokenizer_backend=remote,"
@@ -177,8 +176,8 @@ def test_aiperf_streaming_profile_without_failures(served, tmp_path):
     aiperf = clients_venv() / "bin" / "aiperf"
     cache = tmp_path / "tiktoken"
     cache.mkdir()
-    # tiktoken's disk cache keys the vocabulary by sha1(url): the shared copy, no download.
-    shutil.copy(TOKENIZER_DIR / "o200k_base.tiktoken", cache / hashlib.sha1(O200K_URL.encode()).hexdigest())
+    # tiktoken's disk cache keys the vocabulary by sha1(url): kvrelay's packaged copy, no download.
+    shutil.copy(vocab.vocab_file(), cache / hashlib.sha1(O200K_URL.encode()).hexdigest())
     env = dict(_offline_env(tmp_path), TIKTOKEN_CACHE_DIR=str(cache))
     art = tmp_path / "aiperf"
     requests, osl = 12, 16

@@ -7,8 +7,6 @@ the CPU path allows; masked sampling on the device picks only allowed tokens, wi
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,11 +18,9 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum
 
 
 def _spec():
-    from kvrelay.router import harmony, structured
+    from kvrelay.router import structured
     from kvrelay.router.types import ChatMessage, ChatRequest, ResponseFormat
 
-    vocab = Path(__file__).resolve().parents[2].parent / "shared" / "tokenizer"
-    harmony.use_vocab_dir(os.environ.get("TIKTOKEN_ENCODINGS_BASE", vocab))
     return structured.build(ChatRequest(messages=(ChatMessage("user", "hi"),), max_reasoning_tokens=3,
                                         response_format=ResponseFormat("json_schema", json.dumps(SCHEMA), "r")))
 
