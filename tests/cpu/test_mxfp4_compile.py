@@ -1,0 +1,58 @@
+"""The MXFP4 expert kernels (kernels/moe_mxfp4.py) compile for sm_90 on CPU with their served launches, with PDL's
+wait before any global load, and without spilling to local memory (a spill in a weight-streaming loop costs more
+than the bytes it saves). tests/cpu/test_h200_triton.py runs this again under the device's triton (3.6)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import triton
+
+P = {"u8": "*u8", "bf16": "*bf16", "i64": "*i64", "i32": "*i32", "f32": "*fp32"}
+
+
+def _compile(kernel, types: dict, consts: dict, num_warps: int, num_stages: int):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in names}
+    return triton.compile(ASTSource(kernel, signature=sig, constexprs=consts),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def _cases():
+    from kvrelay.kernels import moe_mxfp4 as m
+
+    g1, g2 = m.GEMV1, m.GEMV2
+    yield "gemv1", m._mx_gemv1_kernel, {
+        "x": P["bf16"], "ids": P["i64"], "w": P["u8"], "s": P["u8"], "b": P["bf16"], "act": P["bf16"]}, {
+        "BLOCK_N": g1.block_n, "BLOCK_K": g1.block_k, "ALPHA": 1.702, "LIMIT": 7.0, "USE_PDL": True}, g1
+    yield "gemv2", m._mx_gemv2_kernel, {
+        "act": P["bf16"], "ids": P["i64"], "route_w": P["bf16"], "w": P["u8"], "s": P["u8"], "b": P["bf16"],
+        "y": P["bf16"]}, {"BLOCK_N": g2.block_n, "BLOCK_K": g2.block_k, "USE_PDL": True}, g2
+    for n_pairs, swiglu in ((16, True), (16, False), (100_000, True), (100_000, False)):
+        launch = m.grouped_launch(n_pairs, 32)
+        yield f"grouped-m{launch.block_m}-{'gemm1' if swiglu else 'gemm2'}", m._mx_grouped_kernel, {
+            "a": P["bf16"], "w": P["u8"], "sw": P["u8"], "b": P["bf16"], "rw": P["bf16"], "out": P["bf16"],
+            "sorted_ids": P["i32"], "block_expert": P["i32"]}, {
+            "SWIGLU": swiglu, "MUL_ROUTE": not swiglu, "BLOCK_M": launch.block_m, "BLOCK_N": launch.block_n,
+            "BLOCK_K": launch.block_k, "GROUP_M": launch.group_m, "ALPHA": 1.702, "LIMIT": 7.0, "DOT_F32": False,
+            "USE_PDL": True}, launch
+
+
+CASES = list(_cases())
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_mxfp4_kernel_compiles_for_sm90_without_spills(case):
+    _, kernel, types, consts, launch = case
+    out = _compile(kernel, types, consts, launch.num_warps, launch.num_stages)
+    ptx = out.asm["ptx"]
+    assert "griddepcontrol.wait" in ptx
+    # the wait comes before the first global load (kernels/pdl.py's rule)
+    assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
+    assert not re.search(r"\.local\.", ptx), "local memory (spills or a stack) in the kernel"
+    if "grouped" in case[0]:
+        assert "wgmma" in ptx or "mma.sync" in ptx  # bf16 tensor-core MMAs, not FMA loops
