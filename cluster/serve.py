@@ -212,8 +212,12 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         if args.config is not None and is_model_ref(args.config):
-            topo = topology_for_model(args.config, device=args.device or _default_device(),
-                                      max_context=args.max_model_len)
+            from kvrelay.cluster.preflight import gpu_memory
+
+            device = args.device or _default_device()
+            gpus = gpu_memory() if device == "cuda" else None
+            topo = topology_for_model(args.config, device=device, max_context=args.max_model_len,
+                                      gpu_memory_bytes=min(gpus) if gpus else None)
         else:
             if args.device or args.max_model_len:
                 raise TopologyError(f"{args.config or 'cpu-tiny.yaml'}: --device and --max-model-len go with a "

@@ -133,3 +133,27 @@ def test_the_shipped_h200_topologies_fit_an_h200(name):
     topo = with_dummy(load_topology(name), True)
     line = run_checks(topo, gpu_bytes=lambda: [143_771 << 20] * 8)[2]  # nvidia-smi: 143771 MiB
     assert line.startswith("memory     ") and "per GPU at most" in line, line
+
+
+@pytest.mark.parametrize("name", ["h100-1gpu-20b.yaml", "h100-1gpu-120b.yaml"])
+def test_the_shipped_h100_topologies_fit_an_80gb_h100(name):
+    """MXFP4 experts: 120b's weights (~61 GiB) fit an 80 GB H100 (nvidia-smi: 81559 MiB) with room for KV; its FP8
+    topology does not."""
+    topo = with_dummy(load_topology(name), True)
+    line = run_checks(topo, gpu_bytes=lambda: [81_559 << 20])[2]
+    assert line.startswith("memory     ") and "per GPU at most" in line, line
+    if "120b" in name:
+        with pytest.raises(PreflightError, match="gpt-oss-120b \\(fp8-block128\\) needs "):
+            run_checks(with_dummy(load_topology("h200-1gpu-120b.yaml"), True), gpu_bytes=lambda: [81_559 << 20])
+
+
+def test_serve_model_picks_the_topology_for_the_gpu():
+    from kvrelay.cluster.topology import shipped_template, topology_for_model
+
+    assert shipped_template(128, "cuda", 81_559 << 20) == "h100-1gpu-120b.yaml"
+    assert shipped_template(32, "cuda", 81_559 << 20) == "h100-1gpu-20b.yaml"
+    assert shipped_template(128, "cuda", 143_771 << 20) == "h200-1gpu-120b.yaml"
+    assert shipped_template(32, "cuda", None) == "h200-1gpu-20b.yaml"
+    assert shipped_template(128, "cpu", None) == "cpu-tiny.yaml"
+    topo = topology_for_model("gpt-oss-120b", device="cuda", gpu_memory_bytes=81_559 << 20)
+    assert topo.model.quant == "mxfp4" and topo.model.name == "gpt-oss-120b"
