@@ -13,6 +13,7 @@ import gc
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -319,13 +320,15 @@ def _run(args: argparse.Namespace) -> int:
     except Exception as e:  # a worker's constructor failed: say why in one line when it is ours to say
         reason = _startup_reason(e)
         if reason is None:
-            raise
+            return _fatal(topo, e)
         print(f"error: {topo.source}: {reason}", file=sys.stderr)
         return 2
     from kvrelay.cluster import signals
 
     try:
         return asyncio.run(_serve(cluster, args.drain_timeout, t0, api_keys, args.served_model_name))
+    except Exception as e:  # e.g. the router could not bind: after its traceback, one line to read
+        return _fatal(topo, e)
     finally:
         interrupted = signals.received() is not None  # before ready: run() says so, in one line
         cluster.shutdown(graceful=not interrupted)
@@ -340,10 +343,20 @@ def _default_device() -> str:
     return "cuda" if glob.glob("/dev/nvidia[0-9]*") else "cpu"
 
 
+def _fatal(topo, e: BaseException) -> int:
+    """An unexpected failure: its traceback (for a bug report), then one `error:` line with the innermost
+    cause (a worker's own exception, not Ray's wrapper around it), the line an operator reads. Exit 2."""
+    import traceback
+
+    traceback.print_exception(e, file=sys.stderr)
+    causes = re.findall(r"^(\w[\w.]*(?:Error|Exception|Exit|Interrupt|NotFit)\b.*)$", str(e), re.M)
+    cause = causes[-1].strip() if causes else f"{type(e).__name__}: {' '.join(str(e).split())}"
+    print(f"error: {topo.source}: {cause}", file=sys.stderr, flush=True)
+    return 2
+
+
 def _startup_reason(e: BaseException) -> str | None:
     """The message of a known start-up failure (a KV pool that cannot fit) inside Ray's actor error."""
-    import re
-
     m = re.search(r"KVDoesNotFit: (.*)", str(e))
     return m.group(1).strip() if m else None
 
