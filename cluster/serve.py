@@ -203,7 +203,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "id the response carries (overrides log_format; default: text)")
     parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="the model's name(s) in the API: the first is the id responses carry, requests may "
-                             "use any (default: the model's own name)")
+                             "use any (default: the model's own name). Given before CONFIG_OR_MODEL, a last "
+                             "NAME that is a .yaml or an existing path is taken as CONFIG_OR_MODEL (or end the "
+                             "names with --)")
     parser.add_argument("--ssl-certfile", default=None, metavar="PEM",
                         help="serve HTTPS and gRPC over TLS with this certificate (with --ssl-keyfile; overrides "
                              "router.tls_cert_file)")
@@ -213,7 +215,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "router.api_keys_env names an environment variable with more)")
 
 
+def config_after_names(args: argparse.Namespace) -> str | None:
+    """`kvrelay serve --served-model-name foo CONFIG`: argparse gives the flag (nargs="+", as vLLM's) every
+    word up to the next option, CONFIG included, and no CONFIG_OR_MODEL. With none given, a last name that
+    is a YAML file name or an existing path (a topology, a checkpoint directory) is the positional: a
+    served name is neither. Fixes `args` in place; returns an error when nothing would be left as a name."""
+    names = args.served_model_name
+    if args.config is not None or not names:
+        return None
+    last = names[-1]
+    if not (last.endswith((".yaml", ".yml")) or os.path.exists(last)):
+        return None
+    if len(names) == 1:
+        return (f"--served-model-name {last}: a topology or checkpoint, not a name; give the names after it "
+                f"(kvrelay serve {last} --served-model-name NAME) or end them with --")
+    args.config = names.pop()
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
+    error = config_after_names(args)
+    if error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     from kvrelay.cluster import signals
 
     signals.guard()  # until the router serves, SIGTERM/SIGINT end start-up (cluster/signals.py)
