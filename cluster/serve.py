@@ -467,6 +467,7 @@ async def _serve(cluster: Cluster, drain_timeout_s: float, t0: float, api_keys=N
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    signals.serving()
     ready = {"model": server.core.model_name, "grpc": server.grpc_target, "http": server.http_url,
              "ray": ray.get_runtime_context().gcs_address, "namespace": topo.ray.namespace,
              "startup_s": round(time.perf_counter() - t0, 2)}

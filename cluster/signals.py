@@ -34,22 +34,31 @@ class StartupInterrupted(SystemExit):
 
 
 _received: int | None = None
+_starting = False
 
 
 def _handler(signum: int, frame) -> None:
     global _received
-    if _received is not None:
-        return  # a second signal while the first unwinds: one is enough
+    if _received is not None or not _starting:
+        # A second signal while the first unwinds: one is enough. Not starting: uvicorn puts this handler
+        # back when the router stops (it restores what it found); the stop under way is bounded anyway.
+        return
     _received = signum
     raise StartupInterrupted(signum)
 
 
 def guard() -> None:
     """From now until serving: SIGTERM and SIGINT raise StartupInterrupted (main thread only)."""
-    global _received
-    _received = None
+    global _received, _starting
+    _received, _starting = None, True
     for sig in SIGNALS:
         signal.signal(sig, _handler)
+
+
+def serving() -> None:
+    """Start-up is over: the caller's own handlers take SIGTERM/SIGINT from here (a drain, not an exit)."""
+    global _starting
+    _starting = False
 
 
 def check() -> None:
