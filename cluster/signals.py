@@ -13,6 +13,7 @@ printed and dropped), so the signal is also recorded and `check()` raises it aga
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -53,6 +54,21 @@ def guard() -> None:
     _received, _starting = None, True
     for sig in SIGNALS:
         signal.signal(sig, _handler)
+    if not getattr(sys.unraisablehook, "_kvrelay", False):
+        sys.unraisablehook = _drop_interrupted(sys.unraisablehook)
+
+
+def _drop_interrupted(hook):
+    """A StartupInterrupted raised where Python cannot propagate it (an import's Cython patching, a fork
+    hook) would be printed as 'Exception ignored in ...' with a traceback; it is not lost (`check()`
+    raises it again), so it is not printed."""
+
+    def unraisable(info) -> None:
+        if not isinstance(info.exc_value, StartupInterrupted):
+            hook(info)
+
+    unraisable._kvrelay = True  # type: ignore[attr-defined]
+    return unraisable
 
 
 def serving() -> None:
