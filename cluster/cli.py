@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 
 # (name, module, one-line help). A command is listed here only once it works end to end.
@@ -67,9 +69,36 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     module = importlib.import_module(args._module)
     try:
-        return int(module.run(args) or 0)
+        status = int(module.run(args) or 0)
+        sys.stdout.flush()  # here, not in the interpreter's exit, where a closed pipe could not be handled
+        return status
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise
+        return 128 + signal.SIGPIPE
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout's reader went away (`kvrelay config check X --json | head -1`). Then stdout points at
+    /dev/null, so the interpreter's own flush at exit does not fail again, and the command exits quietly
+    with the status of a tool killed by SIGPIPE, as `cat` would. (SIGPIPE itself stays ignored, as Python
+    sets it: `kvrelay serve` and the Ray processes it starts write to sockets that may close.)"""
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False
+    poller = select.poll()
+    poller.register(fd, 0)  # POLLERR is reported whatever the mask: a pipe's write end with no reader
+    if not any(ev & select.POLLERR for _, ev in poller.poll(0)):
+        return False
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+    return True
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ metrics line). Ends the server with SIGTERM, as an operator would, and reports h
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import queue
@@ -19,11 +20,17 @@ import time
 
 from kvrelay.cluster.serve import READY, ready_info
 METRICS = " metrics "
+TAIL_LINES = 20  # of the server's output, shown when it fails before it is ready
 
 
-def _pump(stream, lines: queue.Queue, echo: bool) -> None:
+class ServeFailed(RuntimeError):
+    """kvrelay serve exited, or never got ready: the demo says so with the server's own last lines."""
+
+
+def _pump(stream, lines: queue.Queue, tail: collections.deque, echo: bool) -> None:
     for line in stream:
         lines.put(line.rstrip("\n"))
+        tail.append(line.rstrip())
         if echo:
             print(f"  [serve] {line.rstrip()}", file=sys.stderr)
 
@@ -35,11 +42,11 @@ def _wait_for(lines: queue.Queue, proc: subprocess.Popen, marker: str, timeout_s
             line = lines.get(timeout=0.5)
         except queue.Empty:
             if proc.poll() is not None:
-                raise RuntimeError(f"kvrelay serve exited with {proc.returncode} before '{marker.strip()}'")
+                raise ServeFailed(f"kvrelay serve exited with {proc.returncode} before '{marker.strip()}'")
             continue
         if marker in line:
             return line
-    raise TimeoutError(f"no '{marker.strip()}' from kvrelay serve within {timeout_s:g} s")
+    raise ServeFailed(f"no '{marker.strip()}' from kvrelay serve within {timeout_s:g} s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,10 +60,20 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, RAY_DEDUP_LOGS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: queue.Queue = queue.Queue()
-    threading.Thread(target=_pump, args=(proc.stdout, lines, verbose), daemon=True).start()
+    tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
+    pump = threading.Thread(target=_pump, args=(proc.stdout, lines, tail, verbose), daemon=True)
+    pump.start()
     status = 1
     try:
-        ready = ready_info(_wait_for(lines, proc, READY, 150))
+        try:
+            ready = ready_info(_wait_for(lines, proc, READY, 150))
+        except ServeFailed as e:
+            # Without -v the server's output is not shown as it runs: its own error is in its last lines.
+            pump.join(timeout=5 if proc.poll() is not None else 0)
+            if not verbose:
+                print("\n".join(f"  [serve] {ln}" for ln in tail), file=sys.stderr)
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         print(f"cluster up in {time.perf_counter() - t_start:.1f} s: gRPC {ready['grpc']}, HTTP {ready['http']}")
         status = _chat(ready, lines, proc)
     finally:

@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from kvrelay.cluster import signals
 from kvrelay.cluster.topology import Topology
 from kvrelay.transfer.ucx import UcxSettings
 
@@ -104,10 +105,18 @@ def init_ray(topology: Topology, *, address: str | None = None) -> bool:
             # Logical CPUs: one per rank plus slack; the ranks are mostly waiting on each other.
             kwargs["num_cpus"] = sum(len(bundles(topology, role)) * section(topology, role).workers
                                      for role in roles(topology)) + 2
-        ray.init(**kwargs)
+        if os.environ.get("RAY_ADDRESS"):
+            log.info("RAY_ADDRESS=%s ignored: ray.address is null, so a private Ray starts (--address joins)",
+                     os.environ["RAY_ADDRESS"])
+        # "local", not None: with None Ray joins whatever RAY_ADDRESS or /tmp/ray/ray_current_cluster names
+        # (a leftover `ray start --head`), and then refuses our num_cpus; "local" always starts a new one.
+        # Ray reads RAY_ADDRESS only for None and "auto", so the private cluster wins over it too.
+        kwargs["address"] = "local"
     else:
         kwargs.pop("include_dashboard")
-        ray.init(address=address, **kwargs)
+        kwargs["address"] = address
+    with signals.kept_through_ray_init():  # `kvrelay serve`'s start-up handler stays (cluster/signals.py)
+        ray.init(**kwargs)
     return local
 
 

@@ -13,6 +13,7 @@ import gc
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -55,7 +56,7 @@ class Cluster:
 
     @classmethod
     def start(cls, topology, *, address: str | None = None, startup_timeout_s: float = 300.0) -> "Cluster":
-        from kvrelay.cluster import placement
+        from kvrelay.cluster import placement, signals
 
         placement.prepare_ray_env(topology, address)  # before the first `import ray`
         import ray
@@ -65,6 +66,7 @@ class Cluster:
         cluster.started_ray = placement.init_ray(topology, address=address)
         cluster.detached = not cluster.started_ray
         try:
+            signals.check()  # each step: `kvrelay serve` interrupted (cluster/signals.py), else nothing
             if cluster.detached:
                 from kvrelay.cluster import reattach
 
@@ -72,6 +74,7 @@ class Cluster:
                     cluster.attached = True
                     return cluster
             cluster.slots = placement.place(topology, timeout_s=startup_timeout_s, detached=cluster.detached)
+            signals.check()
             for slot in cluster.slots:
                 actor = cluster.start_worker(slot)
                 if slot.role == placement.COLOCATED:  # one actor, both roles
@@ -82,10 +85,12 @@ class Cluster:
             # The first call on each actor waits for its constructor (model load, pool sizing, graph
             # capture, NIXL agent; a TP worker's rank 0 returns only once its other ranks are ready).
             ray.get([a.health.remote() for a in cluster.actors()], timeout=startup_timeout_s)
+            signals.check()
             if cluster.detached:
                 reattach.record(topology)
         except BaseException:
-            cluster.shutdown()
+            # Interrupted: the workers still loading would make a graceful stop wait for their constructors.
+            cluster.shutdown(graceful=signals.received() is None)
             raise
         return cluster
 
@@ -152,7 +157,9 @@ class Cluster:
 
         return collect(self.topology, timeout_s=timeout_s)
 
-    def shutdown(self) -> None:
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the workers (each its own `shutdown` first when `graceful`), their placement groups, and
+        Ray if we started it."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
@@ -160,7 +167,8 @@ class Cluster:
             return
         actors = self.actors()
         try:
-            ray.get([a.shutdown.remote() for a in actors], timeout=10)
+            if graceful:
+                ray.get([a.shutdown.remote() for a in actors], timeout=10)
         except Exception as e:  # dead or hung workers are killed below anyway
             log.info("worker shutdown: %r", e)
         for a in actors:
@@ -195,7 +203,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "id the response carries (overrides log_format; default: text)")
     parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="the model's name(s) in the API: the first is the id responses carry, requests may "
-                             "use any (default: the model's own name)")
+                             "use any (default: the model's own name). Given before CONFIG_OR_MODEL, a last "
+                             "NAME that is a .yaml or an existing path is taken as CONFIG_OR_MODEL (or end the "
+                             "names with --)")
     parser.add_argument("--ssl-certfile", default=None, metavar="PEM",
                         help="serve HTTPS and gRPC over TLS with this certificate (with --ssl-keyfile; overrides "
                              "router.tls_cert_file)")
@@ -205,7 +215,65 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "router.api_keys_env names an environment variable with more)")
 
 
+def config_after_names(args: argparse.Namespace) -> str | None:
+    """`kvrelay serve --served-model-name foo CONFIG`: argparse gives the flag (nargs="+", as vLLM's) every
+    word up to the next option, CONFIG included, and no CONFIG_OR_MODEL. With none given, a last name that
+    is a YAML file name or an existing path (a topology, a checkpoint directory) is the positional: a
+    served name is neither. Fixes `args` in place; returns an error when nothing would be left as a name."""
+    names = args.served_model_name
+    if args.config is not None or not names:
+        return None
+    last = names[-1]
+    if not (last.endswith((".yaml", ".yml")) or os.path.exists(last)):
+        return None
+    if len(names) == 1:
+        return (f"--served-model-name {last}: a topology or checkpoint, not a name; give the names after it "
+                f"(kvrelay serve {last} --served-model-name NAME) or end them with --")
+    args.config = names.pop()
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
+    error = config_after_names(args)
+    if error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    from kvrelay.cluster import signals
+
+    signals.guard()  # until the router serves, SIGTERM/SIGINT end start-up (cluster/signals.py)
+    try:
+        return _run(args)
+    except BaseException:
+        signum = signals.received()
+        if signum is None:
+            raise
+        signals.quiet()
+        _stop_ray()
+        # One line, whatever the signal became on its way out (Ray re-raises it as its own exceptions).
+        print(f"kvrelay: {signal.Signals(signum).name} during start-up; stopped", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # Not a normal exit: Ray's core worker, interrupted inside one of its blocking calls, crashed in
+        # the interpreter's teardown (SIGSEGV after the line above, seen at every start-up step after
+        # ray.init). Everything it started is stopped by now.
+        os._exit(128 + signum)
+
+
+def _stop_ray() -> None:
+    """After an interrupted start-up: disconnect, and stop the private Ray's processes if ray.init got as
+    far as starting them (ray.shutdown stops a node it started even when the connection never came up).
+    A node interrupted half-way through its own start is left to Ray's fate-sharing: its processes die
+    with this one."""
+    if "ray" not in sys.modules:
+        return
+    import ray
+
+    try:
+        ray.shutdown()
+    except Exception as e:  # the exit status and line above are what matter now
+        log.info("ray.shutdown after an interrupted start: %r", e)
+
+
+def _run(args: argparse.Namespace) -> int:
     import dataclasses
 
     from kvrelay.cluster.topology import TopologyError, is_model_ref, load_topology, topology_for_model
@@ -279,14 +347,20 @@ def run(args: argparse.Namespace) -> int:
     except Exception as e:  # a worker's constructor failed: say why in one line when it is ours to say
         reason = _startup_reason(e)
         if reason is None:
-            raise
+            return _fatal(topo, e)
         print(f"error: {topo.source}: {reason}", file=sys.stderr)
         return 2
+    from kvrelay.cluster import signals
+
     try:
         return asyncio.run(_serve(cluster, args.drain_timeout, t0, api_keys, args.served_model_name))
+    except Exception as e:  # e.g. the router could not bind: after its traceback, one line to read
+        return _fatal(topo, e)
     finally:
-        cluster.shutdown()
-        print("kvrelay: stopped", flush=True)
+        interrupted = signals.received() is not None  # before ready: run() says so, in one line
+        cluster.shutdown(graceful=not interrupted)
+        if not interrupted:
+            print("kvrelay: stopped", flush=True)
 
 
 def _default_device() -> str:
@@ -296,10 +370,20 @@ def _default_device() -> str:
     return "cuda" if glob.glob("/dev/nvidia[0-9]*") else "cpu"
 
 
+def _fatal(topo, e: BaseException) -> int:
+    """An unexpected failure: its traceback (for a bug report), then one `error:` line with the innermost
+    cause (a worker's own exception, not Ray's wrapper around it), the line an operator reads. Exit 2."""
+    import traceback
+
+    traceback.print_exception(e, file=sys.stderr)
+    causes = re.findall(r"^(\w[\w.]*(?:Error|Exception|Exit|Interrupt|NotFit)\b.*)$", str(e), re.M)
+    cause = causes[-1].strip() if causes else f"{type(e).__name__}: {' '.join(str(e).split())}"
+    print(f"error: {topo.source}: {cause}", file=sys.stderr, flush=True)
+    return 2
+
+
 def _startup_reason(e: BaseException) -> str | None:
     """The message of a known start-up failure (a KV pool that cannot fit) inside Ray's actor error."""
-    import re
-
     m = re.search(r"KVDoesNotFit: (.*)", str(e))
     return m.group(1).strip() if m else None
 
@@ -325,6 +409,15 @@ async def _watch_ray(gcs_address: str, cluster: Cluster, stop: asyncio.Event, ev
                 return
 
 
+async def _stop_quietly(server, supervisor) -> None:
+    """Stop a router that was interrupted while starting, part-started as it may be."""
+    try:
+        await server.stop()
+    except Exception as e:
+        log.info("router stop after an interrupted start: %r", e)
+    await asyncio.to_thread(supervisor.stop)
+
+
 async def _serve(cluster: Cluster, drain_timeout_s: float, t0: float, api_keys=None,
                  served_names: list[str] | None = None) -> int:
     import ray
@@ -341,7 +434,15 @@ async def _serve(cluster: Cluster, drain_timeout_s: float, t0: float, api_keys=N
                           api_keys=api_keys or ApiKeys(),
                           tls=TlsFiles(r.tls_cert_file, r.tls_key_file) if r.tls_cert_file else None,
                           rate_limit=RateLimiter(r.rate_limit_rpm, r.rate_limit_burst) if r.rate_limit_rpm else None)
-    await server.start()
+    from kvrelay.cluster import signals
+
+    try:
+        await server.start()
+        signals.check()
+    except BaseException:
+        if signals.received() is not None:  # interrupted before ready: the router goes down with the rest
+            await _stop_quietly(server, supervisor)
+        raise
     # Everything allocated so far (Ray, torch, the tokenizer) lives as long as the process: move it out of
     # the collector's reach, so a full collection never pauses the event loop for a walk over all of it.
     gc.collect()
@@ -350,6 +451,7 @@ async def _serve(cluster: Cluster, drain_timeout_s: float, t0: float, api_keys=N
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    signals.serving()
     ready = {"model": server.core.model_name, "grpc": server.grpc_target, "http": server.http_url,
              "ray": ray.get_runtime_context().gcs_address, "namespace": topo.ray.namespace,
              "startup_s": round(time.perf_counter() - t0, 2)}

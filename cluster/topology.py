@@ -121,7 +121,9 @@ class KVTransferSection:
 
 @dataclass(frozen=True)
 class RaySection:
-    address: str | None = None  # None: start a local Ray instance; "auto" or host:port: join
+    # None: always start a private local Ray (never one found via RAY_ADDRESS or /tmp/ray/ray_current_cluster,
+    # e.g. a leftover `ray start --head`); "auto" or host:port: join
+    address: str | None = None
     namespace: str = "kvrelay"
 
 

@@ -56,3 +56,34 @@ def test_usage_errors_exit_2() -> None:
 def test_help_lists_commands() -> None:
     r = kvrelay("--help")
     assert r.returncode == 0 and "config" in r.stdout
+
+
+def test_config_check_into_a_closed_pipe_exits_quietly() -> None:
+    """`kvrelay config check FILE --json | head -1`: the reader is gone before the output is written.
+    Quiet, with a SIGPIPE'd tool's status (141), as `cat` would; no BrokenPipeError traceback."""
+    exe = shutil.which("kvrelay", path=str(Path(sys.executable).parent)) or "kvrelay"
+    proc = subprocess.Popen([exe, "config", "check", "cpu-tiny.yaml", "--json"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # before it writes: every write then meets a pipe with no reader
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141 and err == "", err
+
+
+def test_served_model_name_before_the_config() -> None:
+    """`--served-model-name` takes words up to the next option (nargs="+", as vLLM's): a topology after
+    the names is still the topology, in either order."""
+    from kvrelay.cluster.cli import build_parser
+    from kvrelay.cluster.serve import config_after_names
+
+    parser = build_parser()
+    for argv, names in ((["serve", "--served-model-name", "foo", "configs/cpu-tiny.yaml"], ["foo"]),
+                        (["serve", "--served-model-name", "foo", "bar", "x.yaml"], ["foo", "bar"]),
+                        (["serve", "configs/cpu-tiny.yaml", "--served-model-name", "foo"], ["foo"]),
+                        (["serve", "--served-model-name", "foo", "--", "configs/cpu-tiny.yaml"], ["foo"])):
+        args = parser.parse_args(argv)
+        assert config_after_names(args) is None
+        assert args.served_model_name == names and args.config.endswith(".yaml"), argv
+    args = parser.parse_args(["serve", "--served-model-name", "foo", "bar"])  # names only: the default topology
+    assert config_after_names(args) is None and args.config is None and args.served_model_name == ["foo", "bar"]
+    r = kvrelay("serve", "--served-model-name", "configs/cpu-tiny.yaml")
+    assert r.returncode == 1 and r.stderr.startswith("error: --served-model-name configs/cpu-tiny.yaml: a topology")

@@ -116,17 +116,21 @@ class RayHead:
 
 
 @contextlib.contextmanager
-def ray_head(num_cpus: int = 4, start_timeout_s: float = 120.0) -> Iterator[RayHead]:
+def ray_head(num_cpus: int = 4, start_timeout_s: float = 120.0, current: bool = False) -> Iterator[RayHead]:
     """`ray start --head --block` on 127.0.0.1 in its own session (so its raylet and GCS go with it), its
     temp dir under /tmp (Ray's unix socket paths must stay under 107 bytes: pytest's tmp_path is too
-    deep). Stopped with SIGTERM to its process group (SIGKILL after 60 s); its temp dir removed."""
+    deep). Stopped with SIGTERM to its process group (SIGKILL after 60 s); its temp dir removed.
+
+    `current`: the head is, for the children given `env`, the machine's latest `ray start` (what
+    `ray.init()` with no address joins): RAY_TMPDIR points Ray's default temp dir, and with it the
+    `ray/ray_current_cluster` file `ray start` writes, into the private dir, never /tmp/ray."""
     ray_tmp = Path(tempfile.mkdtemp(prefix="kvr-", dir="/tmp"))
     port = free_port()
-    env = child_env()
+    env = child_env(RAY_TMPDIR=str(ray_tmp)) if current else child_env()
+    where = [] if current else ["--temp-dir", str(ray_tmp)]
     proc = subprocess.Popen(
         [ray_cli(), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
-         "--num-cpus", str(num_cpus), "--include-dashboard", "false", "--disable-usage-stats",
-         "--temp-dir", str(ray_tmp)],
+         "--num-cpus", str(num_cpus), "--include-dashboard", "false", "--disable-usage-stats", *where],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []
     _read(proc.stdout, lines)

@@ -164,6 +164,20 @@ def test_demo_runs_end_to_end():
     assert time.monotonic() - t0 < 180
 
 
+def test_demo_shows_the_servers_own_error_when_it_dies_before_ready(tmp_path):
+    """`make demo` without -v: a server that fails at start shows its own error line, not only the demo's
+    'exited before ready' (the server's output is otherwise hidden)."""
+    cpu_tiny = (Path(__file__).resolve().parents[2] / "configs" / "cpu-tiny.yaml").read_text()
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(re.sub(r"(?m)^(\s*name:).*$", r"\1 /nonexistent/gpt-oss-dir", cpu_tiny, count=1))
+    res = subprocess.run([sys.executable, "-m", "kvrelay.cluster.demo", str(cfg)], capture_output=True, text=True,
+                         timeout=120, env=child_env())
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert f"[serve] error: {cfg}: model.name: '/nonexistent/gpt-oss-dir' is neither" in res.stderr, res.stderr
+    assert res.stderr.rstrip().splitlines()[-1] == "error: kvrelay serve exited with 1 before 'kvrelay-ready'"
+    assert "Traceback" not in res.stderr
+
+
 def test_a_serve_that_never_gets_ready_fails_with_its_last_lines():
     """The helper every serve test starts through (serve_proc.start_serve): a serve that exits before its
     ready line fails the test at once, with what it printed."""
