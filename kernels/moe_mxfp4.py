@@ -28,7 +28,11 @@ Both store the weighted pair outputs in moe_gemv.pair_dtype (bf16 for a bf16 mod
 
 from __future__ import annotations
 
+import functools
+import json
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -182,6 +186,28 @@ class MxLaunch:
 GEMV1 = MxLaunch(32, 256, num_warps=4, num_stages=3)
 GEMV2 = MxLaunch(32, 256, num_warps=4, num_stages=3)
 GEMV_MAX_PAIRS = 32  # as kernels/moe.py's FP8 experts: past it the grouped GEMM reads each expert's bytes once
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+
+
+def config_file_name(device_name: str) -> str:
+    """kernels/configs/mxfp4_<GPU>.json: a GPU model's measured GEMV launches (bench/sweep_mxfp4.py writes it)."""
+    return "mxfp4_" + re.sub(r"[^A-Za-z0-9_.-]+", "_", device_name.strip()) + ".json"
+
+
+@functools.lru_cache(maxsize=16)
+def tuned_gemv(device_name: str) -> tuple[MxLaunch, MxLaunch]:
+    """(GEMV1, GEMV2) launches for this GPU model: its table's where it has one, else the defaults above."""
+    path = CONFIG_DIR / config_file_name(device_name)
+    if not path.is_file():
+        return GEMV1, GEMV2
+    table = json.loads(path.read_text())
+    return (MxLaunch(**table["gemv1"]) if "gemv1" in table else GEMV1,
+            MxLaunch(**table["gemv2"]) if "gemv2" in table else GEMV2)
+
+
+@functools.lru_cache(maxsize=16)
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 def grouped_launch(n_pairs: int, num_experts: int) -> MxLaunch:
@@ -223,10 +249,12 @@ def grouped_gemm(a, w, sw, b, rw, out, sorted_ids, block_expert, n_pairs, row_di
 
 
 def moe_mxfp4(x, ids, route_w, ex, alpha: float = 1.702, limit: float = 7.0, *, combine: bool = True,
-              path: str = "auto", gemv=(GEMV1, GEMV2), grouped: MxLaunch | None = None) -> torch.Tensor:
+              path: str = "auto", gemv: tuple[MxLaunch, MxLaunch] | None = None,
+              grouped: MxLaunch | None = None) -> torch.Tensor:
     """The experts `ids` [T, k] of x [T, H] (bf16) weighted by route_w [T, k], MXFP4 weights (ex: kernels.moe.
     MoEWeights.from_mxfp4) -> [T, H] bf16, or combine=False the weighted outputs [T, k, H] in pair_dtype(x).
-    path: "gemv", "grouped" or "auto" (by the number of pairs)."""
+    path: "gemv", "grouped" or "auto" (by the number of pairs); gemv / grouped: launches (default: this GPU's
+    table, tuned_gemv, and grouped_launch)."""
     t, k = ids.shape
     h, inter = ex.hidden, ex.inter
     if path == "auto":
@@ -238,6 +266,10 @@ def moe_mxfp4(x, ids, route_w, ex, alpha: float = 1.702, limit: float = 7.0, *, 
     if n_pairs == 0:
         pass
     elif path == "gemv":
+        if gemv is None:
+            dev = x.device if x.device.index is not None or x.device.type != "cuda" else \
+                torch.device("cuda", torch.cuda.current_device())
+            gemv = tuned_gemv(_device_name(dev))
         gemv1(x, ids_flat, k, ex, alpha, limit, act, gemv[0])
         gemv2(act, ids_flat, rw_flat, ex, y, gemv[1])
     elif path == "grouped":
