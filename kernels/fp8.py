@@ -8,6 +8,8 @@ Everything here is plain torch and runs on CPU; GPU kernels are tested against i
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 BLOCK = 128
@@ -141,3 +143,70 @@ def fp8_block_linear_ref(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Te
     if bias is not None:
         out += bias.to(torch.float32)
     return out.to(torch.bfloat16).reshape(*lead, n)
+
+
+
+# Round-off of the reference FP8 GEMM, the constants of fp8_block_linear_bound.
+E4M3_UNIT_ROUNDOFF = 2.0 ** -4  # round to nearest, 4 significant bits (3 stored + the implicit one)
+E4M3_SUBNORMAL_HALF_STEP = 2.0 ** -10  # below e4m3's smallest normal (2^-6) the grid is uniform, step 2^-9
+FP32_UNIT_ROUNDOFF = 2.0 ** -24
+BF16_UNIT_ROUNDOFF = 2.0 ** -8
+# a: the relative part of one quantised value's error, |v^ - v| <= a |v| + eta s (fp8_block_linear_bound)
+FP8_VALUE_ROUNDOFF = E4M3_UNIT_ROUNDOFF + FP32_UNIT_ROUNDOFF * (1 + E4M3_UNIT_ROUNDOFF)
+
+
+class Fp8LinearBound(NamedTuple):
+    """float64 [M, N]: y the exact product, bound on |fp8 GEMM - y|; y_q the exact product of the quantised
+    operands (x^ w^^T + bias), bound_q on |fp8 GEMM - y_q| (the GEMM's own arithmetic only)."""
+    y: torch.Tensor
+    bound: torch.Tensor
+    y_q: torch.Tensor
+    bound_q: torch.Tensor
+
+
+def fp8_block_linear_bound(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> Fp8LinearBound:
+    """Bounds that provably hold for every element of y8 = fp8_block_linear_ref(x, *quantize_weight_block128(w),
+    bias): |y8 - y| <= bound with y = x w^T + bias, and |y8 - y_q| <= bound_q with y_q = x^ w^^T + bias, the
+    product of the quantised operands. x [M, K], w [N, K], any float dtype; y, y_q exact enough (float64).
+
+    Quantising a value v with its block's scale s (amax / 448, so |v / s| <= 448: nothing overflows) stores
+    q = RN_e4m3(fl32(v / s)) and means v^ = q s. e4m3 rounds to nearest with relative error <= u = 2^-4 in its
+    normal range and absolute error <= eta = 2^-10 below 2^-6 (subnormals, step 2^-9); the fp32 division adds
+    relative u32. Hence |v^ - v| <= a |v| + eta s, a = u + u32 (1 + u). For one product, with dv = v^ - v,
+      |x^ w^ - x w| <= |x||dw| + |dx||w| + |dx||dw|
+                    <= (2a + a^2) |x||w| + eta (1 + a)(s_w |x| + s_x |w|) + eta^2 s_x s_w,
+    summed over k (with the scales of k's block): Q. The fp32 evaluation (a 128-term sum of exact e4m3
+    products per K block, times s_x, times s_w, accumulated over the KB blocks, plus the bias) puts at most
+    n = 128 + KB + 3 roundings on any term: G = gamma_n (sum_k |x^||w^| + |bias|), gamma_n = n u32 / (1 - n u32).
+    The result is rounded to bf16: |bf16(z) - z| <= u_bf16 |z| with |z| <= |y| + Q + G (|y_q| + G), so
+      bound = (1 + u_bf16)(Q + G) + u_bf16 |y|,   bound_q = (1 + u_bf16) G + u_bf16 |y_q|.
+    It assumes only that nothing underflows fp32 (scales >= 1e-12 / 448 keep products of two far above it).
+    bound is dominated by (2u + u^2) sum_k |x_k||w_nk|, ~13% of the absolute products, reached only when every
+    rounding errs the same way; bound_q by the bf16 rounding, 2^-8 relative."""
+    k = x.shape[-1]
+    if w.shape[-1] != k:
+        raise ValueError(f"x has K={k} but the weight is {list(w.shape)}")
+    x64, w64 = x.reshape(-1, k).double(), w.double()
+    xq, sx = quantize_act_1x128(x.reshape(-1, k))
+    wq, sw = quantize_weight_block128(w)
+    kb = _ceil_div(k, BLOCK)
+    sx64 = sx.double()  # [M, KB]
+    sw64 = sw.double().repeat_interleave(BLOCK, dim=0)[: w.shape[0]]  # [N, KB]: output n's scale per K block
+    # x^, w^ in float64, where an e4m3 value (4 significant bits) times an fp32 scale (24) is exact
+    xh = xq.double() * sx64.repeat_interleave(BLOCK, dim=-1)[:, :k]
+    wh = wq.double() * sw64.repeat_interleave(BLOCK, dim=-1)[:, :k]
+
+    def block_sums(t: torch.Tensor) -> torch.Tensor:  # [R, K] -> [R, KB], the sum over each 128-wide K block
+        return _pad_to(t, -1, BLOCK).reshape(t.shape[0], kb, BLOCK).sum(-1)
+
+    count = block_sums(torch.ones(1, k, dtype=torch.float64))  # real (unpadded) elements per K block
+    a, u32, ub, eta = FP8_VALUE_ROUNDOFF, FP32_UNIT_ROUNDOFF, BF16_UNIT_ROUNDOFF, E4M3_SUBNORMAL_HALF_STEP
+    n = BLOCK + kb + 3
+    gamma = n * u32 / (1 - n * u32)
+    b64 = bias.double() if bias is not None else torch.zeros(w.shape[0], dtype=torch.float64)
+    y, y_q = x64 @ w64.T + b64, xh @ wh.T + b64
+    q = ((2 * a + a * a) * (x64.abs() @ w64.abs().T)
+         + eta * (1 + a) * (block_sums(x64.abs()) @ sw64.T + sx64 @ block_sums(w64.abs()).T)
+         + eta * eta * (sx64 * count) @ sw64.T)
+    g = gamma * (xh.abs() @ wh.abs().T + b64.abs())
+    return Fp8LinearBound(y, (1 + ub) * (q + g) + ub * y.abs(), y_q, (1 + ub) * g + ub * y_q.abs())
