@@ -62,11 +62,13 @@ def fuse_glue(device) -> bool:
 
 def attention_backend(device, head_dim: int | None = None) -> str:
     dev = _device(device)
+    if not use_gpu_kernels(dev):
+        # a device on the reference path keeps reference attention whatever KVRELAY_ATTENTION says: a CPU Runner
+        # beside a GPU one (the GPU tests' float32 references) must not launch Triton on CPU tensors
+        return "reference"
     forced = os.environ.get("KVRELAY_ATTENTION")
     if forced:
         return forced
-    if not use_gpu_kernels(dev):
-        return "reference"
     if dev.type != "cuda":
         return "triton"
     if head_dim is not None and head_dim not in FLASHINFER_HEAD_DIMS:
