@@ -17,7 +17,6 @@ import platform
 import re
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -144,29 +143,19 @@ class Budget:
 
 # ---- environment ---------------------------------------------------------------------------------------
 def git_commit(repo: Path = REPO_ROOT) -> str:
-    """$KVRELAY_GIT_COMMIT when set (the GPU box's copy may carry a stale .git), else HEAD, else "unknown"."""
-    if os.environ.get("KVRELAY_GIT_COMMIT"):
-        return os.environ["KVRELAY_GIT_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10)
-        if out.returncode == 0 and out.stdout.strip():
-            return out.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return os.environ.get("KVRELAY_GIT_COMMIT") or "unknown"
+    """$KVRELAY_GIT_COMMIT when set (the GPU box's copy may carry a stale .git), else HEAD, else "unknown"
+    (router/version.py: the one rule, which the server's /version follows too)."""
+    from kvrelay.router.version import git_commit as commit
+
+    return commit(repo)
 
 
 def git_dirty(repo: Path = REPO_ROOT) -> bool | None:
-    if os.environ.get("KVRELAY_GIT_COMMIT"):
-        # A copy of that commit's tree, with nothing here to compare against: clean only when the launcher
-        # checked its own tree before copying it (KVRELAY_GIT_CLEAN=1), else unknown.
-        return False if os.environ.get("KVRELAY_GIT_CLEAN") == "1" else None
-    try:
-        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
-                             capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return bool(out.stdout.strip()) if out.returncode == 0 else None
+    """A copy of a commit's tree (KVRELAY_GIT_COMMIT) is clean only when the launcher checked its own tree
+    before copying it (KVRELAY_GIT_CLEAN=1), else unknown; a checkout asks git."""
+    from kvrelay.router.version import git_dirty as dirty
+
+    return dirty(repo)
 
 
 def _version(module: str) -> str | None:

@@ -2,7 +2,10 @@
 
 A result qualifies only when the code it measured is known: its recorded commit is a commit of this
 repository (`git cat-file -e <commit>^{commit}`) and its tree was not dirty. Anything else is listed as
-excluded with the reason, never tabled. Among qualifying results the newest per point wins.
+excluded with the reason, never tabled. Among qualifying results the newest per point wins. A serve
+result of schema 2 or later (bench/serve.py) also records what the server said it ran (GET /version):
+it qualifies only with the server's commit, dirty flag, topology and GPUs recorded, and the server's
+commit known and clean by the same rule; older serve results (no schema) qualify by their own env as before.
 """
 
 from __future__ import annotations
@@ -127,6 +130,26 @@ def _why_excluded(commit: Any, dirty: bool | None, ok: set[str]) -> str | None:
     return None
 
 
+SERVER_KEYS = ("git_commit", "git_dirty", "topology", "gpus")  # what a schema-2 serve result records of the server
+
+
+def _server(data: Any) -> dict | None:
+    """A serve result's record of the server it measured (bench/serve.py `server`, from GET /version), or
+    None where no such record is required: results before schema 2 qualify by their own env as before."""
+    if isinstance(data, dict) and data.get("kind") == "serve" and (data.get("schema") or 1) >= 2:
+        server = data.get("server")
+        return server if isinstance(server, dict) else {}
+    return None
+
+
+def _why_server_excluded(server: dict, ok: set[str]) -> str | None:
+    missing = [k for k in SERVER_KEYS if k not in server]
+    if missing or not server.get("topology"):
+        return f"the server's /version not recorded ({', '.join(missing) or 'topology'} missing)"
+    why = _why_excluded(server.get("git_commit"), server.get("git_dirty"), ok)
+    return f"server: {why}" if why else None
+
+
 def collect(paths: list[Path], repo: Path = C.REPO_ROOT) -> Collection:
     """Every *.json in `paths` (folders or files), provenance checked against the repository at `repo`."""
     files: list[Path] = []
@@ -141,6 +164,7 @@ def collect(paths: list[Path], repo: Path = C.REPO_ROOT) -> Collection:
             continue
         raw.append((f.name, data, None))
     commits = {c for _, d, _ in raw for c in [_recorded(d)[0]] if isinstance(c, str)}
+    commits |= {c for _, d, _ in raw for c in [(_server(d) or {}).get("git_commit")] if isinstance(c, str)}
     ok = known_commits(commits, repo)
     out = Collection()
     for name, data, err in raw:
@@ -149,6 +173,9 @@ def collect(paths: list[Path], repo: Path = C.REPO_ROOT) -> Collection:
         env = data.get("env") or {} if isinstance(data, dict) else {}
         tree = "dirty" if dirty is True else "clean" if dirty is False else "not recorded"
         why = err or _why_excluded(commit, dirty, ok)
+        server = _server(data)
+        if why is None and server is not None:
+            why = _why_server_excluded(server, ok)
         out.results.append(Result(name=name, kind=kind, data=data, commit=commit if isinstance(commit, str) else None,
                                   date=_date(name, env), tree=tree, excluded=why))
     return out

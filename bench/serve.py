@@ -192,6 +192,23 @@ async def probe(client, args) -> dict:
     return next((c for c in cards if c.get("id") == args.model), {})
 
 
+# 2: the result records what the server said it runs (`server`: GET /version); bench/provenance.py tables a
+# schema-2 serve result only with it. Results without a schema (older) qualify by their own env as before.
+SCHEMA = 2
+
+
+async def server_version(client, args) -> dict | None:
+    """GET /version: the server's commit, dirty flag, resolved topology and GPUs (router/version.py); None
+    from a server that does not answer it (an older kvrelay, another server): recorded as such."""
+    import httpx
+
+    try:
+        resp = await client.get(f"{args.base_url}/version", timeout=10)
+        return resp.json() if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
 def _gpu_name() -> str:
     """This host's GPU (the client normally runs beside the server); torch would create a CUDA context."""
     try:
@@ -221,12 +238,15 @@ async def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
     async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
         card = await probe(client, args)
+        server = await server_version(client, args)
+        if server is None:
+            console.print(f"[yellow]{args.base_url}/version did not answer: the result will not be tabled[/]")
         env = C.env_info("cpu", "kvrelay.bench.serve", argv)
         if args.api_key:  # a key given on the command line stays out of the stored results
             env["command"] = env["command"].replace(args.api_key, "***")
         env.update(gpu=_gpu_name(), device="client host (the server may run elsewhere)")
         payload: dict[str, Any] = {
-            "kind": "serve", "env": env, "model": args.model, "base_url": args.base_url, "topology": args.topology,
+            "kind": "serve", "schema": SCHEMA, "server": server, "env": env, "model": args.model, "base_url": args.base_url, "topology": args.topology,
             "label": args.label, "gpus": args.gpus, "usd_per_gpu_hour": args.usd_per_gpu_hour,
             "server_model_card": card,
             "settings": {"concurrency": concurrency, "workloads": [list(w) for w in workloads],

@@ -133,7 +133,15 @@ def bundles(topology: Topology, role: str) -> list[dict[str, float]]:
     tp = section(topology, role).tp
     if topology.device == "cpu":
         return [{"CPU": 1} for _ in range(tp)]
-    return [{"GPU": 1, "CPU": 1} for _ in range(tp)]
+    return [{"GPU": gpu_share(topology, role), "CPU": 1} for _ in range(tp)]
+
+
+def gpu_share(topology: Topology, role: str) -> float:
+    """The GPU a worker rank asks Ray for: a whole one, or its pool's gpu_memory_fraction where the pools
+    share GPUs (Ray then packs a prefill and a decode process on one GPU, never over 1 in sum, which is
+    what keeps their memory shares within the GPU however Ray places them)."""
+    share = section(topology, role).gpu_memory_fraction if topology.shares_gpus else None
+    return 1 if share is None else share
 
 
 def rank_names(topology: Topology, role: str, worker: int) -> list[str]:
@@ -223,7 +231,7 @@ def actor_options(topology: Topology, slot: WorkerSlot, *, detached: bool = Fals
     if topology.device == "cpu":
         opts["num_cpus"] = 1
     else:
-        opts.update(num_cpus=1, num_gpus=1)
+        opts.update(num_cpus=1, num_gpus=gpu_share(topology, slot.role))
     if slot.role == "prefill":
         # release/status/health must answer while a prompt runs (worker.py serialises prefills itself).
         opts["max_concurrency"] = 16

@@ -156,6 +156,8 @@ def check_memory(topo, memory_bytes: Callable[[], int | None], gpu_bytes: Callab
     if not gpus:
         return "memory     not checked: no GPU visible here (nvidia-smi)"
     smallest = min(gpus)
+    if topo.shares_gpus:
+        return check_shared_gpu(topo, cfg, needs, smallest)
     for name, _, each in needs:
         if each > GPU_USABLE * smallest:
             pool = getattr(topo, name)
@@ -166,6 +168,45 @@ def check_memory(topo, memory_bytes: Callable[[], int | None], gpu_bytes: Callab
                 f"quant: fp8-block128")
     worst = max(each for _, _, each in needs)
     return f"memory     {worst / GIB:.1f} GiB per GPU at most, of {smallest / GIB:.1f} GiB"
+
+
+def check_shared_gpu(topo, cfg, needs: list[tuple[str, int, int]], gpu: int) -> str:
+    """Pools sharing each GPU (prefill/decode.gpu_memory_fraction): both processes load the weights, so
+    they must fit twice; then each process's weights, one full-context sequence of KV, a forward's
+    activations (estimated), CUDA graphs and its CUDA context must fit its share of the smallest GPU."""
+    from kvrelay.engine.memory import CUDA_CONTEXT_BYTES, GRAPH_RESERVE_BYTES, forward_activation_bytes
+
+    g = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
+    m = topo.model
+    weights = cfg.weight_bytes(m.quant)
+    if 2 * weights > GPU_USABLE * gpu:
+        raise PreflightError(
+            f"model.name: {m.name} ({m.quant}) weights take {g(weights)}, and the prefill and the decode process "
+            f"sharing a GPU each load them: {g(2 * weights)}, but a GPU here has {g(gpu)} ({GPU_USABLE:.0%} "
+            f"usable); set colocate: true (one process per GPU, weights once), a smaller model.quant, or give "
+            f"each pool its own GPUs (null prefill/decode.gpu_memory_fraction)")
+    forwards = {"prefill": (min(topo.prefill.chunk_tokens, topo.prefill.max_prompt_tokens), 64),
+                "decode": (max(topo.decode.max_batch, 16), topo.decode.max_batch)}
+    parts, total = {}, 0
+    for name, _, each in needs:  # each: weights + one full-context sequence of KV
+        act = forward_activation_bytes(cfg, *forwards[name])
+        need = each + act + GRAPH_RESERVE_BYTES + CUDA_CONTEXT_BYTES
+        parts[name] = (need, f"{g(weights)} weights + {g(each - weights)} KV of one {min(m.max_context, cfg.max_context)}"
+                             f"-token sequence + {g(act)} activations of a {forwards[name][0]}-token forward + "
+                             f"{g(GRAPH_RESERVE_BYTES)} CUDA graphs + {g(CUDA_CONTEXT_BYTES)} CUDA context")
+        total += need
+    for name, (need, why) in parts.items():
+        share = getattr(topo, name).gpu_memory_fraction
+        if need > share * gpu:
+            other = "decode" if name == "prefill" else "prefill"
+            raise PreflightError(
+                f"{name}.gpu_memory_fraction: the {name} worker needs {g(need)} ({why}) but {share:g} of a "
+                f"{g(gpu)} GPU is {g(share * gpu)}; both processes need {g(total)} of it: raise "
+                f"{name}.gpu_memory_fraction (and lower {other}.gpu_memory_fraction, {getattr(topo, other).gpu_memory_fraction:g}),"
+                f" or lower model.max_context")
+    shares = ", ".join(f"{name} {g(need)} of its {getattr(topo, name).gpu_memory_fraction:g} "
+                       f"({g(getattr(topo, name).gpu_memory_fraction * gpu)})" for name, (need, _) in parts.items())
+    return f"memory     shared GPU of {g(gpu)}: {shares}"
 
 
 def check_host_tier(topo, memory_bytes: Callable[[], int | None]) -> str:

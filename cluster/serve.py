@@ -425,6 +425,7 @@ async def _serve(cluster: Cluster, drain_timeout_s: float, t0: float, api_keys=N
     from kvrelay.router.auth import ApiKeys
     from kvrelay.router.limits import RateLimiter, TlsFiles
     from kvrelay.router.server import RouterServer
+    from kvrelay.cluster.version import server_info
 
     topo = cluster.topology
     client = cluster.engine_client()
@@ -433,7 +434,8 @@ async def _serve(cluster: Cluster, drain_timeout_s: float, t0: float, api_keys=N
     server = RouterServer(client, served_names or client.model_name, r.host, r.grpc_port, r.http_port,
                           api_keys=api_keys or ApiKeys(),
                           tls=TlsFiles(r.tls_cert_file, r.tls_key_file) if r.tls_cert_file else None,
-                          rate_limit=RateLimiter(r.rate_limit_rpm, r.rate_limit_burst) if r.rate_limit_rpm else None)
+                          rate_limit=RateLimiter(r.rate_limit_rpm, r.rate_limit_burst) if r.rate_limit_rpm else None,
+                          server_info=server_info(topo))
     from kvrelay.cluster import signals
 
     try:

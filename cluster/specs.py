@@ -30,7 +30,12 @@ def prefill_spec(t: Topology) -> PrefillSpec:
                        max_prompt_tokens=p.max_prompt_tokens, chunk_tokens=p.chunk_tokens,
                        lease_seconds=t.kv_transfer.lease_seconds, ucx=ucx_settings(t),
                        prefix_cache=p.prefix_cache, prefix_cache_host_bytes=host_bytes(t),
-                       prefix_cache_sliding_share=sliding_share(t))
+                       prefix_cache_sliding_share=sliding_share(t), gpu_memory_fraction=gpu_share(t, "prefill"))
+
+
+def gpu_share(t: Topology, pool: str) -> float | None:
+    """A pool's share of each GPU where the pools share GPUs (engine/memory.py sizes its KV within it)."""
+    return getattr(t, pool).gpu_memory_fraction if t.shares_gpus else None
 
 
 def decode_spec(t: Topology) -> DecodeSpec:
@@ -38,7 +43,8 @@ def decode_spec(t: Topology) -> DecodeSpec:
     return DecodeSpec(model=model_spec(t), device=t.device, tp=d.tp, ep=d.ep, page_size=d.page_size,
                       max_batch=d.max_batch, graph_sizes=tuple(d.cuda_graph_batch_sizes),
                       kv_memory_fraction=d.kv_memory_fraction, overlap_steps=d.overlap_steps,
-                      need_tokens=min(t.model.max_context, t.prefill.max_prompt_tokens + 1), ucx=ucx_settings(t))
+                      need_tokens=min(t.model.max_context, t.prefill.max_prompt_tokens + 1), ucx=ucx_settings(t),
+                      gpu_memory_fraction=gpu_share(t, "decode"))
 
 
 def colocated_spec(t: Topology) -> ColocatedSpec:

@@ -64,6 +64,11 @@ class PrefillSection:
     # sliding-window pages beyond the running sequences' windows, so that cached prompts keep the window
     # before the boundary a later prompt resumes at (engine/memory.py, engine/prefix_windows.py).
     prefix_cache_sliding_share: float = 0.05
+    # Share of one GPU's memory each prefill worker process may use (weights, activations, graphs, KV),
+    # as vLLM's --gpu-memory-utilization; set with decode.gpu_memory_fraction (colocate: false) to run the
+    # two pools as separate processes on the same GPUs (Ray places them with this fractional GPU).
+    # null: a worker has whole GPUs of its own.
+    gpu_memory_fraction: float | None = None
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,8 @@ class DecodeSection:
     page_size: int = 16
     # Plan and queue decode step N+1 while step N runs (greedy batches; vLLM's async scheduling).
     overlap_steps: bool = True
+    # Share of one GPU's memory each decode worker process may use (see prefill.gpu_memory_fraction).
+    gpu_memory_fraction: float | None = None
 
 
 @dataclass(frozen=True)
@@ -152,7 +159,15 @@ class Topology:
         return 0 if self.device == "cpu" else self.decode.workers * self.decode.tp
 
     @property
+    def shares_gpus(self) -> bool:
+        """Prefill and decode worker processes share GPUs, each within its pool's gpu_memory_fraction
+        (one prefill and one decode process per GPU; the KV still moves over NIXL, GPU to same GPU)."""
+        return self.device == "cuda" and self.prefill.gpu_memory_fraction is not None
+
+    @property
     def gpus_needed(self) -> int:
+        if self.shares_gpus:
+            return self.prefill.workers
         if self.colocate:
             return max(self.prefill_gpus, self.decode_gpus)
         return self.prefill_gpus + self.decode_gpus
@@ -334,6 +349,7 @@ def _check(t: Topology, base_dir: Path) -> Topology:
     if host_gib and not t.prefill.prefix_cache:
         raise TopologyError("prefill.prefix_cache_host_gib: a host tier sits under the prefix cache; set "
                             "prefill.prefix_cache: true too (or 0 here)")
+    _check_gpu_shares(t)
     if t.colocate:
         # One worker per GPU holds both roles over one copy of the weights and one KV pool.
         if t.prefill.workers != t.decode.workers:
@@ -348,12 +364,46 @@ def _check(t: Topology, base_dir: Path) -> Topology:
             raise TopologyError(f"gpus: device is cpu but gpus is {t.gpus} (use 0 or device: cuda)")
     else:
         if t.gpus_needed > t.gpus:
-            how = "max" if t.colocate else "sum"
+            how = "max" if t.colocate or t.shares_gpus else "sum"
             raise TopologyError(
                 f"gpus: the pools ask for {t.gpus_needed} GPUs ({how} of prefill {t.prefill.workers}x tp "
                 f"{t.prefill.tp} = {t.prefill_gpus} and decode {t.decode.workers}x tp {t.decode.tp} = "
                 f"{t.decode_gpus}) but the topology provides {t.gpus}")
     return dataclasses.replace(t, model=dataclasses.replace(t.model, name=name))
+
+
+def _check_gpu_shares(t: Topology) -> None:
+    """prefill/decode.gpu_memory_fraction: both or neither, each in (0, 1], together at most 1 (one of each
+    pool's processes per GPU), only where the pools are separate processes at tp 1 (a TP group's ranks
+    need a GPU each, and fractional Ray bundles could put two of them on one). Whether the weights, KV
+    and activations fit each share is measured against the GPU's size before start (cluster/preflight.py)."""
+    fp, fd = t.prefill.gpu_memory_fraction, t.decode.gpu_memory_fraction
+    if fp is None and fd is None:
+        return
+    for key, v in (("prefill.gpu_memory_fraction", fp), ("decode.gpu_memory_fraction", fd)):
+        if v is None:
+            other = "decode" if key.startswith("prefill") else "prefill"
+            raise TopologyError(f"{key}: required with {other}.gpu_memory_fraction (the pools share a GPU "
+                                f"only when each process's share is stated), or null both")
+        if not (math.isfinite(v) and 0.0 < v <= 1.0):
+            raise TopologyError(f"{key}: must be in (0, 1] (a share of one GPU's memory), got {v}")
+        if round(v, 4) != v:  # Ray's fractional resources have 4 decimals
+            raise TopologyError(f"{key}: at most 4 decimals (Ray's fractional GPUs), got {v}")
+    if t.colocate:
+        raise TopologyError("prefill.gpu_memory_fraction: colocate: true runs one process per GPU holding both "
+                            "roles (its KV is decode.kv_memory_fraction); set colocate: false to run the pools as "
+                            "separate processes sharing the GPU, or null both fractions")
+    if fp + fd > 1.0 + 1e-9:
+        raise TopologyError(f"decode.gpu_memory_fraction: prefill's {fp:g} + decode's {fd:g} = {fp + fd:g} of one "
+                            f"GPU's memory, more than all of it; lower them (their sum at most 1)")
+    for pool in ("prefill", "decode"):
+        if getattr(t, pool).tp != 1:
+            raise TopologyError(f"{pool}.tp: pools sharing GPUs (gpu_memory_fraction) run at tp 1 (got "
+                                f"{getattr(t, pool).tp}); null the fractions to give the pools their own GPUs")
+    if t.prefill.workers != t.decode.workers:
+        raise TopologyError(f"decode.workers: pools sharing GPUs put one prefill and one decode worker on each "
+                            f"GPU: prefill.workers ({t.prefill.workers}) and decode.workers ({t.decode.workers}) "
+                            f"must be equal")
 
 
 def _check_router_files(t: Topology, base_dir: Path) -> Topology:
@@ -441,7 +491,9 @@ def describe(t: Topology) -> str:
         f"{t.kv_transfer.lease_seconds:g} s",
         f"  ray        {t.ray.address or 'local'} namespace {t.ray.namespace}",
         f"  GPUs       {t.gpus_needed} needed of {t.gpus} provided"
-        + (" (prefill and decode colocated)" if t.colocate else ""),
+        + (" (prefill and decode colocated)" if t.colocate else "")
+        + (f" (prefill and decode processes share each GPU: {t.prefill.gpu_memory_fraction:g} + "
+           f"{t.decode.gpu_memory_fraction:g} of its memory)" if t.shares_gpus else ""),
     ]
     return "\n".join(lines)
 

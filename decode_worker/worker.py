@@ -90,7 +90,7 @@ class DecodeWorker(StepThread):
             max_seqs=spec.max_batch, chunk_tokens=max(spec.max_batch, 16) if chunk_tokens is None else chunk_tokens,
             max_tokens=spec.max_batch * spec.model.max_context, need_tokens=spec.need_tokens,
             key="decode.kv_memory_fraction", graph_sizes=spec.graph_sizes, log=self.plan_log.append,
-            cache_share=cache_share)
+            cache_share=cache_share, gpu_share=spec.gpu_memory_fraction, share_key="decode.gpu_memory_fraction")
 
     def _headroom(self, spec: DecodeSpec) -> dict[str, int]:
         return {}

@@ -11,6 +11,11 @@ window's pages (9 for gpt-oss at 16-token pages) for each resume point it keeps 
 decides which), not one sliding page per cached block.
 
 On CPU there is nothing to measure (the pool lives in RAM): the caller's token cap decides.
+
+A worker that shares its GPU with another worker process (prefill.gpu_memory_fraction and
+decode.gpu_memory_fraction) sizes from its own share instead: what the GPU has free says nothing of what
+is ours while the other process loads and allocates too, so the room is the share of the GPU's total
+less what this process's allocator already holds (`room_bytes`), and never more than is free.
 """
 
 from __future__ import annotations
@@ -21,6 +26,10 @@ from kvrelay.engine import kv_geometry
 from kvrelay.engine.kv_geometry import FULL, SLIDING
 
 GIB = 1 << 30
+GRAPH_RESERVE_BYTES = 2 * GIB  # kept free for CUDA graphs (plan_cuda_pool's default)
+# A CUDA context, cuBLAS/NCCL handles and the like: outside the caching allocator (so outside its share
+# cap), counted by the pre-start check for each process on a shared GPU.
+CUDA_CONTEXT_BYTES = GIB // 2
 
 
 class KVDoesNotFit(ValueError):
@@ -83,12 +92,35 @@ def split_pages(cfg, *, budget_bytes: int, page_size: int, kv_heads: int, max_se
     return {FULL: int(full), SLIDING: int(sliding)}
 
 
+def room_bytes(*, free: int, total: int, held: int, share: float | None) -> int:
+    """Device bytes this process may still allocate: what is free, or on a shared GPU its `share` of the
+    total less what its own allocator `held` already (weights, buffers), whichever is smaller."""
+    if share is None:
+        return free
+    return max(0, min(free, int(share * total) - held))
+
+
+def forward_activation_bytes(cfg, tokens: int, logit_rows: int) -> int:
+    """Estimate, before anything loads, of one forward's activation peak over `tokens` tokens with
+    `logit_rows` rows of logits (a decode step: every row; a prefill: one a prompt): bf16 hidden-sized
+    buffers, Q/K/V and the attention output, each token's routed experts' gate/up, activation and output
+    rows, their FP8 copies, fp32 logits; doubled for the allocator's rounding and what lives alongside.
+    For the pre-start check only: a worker measures its real peak (plan_cuda_pool)."""
+    h, d, i, k = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.experts_per_token
+    attn = (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d * 2
+    moe = k * (2 * i + i + h) * 2 + k * (h + i) + cfg.num_experts * 4
+    per_token = 6 * h * 2 + attn + moe
+    return 2 * (tokens * per_token + logit_rows * cfg.vocab_size * 4)
+
+
 def plan_cuda_pool(runner, *, fraction: float, max_seqs: int, chunk_tokens: int, max_tokens: int,
-                   need_tokens: int, key: str, graph_reserve_bytes: int = 2 * GIB,
-                   cache_share: float = 0.0) -> MemoryPlan:
+                   need_tokens: int, key: str, graph_reserve_bytes: int = GRAPH_RESERVE_BYTES,
+                   cache_share: float = 0.0, share: float | None = None, share_key: str = "") -> MemoryPlan:
     """Measure this process's GPU after its weights were loaded into `runner` (whose pool is still the
     small profiling one), and size the real pool (`cache_share`: split_pages'). Raises KVDoesNotFit,
-    naming `key`, when fewer than `need_tokens` positions of full-attention KV would fit."""
+    naming `key`, when fewer than `need_tokens` positions of full-attention KV would fit. `share`: this
+    process may use that share of the GPU's memory (another worker process shares it; `room_bytes`),
+    named `share_key` in errors."""
     import torch
 
     dev = runner.device
@@ -100,7 +132,8 @@ def plan_cuda_pool(runner, *, fraction: float, max_seqs: int, chunk_tokens: int,
     activation = max(0, torch.cuda.max_memory_allocated(dev) - start)
     runner.drop_kv()  # the profiling pool goes; the real one replaces it
     torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(dev)
+    gpu_free, total = torch.cuda.mem_get_info(dev)
+    free = room_bytes(free=gpu_free, total=total, held=torch.cuda.memory_reserved(dev), share=share)
     reserve = activation + graph_reserve_bytes
     budget = max(0, int((free - reserve) * fraction))
     pages = split_pages(runner.cfg, budget_bytes=budget, page_size=runner.page_size,
@@ -110,6 +143,13 @@ def plan_cuda_pool(runner, *, fraction: float, max_seqs: int, chunk_tokens: int,
     plan = MemoryPlan(pages=pages, page_bytes=pb, total_bytes=total, free_after_weights_bytes=free,
                       activation_bytes=activation, reserve_bytes=reserve,
                       kv_bytes=sum(pages[g] * pb[g] for g in pages))
+    if pages[FULL] * runner.page_size < need_tokens and share is not None:
+        raise KVDoesNotFit(
+            f"{share_key}: this process's {share:g} of the GPU's {total / GIB:.2f} GiB leaves {free / GIB:.2f} GiB "
+            f"after its weights ({torch.cuda.memory_reserved(dev) / GIB:.2f} GiB held); less activations "
+            f"({activation / GIB:.2f} GiB) and CUDA graphs ({graph_reserve_bytes / GIB:.2f} GiB), {fraction:g} of "
+            f"the rest holds {pages[FULL] * runner.page_size} KV positions, fewer than the {need_tokens} one "
+            f"request may need; raise {share_key} (the other pool's lower), or lower model.max_context")
     if pages[FULL] * runner.page_size < need_tokens:
         raise KVDoesNotFit(
             f"{key}: {fraction:g} of the {(free - reserve) / GIB:.2f} GiB left after weights "

@@ -79,7 +79,8 @@ class PrefillWorker:
                 fraction=0.9, max_seqs=64, chunk_tokens=min(self.chunk_tokens, self.max_prompt_tokens),
                 max_tokens=spec.pool_tokens, need_tokens=self.max_prompt_tokens,
                 key="prefill.max_prompt_tokens", graph_sizes=(), log=self.plan_log.append,
-                cache_share=spec.prefix_cache_sliding_share)
+                cache_share=spec.prefix_cache_sliding_share, gpu_share=spec.gpu_memory_fraction,
+                share_key="prefill.gpu_memory_fraction")
         else:
             self.group, self.runner = lead_group(
                 PrefillRank, device=spec.device, tp_size=self.tp_size, max_concurrency=4,

@@ -128,6 +128,10 @@ class RouterClient:
         return self._stub.Detokenize(pb.DetokenizeRequest(tokens=list(token_ids)), timeout=self._timeout,
                                      metadata=self._md).prompt
 
+    def version(self) -> pb.VersionResponse:
+        """What the server runs (commit, dirty flag, topology as JSON, GPUs), as HTTP GET /version."""
+        return self._stub.Version(pb.VersionRequest(), timeout=self._timeout, metadata=self._md)
+
     def list_models(self) -> list[pb.Model]:
         return list(self._stub.ListModels(pb.ListModelsRequest(), timeout=self._timeout, metadata=self._md).models)
 

@@ -8,6 +8,7 @@ the request in the engine.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from typing import AsyncIterator
 
@@ -278,6 +279,16 @@ class RouterServicer(pb_grpc.RouterServicer):
         except ValidationError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return pb.DetokenizeResponse(prompt=text)
+
+    async def Version(self, request: pb.VersionRequest, context: grpc.aio.ServicerContext) -> pb.VersionResponse:
+        info = self.core.server_info
+        if info is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server was started without its version information")
+        body = info.body()
+        return pb.VersionResponse(version=body["version"], git_commit=body["git_commit"], git_dirty=body["git_dirty"],
+                                  topology_json=json.dumps(body["topology"]) if body["topology"] else "",
+                                  topology_source=body["topology_source"] or "", device=body["device"],
+                                  gpus=body["gpus"])
 
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(models=[pb.Model(id=name, max_context=self.core.max_context, owned_by="kvrelay")

@@ -57,6 +57,15 @@ def create_app(core: RouterCore, api_keys: ApiKeys | None = None, rate_limit: Ra
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": core.model_name}
 
+    @app.get("/version")
+    async def version() -> Any:
+        """What this server runs: kvrelay's version, the git commit and dirty flag, the resolved topology and
+        the GPUs (router/version.py). Open like /health: it names code and layout, never a key."""
+        info = core.server_info
+        if info is None:
+            return JSONResponse(error_body("this server was started without its version information"), status_code=404)
+        return info.body()
+
     @app.get("/health/live")
     async def live() -> dict[str, Any]:
         """The router process answers (a liveness probe restarts it when this stops answering)."""

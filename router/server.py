@@ -28,6 +28,7 @@ from kvrelay.router.limits import GrpcRateLimitInterceptor, RateLimiter, TlsFile
 from kvrelay.router.metrics import GrpcErrorInterceptor
 from kvrelay.router.parser import new_call_id
 from kvrelay.router.service import RouterCore, utc_today
+from kvrelay.router.version import BuildInfo, ServerInfo
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +48,15 @@ class RouterServer:
         api_keys: ApiKeys = ApiKeys(),
         tls: TlsFiles | None = None,
         rate_limit: RateLimiter | None = None,
+        server_info: ServerInfo | None = None,
     ) -> None:
         # Several names (vLLM's --served-model-name a b): the first is the id responses carry, and requests
         # may use any of them.
         names = (model_name,) if model_name is None or isinstance(model_name, str) else tuple(model_name)
         self.core = RouterCore(engine_client, model_name=names[0], today=today, call_id_factory=call_id_factory)
         self.core.model_names = tuple(dict.fromkeys((self.core.model_name, *(n for n in names if n))))
+        # What /version answers, read now (at start) rather than per request: see router/version.py.
+        self.core.server_info = server_info or ServerInfo(build=BuildInfo.detect())
         self.api_keys = api_keys
         self.tls = tls
         self.rate_limit = rate_limit

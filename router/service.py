@@ -31,6 +31,7 @@ from kvrelay.router.parser import Detokenizer, HarmonyStreamParser, new_call_id
 from kvrelay.router.stop import StopStrings
 from kvrelay.router.types import ChatRequest, ContentDelta, Delta, FinishReason, GenerateRequest, TokenStep, Usage
 from kvrelay.router.validation import ValidationError
+from kvrelay.router.version import ServerInfo
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -76,6 +77,7 @@ class RouterCore:
         self.engine = engine
         self.model_name = model_name or engine.model_name
         self.model_names: tuple[str, ...] = (self.model_name,)  # every name requests may use (aliases)
+        self.server_info: ServerInfo | None = None  # /version's body (RouterServer sets it; router/version.py)
         self._today = today
         self._call_id = call_id_factory
         self._in_flight: set[str] = set()

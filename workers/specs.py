@@ -37,6 +37,7 @@ class PrefillSpec:
     prefix_cache: bool = False  # reuse cached prompt prefixes (engine/prefix_cache.py)
     prefix_cache_host_bytes: int = 0  # its host-memory tier (engine/host_tier.py); 0: evicted pages are dropped
     prefix_cache_sliding_share: float = 0.0  # of the KV budget, sliding pages for the cache (engine/memory.py)
+    gpu_memory_fraction: float | None = None  # this process's share of a GPU it shares with a decode worker
 
     @property
     def pool_tokens(self) -> int:
@@ -59,6 +60,7 @@ class DecodeSpec:
     overlap_steps: bool  # plan and queue step N+1 while step N runs
     need_tokens: int  # positions one request may hold: the pool must fit at least that
     ucx: UcxSettings
+    gpu_memory_fraction: float | None = None  # this process's share of a GPU it shares with a prefill worker
 
     @property
     def expert_parallel(self) -> bool:

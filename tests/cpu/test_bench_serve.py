@@ -150,6 +150,12 @@ def test_against_the_real_router(tmp_path, model_single_thread) -> None:
         client.close()
     assert payload["model"] == client.model_name and payload["topology"] == "in-process tiny"
     assert "sk-bench" not in json.dumps(payload) and "--api-key ***" in payload["env"]["command"]
+    # What the server said it runs, fetched at the start (GET /version): this checkout's commit, read once.
+    from kvrelay.router.version import BuildInfo
+
+    assert payload["schema"] == serve.SCHEMA == 2
+    assert payload["server"]["git_commit"] == BuildInfo.detect().git_commit and "git_dirty" in payload["server"]
+    assert payload["server"]["topology"] is None  # an in-process router, not started from a topology
     for p in _check_result(payload, tmp_path):
         # Not sent by the router yet: the breakdown is null, never made up.
         assert all(p[k] is None for k in serve.BREAKDOWN)
@@ -200,6 +206,7 @@ def test_against_a_fake_server_with_timings(tmp_path, fake_server) -> None:
                                             "--label", "fake run"])
     payload = asyncio.run(serve.run(args, []))
     assert payload["model"] == "fake-model"  # from GET /v1/models
+    assert payload["server"] is None  # no /version there: recorded as such (bench/provenance.py will not table it)
     assert Path(payload["files"]["json"]).name.startswith("serve-fake_run-")
     for p in _check_result(payload, tmp_path):
         assert p["queue_s"] == pytest.approx(0.001) and p["prefill_compute_s"] == pytest.approx(0.015)
@@ -242,3 +249,32 @@ def test_client_procs_send_the_same_requests(tmp_path, fake_server) -> None:
     expected = serve.Prompts(0, 1000, 100000)
     sent = {tuple(b["prompt"]) for b in seen[1:]}
     assert sent == {tuple(expected.at(i, 16)) for i in range(1, 7)}  # request 0 was the warmup
+
+
+def test_a_serve_result_is_tabled_only_with_the_servers_version(tmp_path) -> None:
+    """Schema 2 serve results need the server's /version (commit, dirty, topology, GPUs), clean and known;
+    a result without a schema (all those stored before it) is judged by its own env as before."""
+    import subprocess
+
+    from kvrelay.bench import provenance
+
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=provenance.C.REPO_ROOT, capture_output=True,
+                          text=True).stdout.strip()
+    env = {"git_commit": head, "git_dirty": False, "timestamp": "2026-12-07T10:00:00+00:00"}
+    server = {"git_commit": head, "git_dirty": False, "topology": {"device": "cuda"}, "gpus": ["NVIDIA H100"]}
+    cases = {
+        "old": ({"kind": "serve", "env": env}, None),
+        "with-server": ({"kind": "serve", "schema": 2, "env": env, "server": server}, None),
+        "no-server": ({"kind": "serve", "schema": 2, "env": env, "server": None},
+                      "the server's /version not recorded (git_commit, git_dirty, topology, gpus missing)"),
+        "no-topology": ({"kind": "serve", "schema": 2, "env": env, "server": {**server, "topology": None}},
+                        "the server's /version not recorded (topology missing)"),
+        "dirty-server": ({"kind": "serve", "schema": 2, "env": env, "server": {**server, "git_dirty": True}},
+                         "server: dirty tree (env.git_dirty is true)"),
+        "foreign-server": ({"kind": "serve", "schema": 2, "env": env, "server": {**server, "git_commit": "f" * 40}},
+                           f"server: commit {'f' * 40} is not a commit of this repository"),
+    }
+    for name, (data, _) in cases.items():
+        (tmp_path / f"serve-{name}-20261207.json").write_text(json.dumps(data))
+    got = {r.name.split("-", 1)[1].rsplit("-", 1)[0]: r.excluded for r in provenance.collect([tmp_path]).results}
+    assert got == {name: why for name, (_, why) in cases.items()}

@@ -45,6 +45,7 @@ def test_generated_router_service_surface() -> None:
         "ListModels": (False, False),
         "Tokenize": (False, False),
         "Detokenize": (False, False),
+        "Version": (False, False),
     }
     assert hasattr(router_pb2_grpc, "RouterStub")
     # Optional sampling fields distinguish "unset" from an explicit 0 (greedy temperature).

@@ -245,6 +245,28 @@ class ListModelsResponse(_message.Message):
     models: _containers.RepeatedCompositeFieldContainer[Model]
     def __init__(self, models: _Optional[_Iterable[_Union[Model, _Mapping]]] = ...) -> None: ...
 
+class VersionRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class VersionResponse(_message.Message):
+    __slots__ = ("version", "git_commit", "git_dirty", "topology_json", "topology_source", "device", "gpus")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    GIT_COMMIT_FIELD_NUMBER: _ClassVar[int]
+    GIT_DIRTY_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_JSON_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    git_commit: str
+    git_dirty: bool
+    topology_json: str
+    topology_source: str
+    device: str
+    gpus: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[str] = ..., git_commit: _Optional[str] = ..., git_dirty: _Optional[bool] = ..., topology_json: _Optional[str] = ..., topology_source: _Optional[str] = ..., device: _Optional[str] = ..., gpus: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class TokenizeRequest(_message.Message):
     __slots__ = ("prompt", "chat", "return_token_strs")
     PROMPT_FIELD_NUMBER: _ClassVar[int]

@@ -64,6 +64,11 @@ class RouterStub:
                 request_serializer=kvrelay_dot_v1_dot_router__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=kvrelay_dot_v1_dot_router__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.Version = channel.unary_unary(
+                '/kvrelay.v1.Router/Version',
+                request_serializer=kvrelay_dot_v1_dot_router__pb2.VersionRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_v1_dot_router__pb2.VersionResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -110,6 +115,14 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Version(self, request, context):
+        """What the server runs, as HTTP GET /version: kvrelay's version, the git commit and dirty flag (read at
+        start), the resolved topology and the GPUs the router's host lists.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -142,6 +155,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=kvrelay_dot_v1_dot_router__pb2.DetokenizeRequest.FromString,
                     response_serializer=kvrelay_dot_v1_dot_router__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'Version': grpc.unary_unary_rpc_method_handler(
+                    servicer.Version,
+                    request_deserializer=kvrelay_dot_v1_dot_router__pb2.VersionRequest.FromString,
+                    response_serializer=kvrelay_dot_v1_dot_router__pb2.VersionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -306,6 +324,33 @@ class Router:
             '/kvrelay.v1.Router/Detokenize',
             kvrelay_dot_v1_dot_router__pb2.DetokenizeRequest.SerializeToString,
             kvrelay_dot_v1_dot_router__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Version(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrelay.v1.Router/Version',
+            kvrelay_dot_v1_dot_router__pb2.VersionRequest.SerializeToString,
+            kvrelay_dot_v1_dot_router__pb2.VersionResponse.FromString,
             options,
             channel_credentials,
             insecure,
