@@ -57,7 +57,7 @@ from kvrelay.cluster.request_metrics import (
 from kvrelay.cluster.routing import KV_AWARE, POLICIES, PrefixIndex, block_hashes
 from kvrelay.cluster.worker_pool import WorkerPool, _NoLiveWorker, _Retry, _Worker
 from kvrelay.transfer.handle import KVLayoutMismatch, KVTransferError
-from kvrelay.engine.sampling import SamplingParams, TokenOutput, token_set
+from kvrelay.engine.sampling_params import SamplingParams, TokenOutput, token_set
 from kvrelay.router.engine_client import EngineUnavailable, engine_prompt, flatten
 
 log = logging.getLogger("kvrelay.requests")

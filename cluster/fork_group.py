@@ -21,7 +21,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
 
-from kvrelay.engine.sampling import SamplingParams, TokenOutput, token_set
+from kvrelay.engine.sampling_params import SamplingParams, TokenOutput, token_set
 from kvrelay.router.engine_client import EngineUnavailable
 
 async def _quietly(ref) -> None:

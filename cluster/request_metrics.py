@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 from prometheus_client import Counter, Histogram
 
-from kvrelay.engine.sampling import TokenOutput
+from kvrelay.engine.sampling_params import TokenOutput
 from kvrelay.workers.logs import request_extra
 
 log = logging.getLogger("kvrelay.requests")

@@ -11,31 +11,37 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from kvrelay.workers.loading import load_runner
 from kvrelay.workers.rank_group import Followers, FollowerRank, join_group
 from kvrelay.workers.specs import DecodeSpec
 
 
-def pool_tokens(spec: DecodeSpec) -> int:
-    """KV positions per group of a TP>1 decode rank: a share of free memory, but never more than a full
-    batch of full contexts. Every rank of a TP group gets the same count (its allocator must mirror the
-    leader's), sized on rank 0 before any rank loads weights, so the estimated weight bytes per rank are
-    taken off first. (TP1 workers size their pool after loading instead: workers/loading.load_sized_runner.)"""
+def pool_tokens(spec: DecodeSpec, free_bytes: int | None = None) -> int:
+    """KV positions per group of a TP>1 decode rank: decode.kv_memory_fraction of the memory left after
+    weights, activations and the CUDA-graph reserve (engine/memory.kv_budget, the meaning it has on one GPU),
+    but never more than a full batch of full contexts. Every rank of a TP group gets the same count (its
+    allocator must mirror the leader's), sized on rank 0 before any rank loads weights, so the weights per
+    rank and the activations are estimates taken off the measured free memory (`free_bytes`: the tests').
+    (TP1 workers size their pool after loading instead: workers/loading.load_sized_runner.)"""
     cap = spec.max_batch * spec.model.max_context
     if spec.device == "cuda":
-        import torch
-
         from kvrelay.engine.config import load_model_config
         from kvrelay.engine.kv_geometry import bytes_per_token
+        from kvrelay.engine.memory import decode_activation_bytes, kv_budget
         from kvrelay.engine.partition import head_range
 
         cfg = load_model_config(spec.model.name)
         # Heads per rank from the same rule as the cache: more ranks than KV heads replicate one.
         local_kv = head_range(cfg.num_attention_heads, cfg.num_key_value_heads, 0, spec.tp).num_kv
         per_token = bytes_per_token(cfg.num_hidden_layers, local_kv, cfg.head_dim, 2)  # bf16
-        free, _ = torch.cuda.mem_get_info()
-        free -= cfg.weight_bytes(spec.model.quant) // spec.tp
-        cap = min(cap, max(0, int(free * spec.kv_memory_fraction)) // per_token)
+        if free_bytes is None:
+            free_bytes, _ = torch.cuda.mem_get_info()
+        free = free_bytes - cfg.weight_bytes(spec.model.quant) // spec.tp
+        budget = kv_budget(free, activation=decode_activation_bytes(cfg, batch=spec.max_batch),
+                           fraction=spec.kv_memory_fraction)
+        cap = min(cap, budget // per_token)
     return cap
 
 

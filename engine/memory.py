@@ -10,6 +10,11 @@ chain resumes at a block boundary only while the window before it is cached too,
 window's pages (9 for gpt-oss at 16-token pages) for each resume point it keeps (engine/prefix_windows.py
 decides which), not one sliding page per cached block.
 
+`decode.kv_memory_fraction` has one meaning in every topology (kv_budget): the share of the memory left
+after the weights, the activations and the CUDA-graph reserve. A one-GPU worker measures the activations
+(plan_cuda_pool); a TP decode rank sizes its pool before any rank loads (decode_worker/ranks.pool_tokens),
+so it takes the weights and activations from their estimates (decode_activation_bytes) instead.
+
 On CPU there is nothing to measure (the pool lives in RAM): the caller's token cap decides.
 
 A worker that shares its GPU with another worker process (prefill.gpu_memory_fraction and
@@ -26,7 +31,7 @@ from kvrelay.engine import kv_geometry
 from kvrelay.engine.kv_geometry import FULL, SLIDING
 
 GIB = 1 << 30
-GRAPH_RESERVE_BYTES = 2 * GIB  # kept free for CUDA graphs (plan_cuda_pool's default)
+GRAPH_RESERVE_BYTES = 2 * GIB  # kept free for CUDA graphs' private pools and the allocator's slack
 # A CUDA context, cuBLAS/NCCL handles and the like: outside the caching allocator (so outside its share
 # cap), counted by the pre-start check for each process on a shared GPU.
 CUDA_CONTEXT_BYTES = GIB // 2
@@ -51,6 +56,23 @@ class MemoryPlan:
         return (f"KV pool {self.pages} pages ({g(self.kv_bytes)}) of {g(self.total_bytes)}: "
                 f"{g(self.free_after_weights_bytes)} free after weights, {g(self.activation_bytes)} "
                 f"activation peak, {g(self.reserve_bytes)} kept free")
+
+
+def kv_budget(free_after_weights: int, *, activation: int, fraction: float,
+              graph_reserve: int = GRAPH_RESERVE_BYTES) -> int:
+    """Bytes of KV for `decode.kv_memory_fraction` = `fraction`: its share of what the weights (already taken
+    off `free_after_weights`), the activations and the CUDA-graph reserve leave. The one meaning of the key,
+    for every topology."""
+    return max(0, int((free_after_weights - activation - graph_reserve) * fraction))
+
+
+def decode_activation_bytes(cfg, *, batch: int) -> int:
+    """An upper estimate of a decode forward's activation peak for `batch` sequences, where it cannot be
+    measured (a TP rank sizes its pool before loading): the logits and their log-softmax in fp32 (the bulk:
+    1.6 MB a sequence for gpt-oss's 201k vocabulary) plus a dozen hidden-size fp32 buffers a sequence,
+    doubled for the allocator's rounding."""
+    per_seq = 2 * cfg.vocab_size * 4 + 12 * cfg.hidden_size * 4
+    return 2 * batch * per_seq
 
 
 def page_bytes(cfg, *, page_size: int, kv_heads: int, dtype_bytes: int = 2) -> dict[str, int]:
@@ -135,7 +157,7 @@ def plan_cuda_pool(runner, *, fraction: float, max_seqs: int, chunk_tokens: int,
     gpu_free, total = torch.cuda.mem_get_info(dev)
     free = room_bytes(free=gpu_free, total=total, held=torch.cuda.memory_reserved(dev), share=share)
     reserve = activation + graph_reserve_bytes
-    budget = max(0, int((free - reserve) * fraction))
+    budget = kv_budget(free, activation=activation, fraction=fraction, graph_reserve=graph_reserve_bytes)
     pages = split_pages(runner.cfg, budget_bytes=budget, page_size=runner.page_size,
                         kv_heads=runner.kv.kv_heads, max_seqs=max_seqs, chunk_tokens=chunk_tokens,
                         max_tokens=max_tokens, cache_share=cache_share)

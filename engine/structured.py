@@ -33,44 +33,18 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvrelay.engine import grammar
+# what a request asks for is torch-free (the router builds it): engine/sampling_params.py
+from kvrelay.engine.sampling_params import Body, StructuredOutput
 
 log = logging.getLogger(__name__)
 
 END = 200007  # <|end|>: closes an analysis message
 FIRST_SPECIAL = grammar.FIRST_SPECIAL
-
-
-@dataclass(frozen=True)
-class Body:
-    """One constrained message the reply may end with: its header tokens (after `<|start|>assistant`,
-    through `<|message|>`), the JSON Schema of its body (canonical text), and its terminator."""
-
-    header: tuple[int, ...]
-    schema: str
-    end: int
-
-
-@dataclass(frozen=True)
-class StructuredOutput:
-    bodies: tuple[Body, ...]
-    allow_analysis: bool = True
-    analysis_header: tuple[int, ...] = ()  # <|channel|>analysis<|message|>
-    restart: tuple[int, ...] = ()  # <|start|>assistant: what follows an analysis message's <|end|>
-    max_reasoning_tokens: int | None = None  # analysis body tokens in all; then <|end|> is forced
-
-    def __post_init__(self) -> None:
-        if not self.bodies:
-            raise ValueError("StructuredOutput needs at least one constrained body")
-        if self.allow_analysis and not (self.analysis_header and self.restart):
-            raise ValueError("allow_analysis needs analysis_header and restart tokens")
-        if self.max_reasoning_tokens is not None and self.max_reasoning_tokens < 0:
-            raise ValueError(f"max_reasoning_tokens must be >= 0, got {self.max_reasoning_tokens}")
 
 
 class ConstraintError(RuntimeError):

@@ -35,6 +35,7 @@ import triton.language as tl
 
 from .fp8_quant import store_zero_rows
 from .pdl import launch_dependents, late_trigger, pdl_kwargs, wait
+from .switches import fusion_on
 from .triton_attention import INTERPRET, LOG2E, MergePending, _merge, _merge_quant_block, _pool_strides, \
     _split_attend, _split_program, _store_partial, _window_arg, split_setup
 
@@ -127,10 +128,8 @@ class MergedQuant(MergePending):
 
 def merge_fuse_enabled() -> bool:
     """Whether the engine's decode asks for the merge inside the decode kernel (MergedQuant):
-    KVRELAY_DECODE_MERGE_FUSE, a decode fusion of kernels.select.DECODE_FUSIONS (the kernel ran on the H200, bit
+    KVRELAY_DECODE_MERGE_FUSE, a decode fusion of kernels.switches.DECODE_FUSIONS (the kernel ran on the H200, bit
     for bit the separate launch's output; the model's decode with it was not timed). Same results either way."""
-    from .select import fusion_on
-
     return fusion_on("KVRELAY_DECODE_MERGE_FUSE")
 
 

@@ -31,15 +31,17 @@ import torch
 import triton
 import triton.language as tl
 
-from . import moe_configs, moe_ws
+from . import moe_configs, moe_fused, moe_ws, router
 from .fp8_gemm import BLOCK, quantize_act_1x128
 from .moe_configs import GemmConfig, GroupedConfig
-from .moe_gemv import MoePending, moe_gemv, pair_dtype
+from .moe_gemv import GEMV_MAX_PAIRS, MoePending, moe_gemv, pair_dtype
 from .moe_mxfp4 import MAX_SCALE, moe_mxfp4
 # the pair sort lives in kernels/moe_sort.py; re-exported here, where its callers (and tests) look for it
 from .moe_sort import SORT_KERNEL_MAX_PAIRS, quantize_sorted, sort_by_expert, tile_order  # noqa: F401
 from .moe_gemv import swiglu as _swiglu  # the clamped SwiGLU, fused into both paths' GEMM1
 from .pdl import enter, pdl_kwargs
+# the top-k + softmax lives with the one-launch router that shares it (kernels/router.py); re-exported here
+from .router import topk_softmax  # noqa: F401
 
 try:  # host-side TMA descriptors: triton >= 3.4 (the tma knob of the grouped GEMM)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -50,24 +52,6 @@ except ImportError:  # pragma: no cover - older triton
 # --------------------------------------------------------------------------------------------------
 # routing
 # --------------------------------------------------------------------------------------------------
-@triton.jit
-def topk_softmax(v, e, K: tl.constexpr, E_P2: tl.constexpr):
-    """Top-K of each row of v [R, E_P2] (fp32 holding bf16 values, -inf where no expert), then the softmax
-    over the K: (weights fp32 [R, K], ids int32 [R, K]) in descending order, ties to the lower id."""
-    kk = tl.arange(0, K)
-    vals = tl.zeros([v.shape[0], K], tl.float32)
-    ids = tl.zeros([v.shape[0], K], tl.int32)
-    for j in tl.static_range(K):
-        m = tl.max(v, 1)
-        # lowest index among equal maxima: deterministic ties
-        idx = tl.min(tl.where(v == m[:, None], e[None, :], E_P2), 1)
-        vals = tl.where(kk[None, :] == j, m[:, None], vals)
-        ids = tl.where(kk[None, :] == j, idx[:, None], ids)
-        v = tl.where(e[None, :] == idx[:, None], float("-inf"), v)
-    p = tl.exp(vals - tl.max(vals, 1)[:, None])
-    return p / tl.sum(p, 1)[:, None], ids
-
-
 @triton.jit
 def _route_kernel(logits, bias, w_out, id_out, T, E, s_lt, HAS_BIAS: tl.constexpr, K: tl.constexpr,
                   E_P2: tl.constexpr, BLOCK_T: tl.constexpr, USE_PDL: tl.constexpr = False):
@@ -449,8 +433,6 @@ def _moe_torch_grouped(x, ids, route_w, ex: MoEWeights, alpha, limit):
     return out.view(t, k, -1).sum(1).to(torch.bfloat16)
 
 
-GEMV_MAX_PAIRS = 32
-
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, ex: MoEWeights, *,
                 path: str = "auto", alpha: float = 1.702, limit: float = 7.0, combine: bool = True,
@@ -472,8 +454,8 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, ex: M
             return torch.empty(0, ids.shape[1], ex.hidden, dtype=pair_dtype(x), device=x.device)
         return torch.empty(0, ex.hidden, dtype=torch.bfloat16, device=x.device)
     if path == "gemv":
-        return moe_gemv(x, ids, route_w, ex, alpha, limit, combine=combine, norm_counters=norm_counters,
-                        fused_counters=fused_counters)
+        fused = None if fused_counters is None else moe_fused.fused_gemvs(fused_counters)
+        return moe_gemv(x, ids, route_w, ex, alpha, limit, combine=combine, norm_counters=norm_counters, fused=fused)
     if path == "grouped":
         return _moe_grouped(x, ids, route_w, ex, alpha, limit, combine=combine)
     if not combine:
@@ -487,8 +469,6 @@ def moe_forward(h: torch.Tensor, gate_w: torch.Tensor, gate_b: torch.Tensor, ex:
                 path: str = "auto", alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
     """One MoE block on normed input h [T, H] (residual not included), routed as the engine routes
     (engine/layers/moe.py): the fused router kernel at decode sizes on a GPU, cuBLAS + route_topk above."""
-    from . import router
-
     if h.is_cuda and h.shape[0] <= router.ROUTE_MAX_TOKENS:
         w, ids = router.router_route(h, gate_w, gate_b, k, _counters(h.device))
     else:
@@ -498,6 +478,4 @@ def moe_forward(h: torch.Tensor, gate_w: torch.Tensor, gate_b: torch.Tensor, ex:
 
 @functools.cache
 def _counters(device: torch.device) -> torch.Tensor:
-    from . import router
-
     return router.new_counters(device)

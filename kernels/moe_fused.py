@@ -33,8 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe import GEMV_MAX_PAIRS
-from .moe_gemv import gemv1_tile, gemv2_tile
+from .moe_gemv import GEMV_MAX_PAIRS, gemv1_tile, gemv2_tile
 from .pdl import enter, interpreting, pdl_kwargs
 
 FUSED_MAX_PAIRS = GEMV_MAX_PAIRS  # the counters' size: the most pairs the GEMV path takes
@@ -162,6 +161,15 @@ def fit_programs(n_regs: int, shared: int, num_warps: int, sms: int, regs: int, 
     by_warps = threads // (32 * num_warps)
     by_smem = smem // (shared + 1024) if shared else by_warps
     return sms * max(0, min(by_regs, by_warps, by_smem, 32))
+
+
+def fused_gemvs(counters: torch.Tensor):
+    """moe_gemv.moe_gemv's `fused` hook over these counters (new_fused_counters()): both GEMVs in one launch at
+    the expert shape's launch (fused_launch), or False. A hook, so that moe_gemv needs nothing from here."""
+    def run(x, ids_flat, k, route_w_flat, ex, alpha, limit, act, y) -> bool:
+        return moe_gemv_fused(x, ids_flat, k, route_w_flat, ex, alpha, limit, act, y, counters,
+                              fused_launch(ex.hidden, ex.w1.shape[1] // 2))
+    return run
 
 
 def moe_gemv_fused(x, ids_flat, k: int, route_w_flat, ex, alpha: float, limit: float, act: torch.Tensor,

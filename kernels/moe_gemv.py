@@ -21,6 +21,11 @@ import triton.language as tl
 from .fp8_quant import store_zero_rows
 from .fused import add_rms_norm_row, norm_block, quant_buffers
 from .pdl import enter, pdl_kwargs
+from .switches import fusion_on
+
+# The most (token, expert) pairs the "gemv" path takes (kernels/moe.py picks it up to here): past it the grouped
+# GEMM reads each expert's bytes once however many tokens share it.
+GEMV_MAX_PAIRS = 32
 
 
 @triton.jit
@@ -319,17 +324,13 @@ NORM_FUSE_MAX_TOKENS = 4
 
 def fused_gemv() -> bool:
     """Whether the engine's decode MoE runs both GEMVs in one launch (kernels/moe_fused.py):
-    KVRELAY_MOE_FUSED_GEMV, a decode fusion of kernels.select.DECODE_FUSIONS."""
-    from .select import fusion_on
-
+    KVRELAY_MOE_FUSED_GEMV, a decode fusion of kernels.switches.DECODE_FUSIONS."""
     return fusion_on("KVRELAY_MOE_FUSED_GEMV")
 
 
 def norm_fuse() -> bool:
     """Whether the engine's decode MoE leaves GEMV2 to the next block's fused add + norm (MoePending):
-    KVRELAY_MOE_NORM_FUSE, a decode fusion of kernels.select.DECODE_FUSIONS."""
-    from .select import fusion_on
-
+    KVRELAY_MOE_NORM_FUSE, a decode fusion of kernels.switches.DECODE_FUSIONS."""
     return fusion_on("KVRELAY_MOE_NORM_FUSE")
 
 
@@ -413,14 +414,16 @@ def pair_dtype(x: torch.Tensor) -> torch.dtype:
 
 def moe_gemv(x, ids, route_w, ex, alpha, limit, block_n1=None, block_n2=None, block_k=None, num_warps=None,
              num_stages=None, combine=True, config: GemvConfig | None = None,
-             norm_counters: torch.Tensor | None = None, fused_counters: torch.Tensor | None = None):
+             norm_counters: torch.Tensor | None = None, fused=None):
     """Experts `ids` [T, k] of x [T, H] weighted by route_w [T, k] (ex: kernels.moe.MoEWeights, bf16 or fp8),
     -> [T, H] bf16, or with combine=False the weighted outputs [T, k, H] before their sum (in pair_dtype(x)). `config`
     (default: the shape's entry in TUNED) sets both launches; the block_*/num_* arguments override it.
     norm_counters (new_norm_counters(); combine=False only): up to NORM_FUSE_MAX_TOKENS tokens GEMV2 is left to
     the caller: a MoePending instead of the outputs (the engine passes them where norm_fuse() is on).
-    fused_counters (kernels.moe_fused.new_fused_counters(); the engine passes them where fused_gemv() is on):
-    both GEMVs in one launch where kernels.moe_fused.moe_gemv_fused can (a MoePending takes precedence)."""
+    fused (kernels.moe_fused.fused_gemvs(counters); kernels.moe passes it where the engine's fused_gemv() is on):
+    fused(x, ids_flat, k, route_w_flat, ex, alpha, limit, act, y) runs both GEMVs in one launch where it can, else
+    returns False (a MoePending takes precedence). A hook, so this module needs nothing from kernels/moe_fused.py,
+    which is built on its tiles."""
     t, k = ids.shape
     if norm_counters is not None and combine:
         raise ValueError("moe_gemv: norm_counters defer the uncombined outputs; combine must be False")
@@ -438,17 +441,13 @@ def moe_gemv(x, ids, route_w, ex, alpha, limit, block_n1=None, block_n2=None, bl
     act = torch.empty(t * k, inter, dtype=torch.bfloat16, device=x.device)
     pending = norm_counters is not None and t <= NORM_FUSE_MAX_TOKENS
     y = None if pending else torch.empty(t * k, h, dtype=pair_dtype(x), device=x.device)
-    fused = False
-    if fused_counters is not None and not pending:
-        from .moe_fused import fused_launch, moe_gemv_fused
-
-        fused = moe_gemv_fused(x, ids_flat, k, route_w.reshape(-1), ex, alpha, limit, act, y, fused_counters,
-                               fused_launch(h, inter))
-    if not fused:
+    ran_fused = fused is not None and not pending and fused(x, ids_flat, k, route_w.reshape(-1), ex, alpha, limit,
+                                                             act, y)
+    if not ran_fused:
         gemv1(x, ids_flat, k, ex, alpha, limit, act, l1)
     if pending:
         return MoePending(act, ids_flat, route_w.reshape(-1), ex, l2, t, k, pair_dtype(x), norm_counters)
-    if not fused:
+    if not ran_fused:
         gemv2(act, ids_flat, route_w.reshape(-1), ex, y, l2)
     if not combine:
         return y.view(t, k, h)

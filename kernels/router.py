@@ -7,7 +7,7 @@ then kernels.moe.route_topk), ~4.9 + 1.5 us a layer at batch 1 on the H200, besi
 Each program computes BLOCK_E logits of one token (router_route: exactly as router_logits does, same
 tiles, so the same fp32 sums and one rounding to bf16), writes them, and counts itself in the token's
 arrival counter; the program that arrives last reads the token's whole logit row back (from L2) and
-routes it with kernels.moe.topk_softmax, the route kernel's own code, then zeroes the counter for the next
+routes it with topk_softmax, kernels.moe's route kernel's own code, then zeroes the counter for the next
 launch. So router_route equals router_logits + route_topk bit for bit, and replay is deterministic: which
 program routes changes nothing it computes. add_rms_norm_route recomputes the (few-KB) norm in every
 program and sums each logit in one K step, so its logits may differ from router_logits' by the fp32 order.
@@ -22,7 +22,6 @@ import triton
 import triton.language as tl
 
 from .fused import router_logit_tile
-from .moe import topk_softmax
 from .pdl import enter, launch_dependents, pdl_kwargs, wait
 
 ROUTE_MAX_TOKENS = 64  # = kernels.fused.ROUTER_GEMV_MAX_TOKENS: above it cuBLAS's GEMM is the better router
@@ -32,6 +31,24 @@ _BLOCK_E, _BLOCK_K = 4, 1024  # router_logits' tiles: equal sums need equal tile
 # faster; 2 experts a program gained <= 3% at 1 token and lost 30% at 64, 8 were slower
 # (bench/results/sweep-glue-*.json). The logits' fp32 sum order depends on the launch (see the docstring).
 _ROUTE_WARPS = 4
+
+
+@triton.jit
+def topk_softmax(v, e, K: tl.constexpr, E_P2: tl.constexpr):
+    """Top-K of each row of v [R, E_P2] (fp32 holding bf16 values, -inf where no expert), then the softmax
+    over the K: (weights fp32 [R, K], ids int32 [R, K]) in descending order, ties to the lower id."""
+    kk = tl.arange(0, K)
+    vals = tl.zeros([v.shape[0], K], tl.float32)
+    ids = tl.zeros([v.shape[0], K], tl.int32)
+    for j in tl.static_range(K):
+        m = tl.max(v, 1)
+        # lowest index among equal maxima: deterministic ties
+        idx = tl.min(tl.where(v == m[:, None], e[None, :], E_P2), 1)
+        vals = tl.where(kk[None, :] == j, m[:, None], vals)
+        ids = tl.where(kk[None, :] == j, idx[:, None], ids)
+        v = tl.where(e[None, :] == idx[:, None], float("-inf"), v)
+    p = tl.exp(vals - tl.max(vals, 1)[:, None])
+    return p / tl.sum(p, 1)[:, None], ids
 
 
 @triton.jit

@@ -23,6 +23,10 @@ import os
 
 import torch
 
+# the decode fusions' switches sit below the kernels that read them; re-exported here, where callers look
+from .switches import DECODE_FUSIONS, fusion_on  # noqa: F401
+from . import fp8, reference
+
 # The FA3 sink module's name does not encode the head dim, so a prebuilt module for 64 would be loaded
 # for any other head dim too: only use FlashInfer where the shipped modules match.
 FLASHINFER_HEAD_DIMS = (64,)
@@ -132,8 +136,8 @@ def paged_attention(device, head_dim: int | None = None):
     """-> fn(q, pool, qo_indptr, kv: PagedKV, sinks, sm_scale, window) for this device."""
     backend = attention_backend(device, head_dim)
     if backend == "reference":
-        from . import reference
         return reference.paged_attention
+    # imported on first use: FlashInfer and Triton are the `gpu` extra's, absent on a CPU-only install
     if backend == "flashinfer":
         from . import attention
         return attention.paged_attention
@@ -144,9 +148,8 @@ def paged_attention(device, head_dim: int | None = None):
 def route_topk(device):
     """-> fn(router_logits, k) -> (weights bf16 [T, k], ids int64 [T, k])."""
     if not use_gpu_kernels(device):
-        from . import reference
         return reference.route_topk
-    from . import moe
+    from . import moe  # Triton, the `gpu` extra's: imported on first use
     return moe.route_topk
 
 
@@ -154,9 +157,8 @@ def fp8_linear(device):
     """-> fn(x, w_fp8, w_scale, bias) with fp8_block_linear_ref's meaning. On CUDA the engine holds a
     kernels.fp8_gemm.Fp8BlockLinear per layer instead (weights prepared once, backend timed)."""
     if _device(device).type != "cuda":
-        from . import fp8
         return fp8.fp8_block_linear_ref
-    from . import fp8_gemm
+    from . import fp8_gemm  # Triton, the `gpu` extra's: imported on first use
     return fp8_gemm.fp8_block_linear
 
 
@@ -164,26 +166,5 @@ def moe_experts(device):
     """-> fn(x, ids, weights, MoEWeights) on CUDA; None on CPU, where the engine's reference MoE runs."""
     if not use_gpu_kernels(device):
         return None
-    from . import moe
+    from . import moe  # Triton, the `gpu` extra's: imported on first use
     return moe.moe_experts
-
-
-# Decode-step launch fusions written on 2026-12-04 when no H200 was lent: each removes launches from a batch-1
-# decode step and is checked on CPU (and its kernels partly on the H200), but none was timed in the model, so
-# each is off until an A/B (bench/h200_steps.sh step envab) shows it faster: flip its default here. The
-# variable "1"/"0" overrides the default either way; read at each forward/launch, so a CUDA graph keeps the
-# setting it was captured with.
-DECODE_FUSIONS: dict[str, bool] = {
-    "KVRELAY_DECODE_MERGE_FUSE": False,  # split-KV merge + O projection's FP8 input inside the decode kernel
-    "KVRELAY_MOE_NORM_FUSE": False,  # the next block's add + norm inside the MoE's GEMV2 launch
-    "KVRELAY_MOE_FUSED_GEMV": False,  # the MoE's two GEMVs in one launch (kernels/moe_fused.py; 2026-12-05)
-    "KVRELAY_EMBED_FUSE": False,  # the token lookup inside the first block's norm launch
-    "KVRELAY_ROTARY_GATHER": False,  # the rotary rows looked up inside the decode kernel
-    "KVRELAY_GRAPH_HEAD_LOGITS": False,  # decode graphs return the head's bf16 logits (no widening launch)
-}
-
-
-def fusion_on(name: str) -> bool:
-    """Whether the decode fusion `name` (a key of DECODE_FUSIONS) is on: its variable if set, else its default."""
-    value = os.environ.get(name)
-    return DECODE_FUSIONS[name] if value is None else value == "1"

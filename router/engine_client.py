@@ -14,7 +14,7 @@ import queue
 import threading
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Protocol, Sequence, runtime_checkable
 
-from kvrelay.engine.sampling import SamplingParams, TokenOutput
+from kvrelay.engine.sampling_params import SamplingParams, TokenOutput
 
 if TYPE_CHECKING:
     from kvrelay.engine.llm import LLM

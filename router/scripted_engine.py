@@ -13,7 +13,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Iterable, Union
 
-from kvrelay.engine.sampling import PromptLogprobs, SamplingParams, TokenOutput
+from kvrelay.engine.sampling_params import PromptLogprobs, SamplingParams, TokenOutput
 from kvrelay.router.engine_client import flatten
 
 Script = Union[Iterable[int], Callable[[list[int]], Iterable[int]]]

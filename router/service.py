@@ -23,7 +23,7 @@ from typing import AsyncIterator, Callable, Sequence, TypeVar
 
 from openai_harmony import HarmonyError
 
-from kvrelay.engine.sampling import SamplingParams, TokenOutput
+from kvrelay.engine.sampling_params import SamplingParams, TokenOutput
 from kvrelay.router import harmony, render_pool, structured, validation
 from kvrelay.router.engine_client import EngineClient, engine_prompt, flatten, token_batches
 from kvrelay.router.metrics import RequestTimer

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 
 from kvrelay.engine import grammar
-from kvrelay.engine.structured import Body, StructuredOutput
+from kvrelay.engine.sampling_params import Body, StructuredOutput
 from kvrelay.router import harmony
 from kvrelay.router.types import ChatRequest, ResponseFormat
 from kvrelay.router.validation import ValidationError, check_json_text

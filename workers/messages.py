@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvrelay.engine.sampling import TokenOutput
+from kvrelay.engine.sampling_params import TokenOutput
 from kvrelay.transfer.handle import KVHandle
 
 

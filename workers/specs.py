@@ -56,7 +56,7 @@ class DecodeSpec:
     page_size: int
     max_batch: int
     graph_sizes: tuple[int, ...]  # decode batch sizes captured as CUDA graphs
-    kv_memory_fraction: float  # GPU: share of the memory left free after weights
+    kv_memory_fraction: float  # GPU: share of the memory left after weights, activations, graphs (engine/memory.kv_budget)
     overlap_steps: bool  # plan and queue step N+1 while step N runs
     need_tokens: int  # positions one request may hold: the pool must fit at least that
     ucx: UcxSettings

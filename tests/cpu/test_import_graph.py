@@ -33,15 +33,27 @@ def modules() -> dict[str, Path]:
     return out
 
 
-def _imports(path: Path) -> list[tuple[str, tuple[str, ...]]]:
-    """(module, names imported from it) for every import statement in the file."""
+def _imports(path: Path, package: str = "") -> list[tuple[str, tuple[str, ...]]]:
+    """(module, names imported from it) for every import statement in the file, at the top or inside a
+    function; a relative one (`from .x import y`, `from . import y`) resolved against `package`, the
+    dotted package the file belongs to."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.append((node.module, tuple(a.name for a in node.names)))
+        if isinstance(node, ast.ImportFrom):
+            names = tuple(a.name for a in node.names)
+            if node.level == 0:
+                found.append((node.module, names))
+                continue
+            parts = package.split(".")
+            base = ".".join(parts[:len(parts) - (node.level - 1)])
+            found.append((f"{base}.{node.module}" if node.module else base, names))
         elif isinstance(node, ast.Import):
             found += [(a.name, ()) for a in node.names]
     return found
+
+
+def _package_of(mod: str, path: Path) -> str:
+    return mod if path.name == "__init__.py" else mod.rpartition(".")[0]
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -49,7 +61,7 @@ def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for mod, path in mods.items():
         deps = set()
-        for target, names in _imports(path):
+        for target, names in _imports(path, _package_of(mod, path)):
             if not target.startswith("kvrelay."):
                 continue
             deps.add(target)
@@ -119,8 +131,19 @@ def test_no_import_cycles():
 
 def test_the_engine_imports_no_ray_and_no_nixl():
     bad = [f"{mod} imports {target}" for mod, path in modules().items() if mod.startswith("kvrelay.engine")
-           for target, _ in _imports(path) if target.split(".")[0] in NOT_IN_ENGINE]
+           for target, _ in _imports(path, _package_of(mod, path)) if target.split(".")[0] in NOT_IN_ENGINE]
     assert bad == []
+
+
+def test_relative_imports_resolve_to_the_module_they_name(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("from .a import b\nfrom . import c\ndef f():\n    from ..d import e\n")
+    assert _imports(path, "kvrelay.kernels") == [
+        ("kvrelay.kernels.a", ("b",)), ("kvrelay.kernels", ("c",)), ("kvrelay.d", ("e",))]
+    graph = import_graph()
+    # kernels/ imports itself only relatively: the walk sees those edges, top-level and inside functions.
+    assert "kvrelay.kernels.pdl" in graph["kvrelay.kernels.fp8_gemm"]
+    assert "kvrelay.kernels.fp8_quant" in graph["kvrelay.kernels.fused"]
 
 
 def test_a_forbidden_import_is_seen_inside_a_function(tmp_path):

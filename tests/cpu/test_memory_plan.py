@@ -7,7 +7,8 @@ import torch
 
 from kvrelay.engine.config import load_model_config
 from kvrelay.engine.kv_geometry import window_pages
-from kvrelay.engine.memory import GIB, KVDoesNotFit, chunk_headroom, page_bytes, plan_cuda_pool, split_pages
+from kvrelay.engine.memory import (GIB, GRAPH_RESERVE_BYTES, KVDoesNotFit, chunk_headroom, decode_activation_bytes,
+                                   kv_budget, page_bytes, plan_cuda_pool, split_pages)
 
 
 def test_page_bytes_of_the_real_models():
@@ -75,6 +76,43 @@ def test_cuda_plan_refuses_a_pool_too_small_for_one_request_naming_the_key(monke
     assert plan.activation_bytes == GIB // 2 and plan.reserve_bytes == GIB // 2 + 2 * GIB
     assert plan.kv_bytes <= 0.9 * GIB
     assert Runner  # the real Runner's side is tested below
+
+
+def test_kv_memory_fraction_is_a_share_of_what_weights_activations_and_graphs_leave():
+    assert GRAPH_RESERVE_BYTES == 2 * GIB
+    assert kv_budget(12 * GIB, activation=2 * GIB, fraction=0.5) == 4 * GIB
+    assert kv_budget(3 * GIB, activation=2 * GIB, fraction=0.9) == 0  # nothing left: none, not negative
+
+
+def _decode_spec(*, tp: int, fraction: float, max_batch: int = 128):
+    from kvrelay.transfer.ucx import UcxSettings
+    from kvrelay.workers.specs import DecodeSpec, ModelSpec
+
+    model = ModelSpec(name="gpt-oss-120b", dummy=True, quant="fp8-block128", seed=0, max_context=131072)
+    return DecodeSpec(model=model, device="cuda", tp=tp, ep=tp, page_size=16, max_batch=max_batch,
+                      graph_sizes=(1,), kv_memory_fraction=fraction, overlap_steps=True, need_tokens=131072,
+                      ucx=UcxSettings(tls="tcp"))
+
+
+def test_tensor_parallel_decode_gives_the_fraction_the_one_gpu_meaning():
+    """decode_worker/ranks.pool_tokens (a TP rank, sized before loading) takes off the estimated weights per
+    rank, the estimated activations and the graph reserve before applying the fraction, as plan_cuda_pool
+    does on one GPU with measured activations: the same key, the same meaning (it used to be the share of
+    what the weights alone left)."""
+    from kvrelay.decode_worker.ranks import pool_tokens
+    from kvrelay.engine.kv_geometry import bytes_per_token
+
+    cfg = load_model_config("gpt-oss-120b")
+    spec = _decode_spec(tp=4, fraction=0.5)
+    free = 140 * GIB
+    weights = cfg.weight_bytes("fp8-block128") // 4
+    activation = decode_activation_bytes(cfg, batch=128)
+    assert 0 < activation < GIB  # 128 sequences' fp32 logits twice, doubled: ~0.8 GiB
+    per_token = bytes_per_token(cfg.num_hidden_layers, 2, cfg.head_dim, 2)  # 8 KV heads over 4 ranks
+    expected = int((free - weights - activation - 2 * GIB) * 0.5) // per_token
+    assert pool_tokens(spec, free_bytes=free) == expected
+    # A fraction that would cover the weights' leftovers alone now leaves the activations and graphs room.
+    assert pool_tokens(spec, free_bytes=free) < int((free - weights) * 0.5) // per_token
 
 
 def test_runner_pool_swap_keeps_the_model_and_serves_the_new_pool():
