@@ -60,7 +60,40 @@ def scale_x2p14(s):
 
 
 @triton.jit
-def mx_gemv_tile(x_row, w_ptr, s_ptr, Kdim, n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def e2m1_pairs(q, ASM: tl.constexpr):
+    """Bytes q (uint8) -> (low nibbles' values, high nibbles' values) times 2^-14, fp32 (e2m1_x2m14 of each).
+    ASM (the GPU): four bytes at a time in PTX, each pair of codes placed as one f16x2 word by two shifts, two
+    masks and an or, then converted: ~4 instructions a weight against ~9 for the same bits through Triton's
+    integer ops, which left the batch-1 GEMVs issue-bound (1.2 TB/s on the H100 at 28d0f5e). The interpreter
+    runs the Triton ops."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 z, t0, t1, a, b, m;
+            .reg .f16 h0, h1;
+            mov.b32 z, 0;
+            prmt.b32 t0, $8, z, 0x4140;
+            prmt.b32 t1, $8, z, 0x4342;
+            shl.b32 a, t0, 9; and.b32 a, a, 0x0E000E00; shl.b32 b, t0, 12; and.b32 b, b, 0x80008000;
+            or.b32 m, a, b; mov.b32 {h0, h1}, m; cvt.f32.f16 $0, h0; cvt.f32.f16 $1, h1;
+            shl.b32 a, t1, 9; and.b32 a, a, 0x0E000E00; shl.b32 b, t1, 12; and.b32 b, b, 0x80008000;
+            or.b32 m, a, b; mov.b32 {h0, h1}, m; cvt.f32.f16 $2, h0; cvt.f32.f16 $3, h1;
+            shl.b32 a, t0, 5; and.b32 a, a, 0x0E000E00; shl.b32 b, t0, 8; and.b32 b, b, 0x80008000;
+            or.b32 m, a, b; mov.b32 {h0, h1}, m; cvt.f32.f16 $4, h0; cvt.f32.f16 $5, h1;
+            shl.b32 a, t1, 5; and.b32 a, a, 0x0E000E00; shl.b32 b, t1, 8; and.b32 b, b, 0x80008000;
+            or.b32 m, a, b; mov.b32 {h0, h1}, m; cvt.f32.f16 $6, h0; cvt.f32.f16 $7, h1;
+            }
+            """,
+            constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[q], dtype=(tl.float32, tl.float32), is_pure=True,
+            pack=4)
+    c = q.to(tl.int32)
+    return e2m1_x2m14(c & 15), e2m1_x2m14(c >> 4)
+
+
+@triton.jit
+def mx_gemv_tile(x_row, w_ptr, s_ptr, Kdim, n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 ASM: tl.constexpr = False):
     """sum_k W[n, k] x[k] for the N tile whose byte rows start at w_ptr [BLOCK_N, 1] and scale rows at s_ptr
     [BLOCK_N, 1]; x_row: K activations (any float dtype). Kdim a multiple of 32, BLOCK_K of 32."""
     HALF: tl.constexpr = BLOCK_K // 2
@@ -70,11 +103,12 @@ def mx_gemv_tile(x_row, w_ptr, s_ptr, Kdim, n_ok, BLOCK_N: tl.constexpr, BLOCK_K
     acc = tl.zeros([BLOCK_N, NB], tl.float32)
     for k0 in range(0, Kdim, BLOCK_K):
         b_ok = (k0 // 2 + offs_b) < Kdim // 2
-        q = tl.load(w_ptr + k0 // 2 + offs_b[None, :], mask=n_ok[:, None] & b_ok[None, :], other=0).to(tl.int32)
+        q = tl.load(w_ptr + k0 // 2 + offs_b[None, :], mask=n_ok[:, None] & b_ok[None, :], other=0)
         x = tl.load(x_row + k0 + tl.arange(0, BLOCK_K), mask=(k0 + tl.arange(0, BLOCK_K)) < Kdim,
                     other=0.0).to(tl.float32)
         xe, xo = tl.split(tl.reshape(x, [HALF, 2]))  # elements 2j (low nibble) and 2j + 1 (high nibble)
-        p = e2m1_x2m14(q & 15) * xe[None, :] + e2m1_x2m14(q >> 4) * xo[None, :]
+        lo, hi = e2m1_pairs(q, ASM)
+        p = lo * xe[None, :] + hi * xo[None, :]
         p = tl.sum(tl.reshape(p, [BLOCK_N, NB, 16]), 2)  # one sum per 32-weight block, then its scale
         g_ok = (k0 // 32 + offs_g) < Kdim // 32
         s = tl.load(s_ptr + k0 // 32 + offs_g[None, :], mask=n_ok[:, None] & g_ok[None, :], other=0)
@@ -85,14 +119,14 @@ def mx_gemv_tile(x_row, w_ptr, s_ptr, Kdim, n_ok, BLOCK_N: tl.constexpr, BLOCK_K
 @triton.jit
 def _mx_gemv1_kernel(x, ids, w, s, b, act, K_TOP, Kdim, s_xt, s_we, s_wn, s_se, s_sn, s_be, s_at,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
-                     USE_PDL: tl.constexpr = False):
+                     ASM: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     enter(USE_PDL)  # kernels/pdl.py: before any load (the expert id comes from the router just before)
     pair = tl.program_id(0)
     e = tl.load(ids + pair).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = e * s_we + offs_n.to(tl.int64)[:, None] * s_wn
     acc = mx_gemv_tile(x + (pair // K_TOP) * s_xt, w + rows, s + e * s_se + offs_n.to(tl.int64)[:, None] * s_sn,
-                       Kdim, offs_n >= 0, BLOCK_N, BLOCK_K)
+                       Kdim, offs_n >= 0, BLOCK_N, BLOCK_K, ASM)
     acc += tl.load(b + e * s_be + offs_n).to(tl.float32)
     a = swiglu(acc, BLOCK_N, ALPHA, LIMIT)
     tl.store(act + pair.to(tl.int64) * s_at + tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2),
@@ -101,7 +135,8 @@ def _mx_gemv1_kernel(x, ids, w, s, b, act, K_TOP, Kdim, s_xt, s_we, s_wn, s_se, 
 
 @triton.jit
 def _mx_gemv2_kernel(act, ids, route_w, w, s, b, y, Kdim, Ndim, s_at, s_we, s_wn, s_se, s_sn, s_be, s_yt,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr = False,
+                     USE_PDL: tl.constexpr = False):
     enter(USE_PDL)
     pair = tl.program_id(0)
     e = tl.load(ids + pair).to(tl.int64)
@@ -109,7 +144,7 @@ def _mx_gemv2_kernel(act, ids, route_w, w, s, b, y, Kdim, Ndim, s_at, s_we, s_wn
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < Ndim
     acc = mx_gemv_tile(act + pair.to(tl.int64) * s_at, w + e * s_we + offs_n.to(tl.int64)[:, None] * s_wn,
-                       s + e * s_se + offs_n.to(tl.int64)[:, None] * s_sn, Kdim, n_ok, BLOCK_N, BLOCK_K)
+                       s + e * s_se + offs_n.to(tl.int64)[:, None] * s_sn, Kdim, n_ok, BLOCK_N, BLOCK_K, ASM)
     acc += tl.load(b + e * s_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(y + pair.to(tl.int64) * s_yt + offs_n, (acc * rw).to(y.dtype.element_ty), mask=n_ok)
 
@@ -120,7 +155,7 @@ def _mx_grouped_kernel(a, w, sw, b, rw, out, sorted_ids, block_expert, num_m, n_
                        s_am, s_we, s_wn, s_swe, s_swn, s_be, s_om,
                        SWIGLU: tl.constexpr, MUL_ROUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
-                       DOT_F32: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+                       DOT_F32: tl.constexpr = False, ASM: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     enter(USE_PDL)  # every program, before its first load (block_expert, sorted_ids come from the sort)
     pid_m, pid_n = tile_order(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     e32 = tl.load(block_expert + pid_m)
@@ -144,9 +179,9 @@ def _mx_grouped_kernel(a, w, sw, b, rw, out, sorted_ids, block_expert, num_m, n_
         k_ok = (k0 + offs_k) < KDIM
         at = tl.load(a_ptr + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         q = tl.load(w_ptr + k0 // 2, mask=((k0 // 2 + tl.arange(0, HALF)) < KDIM // 2)[None, :], other=0)
-        q = q.to(tl.int32)
+        lo, hi = e2m1_pairs(q, ASM)
         # [BLOCK_N, HALF, 2] -> [BLOCK_N, BLOCK_K]: element 2j is byte j's low nibble, 2j + 1 its high one
-        v = tl.reshape(tl.join(e2m1_x2m14(q & 15), e2m1_x2m14(q >> 4)), [BLOCK_N, NB, 32])
+        v = tl.reshape(tl.join(lo, hi), [BLOCK_N, NB, 32])
         sc = tl.load(s_ptr + k0 // 32, mask=((k0 // 32 + tl.arange(0, NB)) < KDIM // 32)[None, :], other=0)
         wt = tl.reshape(v * scale_x2p14(sc)[:, :, None], [BLOCK_N, BLOCK_K])
         if DOT_F32:
@@ -222,7 +257,8 @@ def gemv1(x, ids_flat, k, ex, alpha, limit, act, launch: MxLaunch = GEMV1) -> No
     _mx_gemv1_kernel[(ids_flat.numel(), two_i // launch.block_n)](
         x, ids_flat, ex.w1, ex.s1, ex.b1, act, k, ex.hidden, x.stride(0), ex.w1.stride(0), ex.w1.stride(1),
         ex.s1.stride(0), ex.s1.stride(1), ex.b1.stride(0), act.stride(0), BLOCK_N=launch.block_n,
-        BLOCK_K=launch.block_k, ALPHA=alpha, LIMIT=limit, num_warps=launch.num_warps, num_stages=launch.num_stages,
+        BLOCK_K=launch.block_k, ALPHA=alpha, LIMIT=limit, ASM=not interpreting(), num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
         **pdl_kwargs(x.device))
 
 
@@ -231,7 +267,8 @@ def gemv2(act, ids_flat, route_w_flat, ex, y, launch: MxLaunch = GEMV2) -> None:
     _mx_gemv2_kernel[(ids_flat.numel(), triton.cdiv(h, launch.block_n))](
         act, ids_flat, route_w_flat, ex.w2, ex.s2, ex.b2, y, act.shape[1], h, act.stride(0), ex.w2.stride(0),
         ex.w2.stride(1), ex.s2.stride(0), ex.s2.stride(1), ex.b2.stride(0), y.stride(0), BLOCK_N=launch.block_n,
-        BLOCK_K=launch.block_k, num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_kwargs(act.device))
+        BLOCK_K=launch.block_k, ASM=not interpreting(), num_warps=launch.num_warps, num_stages=launch.num_stages,
+        **pdl_kwargs(act.device))
 
 
 def grouped_gemm(a, w, sw, b, rw, out, sorted_ids, block_expert, n_pairs, row_div, n, kdim, swiglu_act, alpha, limit,
@@ -244,6 +281,7 @@ def grouped_gemm(a, w, sw, b, rw, out, sorted_ids, block_expert, n_pairs, row_di
         row_div, a.stride(0), w.stride(0), w.stride(1), sw.stride(0), sw.stride(1), b.stride(0), out.stride(0),
         SWIGLU=swiglu_act, MUL_ROUTE=rw is not None, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
         BLOCK_K=launch.block_k, GROUP_M=launch.group_m, ALPHA=alpha, LIMIT=limit, DOT_F32=interpreting(),
+        ASM=not interpreting(),
         num_warps=launch.num_warps,
         num_stages=launch.num_stages, **pdl_kwargs(a.device))
 
