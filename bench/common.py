@@ -32,6 +32,7 @@ from kvrelay.bench.estimates import (  # noqa: F401
     active_params,
     attention_flops,
     causal_pairs,
+    copy_bw,
     decode_bytes_per_step,
     decode_usd_per_m_output,
     expert_flops,

@@ -17,6 +17,14 @@ USD_PER_GPU_HOUR = 3.0
 # Measured on the H200 (docs: h200-notes.md); used only to put achieved rates in context.
 CEILING_TFLOPS = {"bf16": 762.0, "fp8": 1378.0}
 COPY_BW_BYTES_S = 4.19e12
+# Copy ceilings of other GPU kinds, by a substring of their name (bench/results_md.setup's "... on <GPU>"): the
+# H100 SXM's 3.35 TB/s is NVIDIA's peak HBM3 figure, not measured here (the H200's 4.19 is measured, 4.8 peak).
+COPY_BW_BY_GPU = {"H100": 3.35e12}
+
+
+def copy_bw(where: str = "") -> float:
+    """The copy ceiling of the GPU named in `where` (a result's setup); the H200's by default."""
+    return next((bw for key, bw in COPY_BW_BY_GPU.items() if key in where), COPY_BW_BYTES_S)
 
 # The seed's prefill table (latency s, $ per 1M input tokens), docs/seed-notes.md, keyed by input length.
 SEED_PREFILL: dict[str, dict[str, dict[int, tuple[float, float]]]] = {

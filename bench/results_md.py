@@ -30,11 +30,22 @@ TARGET_1K1K = {"gpt-oss-20b": 10000.0, "gpt-oss-120b": 5000.0}
 TABLED_KINDS = ("prefill", "decode", "kernels", *results_tuning.TABLED_KINDS, "serve", "serve-multiturn", "structured")
 
 
+# The GPU every table and the decode plot are of unless a row says otherwise: a result on another GPU kind is
+# its own group ("EP1 DP1 TP1 on NVIDIA H100 80GB HBM3"), never the newest point of an H200 row.
+REFERENCE_GPU = "NVIDIA H200"
+
+
+def setup(r: Result) -> str:
+    """A result's parallel layout, and its GPU where that is not the reference H200 (results without one: H200)."""
+    config = r.data.get("config", "EP1 DP1 TP1")
+    gpu = r.env.get("gpu") or REFERENCE_GPU
+    return config if gpu == REFERENCE_GPU or gpu == "cpu" else f"{config} on {gpu}"
+
+
 # ---- prefill ------------------------------------------------------------------------------------------
 def prefill_points(col: Collection) -> dict:
     return newest_per_point(col.qualifying("prefill"), lambda r: r.data.get("points", []),
-                            lambda r, p: (r.data["model"], r.data["quant"], r.data.get("config", "EP1 DP1 TP1"),
-                                          p["length"]))
+                            lambda r, p: (r.data["model"], r.data["quant"], setup(r), p["length"]))
 
 
 def prefill_section(col: Collection) -> list[str]:
@@ -67,20 +78,19 @@ def _prefill_cell(point: dict) -> str:
 
 
 # ---- decode -------------------------------------------------------------------------------------------
-def _floor_step_s(model: str, batch: int, context: int, quant: str) -> float | None:
-    """The step time if the bytes one step must read (bench/common.decode_bytes_per_step) moved at the
-    measured 4.19 TB/s copy ceiling."""
+def _floor_step_s(model: str, batch: int, context: int, quant: str, config: str = "") -> float | None:
+    """The step time if the bytes one step must read (bench/common.decode_bytes_per_step) moved at the GPU's
+    copy ceiling (the H200's measured 4.19 TB/s; an H100's in bench/estimates.copy_bw)."""
     try:
         cfg = C.resolve_config(model)
     except Exception:  # noqa: BLE001 - a model this checkout has no config for: no floor
         return None
-    return C.decode_bytes_per_step(cfg, batch, context, quant) / C.COPY_BW_BYTES_S
+    return C.decode_bytes_per_step(cfg, batch, context, quant) / C.copy_bw(config)
 
 
 def decode_points(col: Collection) -> dict:
     return newest_per_point(col.qualifying("decode"), lambda r: r.data.get("points", []),
-                            lambda r, p: (r.data["model"], r.data["quant"], r.data.get("config", "EP1 DP1 TP1"),
-                                          p["length"], p["batch"]))
+                            lambda r, p: (r.data["model"], r.data["quant"], setup(r), p["length"], p["batch"]))
 
 
 def decode_section(col: Collection, png: str | None) -> list[str]:
@@ -89,7 +99,7 @@ def decode_section(col: Collection, png: str | None) -> list[str]:
            "`bench.decode`, one GPU, KV pages filled with random values (real lengths and page tables), the "
            "newest qualifying result per (context, batch). Floor: the step time if the bytes one step must "
            "read (weights touched + KV, `bench/common.decode_bytes_per_step`) moved at the 4.19 TB/s copy "
-           "ceiling; 'of floor' = floor step / measured step. Step ms (and tok/s, $, the curves): the "
+           "ceiling (an H100's: its 3.35 TB/s peak, not measured); 'of floor' = floor step / measured step. Step ms (and tok/s, $, the curves): the "
            "pipelined step where the run measured it ('timed as' pipelined: step N+1 launched on step N's tokens "
            "still on the device before N is read back, as the decode worker runs greedy rows), else the "
            "synchronous step (decode + sample, tokens read back each step; runs before both were measured); "
@@ -103,7 +113,7 @@ def decode_section(col: Collection, png: str | None) -> list[str]:
         rows = []
         for key in sorted(k for k in chosen if k[:3] == group):
             r, p = chosen[key]
-            floor = _floor_step_s(model, p["batch"], p["length"], quant)
+            floor = _floor_step_s(model, p["batch"], p["length"], quant, config)
             h = headline(p)
             rows.append([p["length"], p["batch"], _f(h["step_s"], ".2f", 1e3),
                          _f(h["tokens_per_s_per_user"], ".1f"), _f(h["tokens_per_s_aggregate"], ",.0f"),
@@ -120,14 +130,16 @@ def decode_section(col: Collection, png: str | None) -> list[str]:
 def decode_plot(col: Collection):
     """One panel per model: a measured curve per context over the batches, the floor dashed beside it."""
     chosen = decode_points(col)
-    models = sorted({k[0] for k in chosen})
+    models = sorted({k[0] for k in chosen if k[2] == "EP1 DP1 TP1"})
     if not models:
         return None
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     fig, axes = C.new_figure(ncols=len(models), figsize=(6.5 * len(models), 5), squeeze=False)
     for ax, model in zip(axes[0], models):
-        keys = [k for k in chosen if k[0] == model]
+        keys = [k for k in chosen if k[0] == model and k[2] == "EP1 DP1 TP1"]  # the reference GPU's curves only
+        if not keys:
+            continue
         quant = sorted({k[1] for k in keys})[0]
         contexts = sorted({k[3] for k in keys} | set(DECODE_LENGTHS))
         for i, s in enumerate(contexts):

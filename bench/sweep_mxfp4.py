@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.budget_s
     pool = [M.MxLaunch(*v) for v in itertools.product(*SPACE.values())]
     rng.shuffle(pool)
-    result = {"models": {}, **C.env_info(dev, "kvrelay.bench.sweep_mxfp4", argv)}
+    result = {"kind": "sweep-mxfp4", "env": C.env_info(dev, "kvrelay.bench.sweep_mxfp4", argv), "models": {}}
     best = {}
     for model in args.models.split(","):
         cfg = load_model_config(model)
@@ -114,10 +114,11 @@ def main(argv: list[str] | None = None) -> int:
                 best.setdefault(which, win["launch"])
                 print(f"{model} {which}: best {win['launch']} {win['us']:.2f} us, today {timed[0]['us']:.2f} us")
         result["models"][model] = per
-    saved = C.save_result(args.out, f"sweep-mxfp4-{C.slug(result['gpu'])}-{C.stamp()}", result)
+    gpu = result["env"]["gpu"]
+    saved = C.save_result(args.out, f"sweep-mxfp4-{C.slug(gpu)}-{C.stamp()}", result)
     print(f"saved {saved}")
     if args.config_out and best:
-        path = Path(args.config_out) / M.config_file_name(result["gpu"])
+        path = Path(args.config_out) / M.config_file_name(gpu)
         path.write_text(json.dumps({"source": Path(saved["json"]).name, **best}, indent=1) + "\n")
         print(f"wrote {path}")
     return 0

@@ -12,13 +12,20 @@ import triton
 P = {"u8": "*u8", "bf16": "*bf16", "i64": "*i64", "i32": "*i32", "f32": "*fp32"}
 
 
+# what the launches specialise as divisible by 16 at gpt-oss's shapes (every pointer; K 2880, the byte strides
+# 1440 and 90 x 2880 x 2 ... ; not the scale rows' 90), so the compiled loads are the served ones
+DIVISIBLE = ("x", "ids", "w", "s", "b", "act", "route_w", "y", "a", "sw", "rw", "out", "sorted_ids", "block_expert",
+             "Kdim", "KDIM", "Ndim", "N", "s_xt", "s_we", "s_wn", "s_se", "s_be", "s_at", "s_yt", "s_am", "s_swe", "s_om")
+
+
 def _compile(kernel, types: dict, consts: dict, num_warps: int, num_stages: int):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     names = kernel.arg_names
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in names}
-    return triton.compile(ASTSource(kernel, signature=sig, constexprs=consts),
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE if n in names and n not in consts}
+    return triton.compile(ASTSource(kernel, signature=sig, constexprs=consts, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
 
 

@@ -109,18 +109,44 @@ def _reference(kind):
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
-@pytest.mark.parametrize("kind", ["fixture", "gpt-oss-tiny"])
-def test_greedy_matches_float32_reference_beyond_near_ties(kind, graphs):
+def test_greedy_matches_float32_reference_beyond_near_ties(graphs):
+    """gpt-oss-tiny (the full vocabulary, dummy weights): every greedy token of the GPU model (bf16 activations, MXFP4
+    experts) equals the float32 reference's until a step whose top-2 margin there is under 0.01."""
     from kvrelay.engine.runner import Runner
 
     dev = _cuda()
-    cfg, w, prompts, ref, margins = _reference(kind)
+    cfg, w, prompts, ref, margins = _reference("gpt-oss-tiny")
     r = Runner(cfg, w, device=dev, page_size=16, kv_tokens=8192, cuda_graphs=graphs, quant="mxfp4-bf16")
     assert r.model.blocks[0].mlp.gpu is not None and r.model.blocks[0].mlp.gpu.mx
     ours, _ = _greedy(r, prompts, N_DECODE)
-    compared = _check_tokens(ours, ref, margins, 0.01, f"{kind} mxfp4-bf16")
-    print(f"{kind} graphs={graphs}: {compared} of {len(prompts) * (N_DECODE + 1)} tokens equal")
+    compared = _check_tokens(ours, ref, margins, 0.01, "gpt-oss-tiny mxfp4-bf16")
+    print(f"gpt-oss-tiny graphs={graphs}: {compared} of {len(prompts) * (N_DECODE + 1)} tokens equal")
     assert compared >= len(prompts) * (N_DECODE + 1) // 2
+
+
+def test_fixture_mxfp4_adds_nothing_to_the_bf16_model():
+    """OpenAI's tiny MXFP4 checkpoint: bf16 activations alone move its logits by up to ~0.1 (on the H100 the first
+    token of run 0 differs from the float32 reference's at a margin of 0.198, for the bf16 experts as for these),
+    so the 0.01 rule holds against the GPU's own bf16 model of the same weights (every MXFP4 value is exact in bf16):
+    the MXFP4 kernels may change a greedy token only where that model's margin is under 0.01, and against the
+    float32 reference only at its near-ties (0.25, tests/gpu/test_model_gpu.py's bound for the bf16 model)."""
+    from kvrelay.engine.runner import Runner
+
+    dev = _cuda()
+    cfg, w, prompts, ref, ref_margins = _reference("fixture")
+    mx = Runner(cfg, w, device=dev, page_size=16, kv_tokens=8192, quant="mxfp4-bf16")
+    bf = Runner(cfg, w, device=dev, page_size=16, kv_tokens=8192, quant="bf16")
+    ours, _ = _greedy(mx, prompts, N_DECODE)
+    theirs, logits = _greedy(bf, prompts, N_DECODE)
+    margins = [[0.0] * len(logits) for _ in prompts]
+    for step, lg in enumerate(logits):
+        top = torch.topk(lg.float(), 2, dim=-1).values
+        for b in range(len(prompts)):
+            margins[b][step] = float(top[b, 0] - top[b, 1])
+    same = _check_tokens(ours, theirs, margins, 0.01, "fixture mxfp4-bf16 vs bf16")
+    print(f"fixture: {same} of {len(prompts) * (N_DECODE + 1)} tokens equal to the bf16 model's")
+    assert same >= len(prompts) * (N_DECODE + 1) * 3 // 4
+    _check_tokens(ours, ref, ref_margins, 0.25, "fixture mxfp4-bf16 vs float32")
 
 
 def test_fp8_attention_with_mxfp4_experts_stays_close():
