@@ -276,7 +276,8 @@ def _stop_ray() -> None:
 def _run(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from kvrelay.cluster.topology import TopologyError, is_model_ref, load_topology, topology_for_model
+    from kvrelay.cluster.serve_model import is_model_ref, topology_for_model
+    from kvrelay.cluster.topology import TopologyError, load_topology
 
     try:
         if args.config is not None and is_model_ref(args.config):

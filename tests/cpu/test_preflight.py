@@ -148,7 +148,7 @@ def test_the_shipped_h100_topologies_fit_an_80gb_h100(name):
 
 
 def test_serve_model_picks_the_topology_for_the_gpu():
-    from kvrelay.cluster.topology import shipped_template, topology_for_model
+    from kvrelay.cluster.serve_model import shipped_template, topology_for_model
 
     assert shipped_template(128, "cuda", 81_559 << 20) == "h100-1gpu-120b.yaml"
     assert shipped_template(32, "cuda", 81_559 << 20) == "h100-1gpu-20b.yaml"
