@@ -39,7 +39,8 @@ OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("P
               ("GET", "/v1/responses/{response_id}"), ("DELETE", "/v1/responses/{response_id}"),
               ("GET", "/v1/responses/{response_id}/input_items"),
               ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/tokenizer_info"), ("GET", "/v1/models"),
-              ("GET", "/health"), ("GET", "/health/live"), ("GET", "/health/ready"), ("GET", "/metrics")]
+              ("GET", "/health"), ("GET", "/health/live"), ("GET", "/health/ready"), ("GET", "/metrics"),
+              ("GET", "/version")]
 
 
 @pytest.fixture(scope="module")
