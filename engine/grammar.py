@@ -42,8 +42,8 @@ O200K_PATTERN = "|".join([
     r"\s+",
 ])
 
-# Harmony's named special tokens (../shared/docs/harmony-spec.md 1.2); every other id from 199998 on is
-# `<|reserved_N|>`.
+# Harmony's named special tokens (as openai-harmony's o200k_harmony encoding defines them); every other id from
+# 199998 on is `<|reserved_N|>`.
 SPECIALS = {
     199998: "<|startoftext|>", 199999: "<|endoftext|>", 200002: "<|return|>", 200003: "<|constrain|>",
     200005: "<|channel|>", 200006: "<|start|>", 200007: "<|end|>", 200008: "<|message|>", 200012: "<|call|>",

@@ -2,7 +2,7 @@
 
 A constrained request carries a `StructuredOutput` in its SamplingParams: which assistant messages may
 follow the prompt's `<|start|>assistant` and what their bodies must match. The model's reply is
-harmony (../shared/docs/harmony-spec.md): zero or more analysis messages, then the constrained one:
+harmony (OpenAI's harmony response format, as openai-harmony renders it): zero or more analysis messages, then the constrained one:
 
     <|channel|>analysis<|message|> ...free... <|end|><|start|>assistant      (allowed when allow_analysis)
     <|channel|>final<|message|> {JSON matching the schema} <|return|>          (response_format)

@@ -1,4 +1,4 @@
-"""The README's demo on a fresh machine: a checkout with nothing beside it (no ../shared) and no
+"""The README's demo on a fresh machine: a checkout with nothing beside it (no build-machine folder) and no
 TIKTOKEN_ENCODINGS_BASE, installed with pip, then `python -m kvrelay.cluster.demo configs/cpu-tiny.yaml`
 (what `make demo` runs: `kvrelay serve`, one streamed harmony chat over gRPC, SIGTERM) from the checkout.
 

@@ -90,6 +90,12 @@ def test_graph_replay_is_bit_exact():
 _REF: dict = {}
 
 
+def _margins(logits: list[torch.Tensor]) -> list[list[float]]:
+    """The top-2 margin of every prompt's row at every step of _greedy's logits: [prompt][step]."""
+    tops = [torch.topk(lg.float(), 2, dim=-1).values for lg in logits]
+    return [[float(t[b, 0] - t[b, 1]) for t in tops] for b in range(tops[0].shape[0])]
+
+
 def _reference(kind):
     """The float32 CPU run of the same experts (mxfp4-bf16: the checkpoint's values, exact) and its margins."""
     from kvrelay.engine.runner import Runner
@@ -99,12 +105,7 @@ def _reference(kind):
         prompts = _prompts(cfg, kind)
         r = Runner(cfg, w, device="cpu", dtype=torch.float32, page_size=16, kv_tokens=8192, quant="mxfp4-bf16")
         toks, logits = _greedy(r, prompts, N_DECODE)
-        margins = [[0.0] * len(logits) for _ in prompts]
-        for step, lg in enumerate(logits):
-            top = torch.topk(lg.float(), 2, dim=-1).values
-            for b in range(len(prompts)):
-                margins[b][step] = float(top[b, 0] - top[b, 1])
-        _REF[kind] = cfg, w, prompts, toks, margins
+        _REF[kind] = cfg, w, prompts, toks, _margins(logits)
     return _REF[kind]
 
 
@@ -138,12 +139,7 @@ def test_fixture_mxfp4_adds_nothing_to_the_bf16_model():
     bf = Runner(cfg, w, device=dev, page_size=16, kv_tokens=8192, quant="bf16")
     ours, _ = _greedy(mx, prompts, N_DECODE)
     theirs, logits = _greedy(bf, prompts, N_DECODE)
-    margins = [[0.0] * len(logits) for _ in prompts]
-    for step, lg in enumerate(logits):
-        top = torch.topk(lg.float(), 2, dim=-1).values
-        for b in range(len(prompts)):
-            margins[b][step] = float(top[b, 0] - top[b, 1])
-    same = _check_tokens(ours, theirs, margins, 0.01, "fixture mxfp4-bf16 vs bf16")
+    same = _check_tokens(ours, theirs, _margins(logits), 0.01, "fixture mxfp4-bf16 vs bf16")
     print(f"fixture: {same} of {len(prompts) * (N_DECODE + 1)} tokens equal to the bf16 model's")
     assert same >= len(prompts) * (N_DECODE + 1) * 3 // 4
     _check_tokens(ours, ref, ref_margins, 0.25, "fixture mxfp4-bf16 vs float32")
