@@ -38,7 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe_gemv import combine_kernel, pair_dtype, swiglu
+# GEMV_MAX_PAIRS: the FP8 experts' threshold too: past it the grouped GEMM reads each expert's bytes once
+from .moe_gemv import GEMV_MAX_PAIRS, combine_kernel, pair_dtype, swiglu
 from .moe_sort import sort_by_expert, tile_order
 from .pdl import enter, interpreting, pdl_kwargs
 
@@ -220,7 +221,6 @@ class MxLaunch:
 # are the FP8 kernel's prefill shape with K steps of 64 (the decoded tile lives in registers).
 GEMV1 = MxLaunch(32, 256, num_warps=4, num_stages=3)
 GEMV2 = MxLaunch(32, 256, num_warps=4, num_stages=3)
-GEMV_MAX_PAIRS = 32  # as kernels/moe.py's FP8 experts: past it the grouped GEMM reads each expert's bytes once
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 
